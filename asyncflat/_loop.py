@@ -1,0 +1,193 @@
+"""The one place where synchronous code meets asyncio.
+
+Each engine owns a :class:`LoopThread`: an event loop (uvloop when importable) running on a
+named daemon thread, started lazily. The rest of the library calls :meth:`LoopThread.run` or
+:meth:`LoopThread.submit` and never thinks about loops. Design points, after zarr-python's
+``core/sync.py`` and fsspec's ``asyn.py``:
+
+* No global loop policy is set: the host program's own loops are left alone.
+* ``run`` re-raises the coroutine's exception in the caller's thread, unchanged, and waits in
+  short slices so Ctrl-C still reaches the main thread; the coroutine is then cancelled.
+* Calling ``run`` from the loop's own thread would deadlock, so it raises LoopReentryError.
+* After ``fork`` the child has no loop thread; the next use there starts a fresh loop.
+* ``close`` (also run at interpreter exit) cancels pending tasks, stops and joins the thread,
+  and shuts the CPU thread pool down, so no library thread outlives its owner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import itertools
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from .errors import LoaderClosedError, LoadTimeoutError, LoopReentryError
+
+__all__ = ["LoopThread"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_WAIT_SLICE_S = 0.2  # how often a blocked caller wakes to let signals (Ctrl-C) through
+_JOIN_TIMEOUT_S = 10.0
+_ids = itertools.count()
+_live: "weakref.WeakSet[LoopThread]" = weakref.WeakSet()
+
+
+def _new_event_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency where it installs
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+class LoopThread:
+    """An event loop on a private daemon thread, plus a small pool for CPU work off the loop."""
+
+    def __init__(self, *, name: str = "asyncflat", cpu_threads: int = 2) -> None:
+        self._name = f"{name}-loop-{next(_ids)}"
+        self._cpu_threads = cpu_threads
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pid = os.getpid()
+        self._closed = False
+        _live.add(self)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The running loop, started on first use (and afresh in a forked child)."""
+        with self._lock:
+            if self._closed:
+                raise LoaderClosedError(f"{self._name} is closed")
+            if self._pid != os.getpid():
+                # The parent's thread does not exist here; its loop object is unusable.
+                self._loop = self._thread = self._executor = None
+                self._pid = os.getpid()
+            if self._loop is None:
+                self._start()
+            assert self._loop is not None
+            return self._loop
+
+    def _start(self) -> None:
+        loop = _new_event_loop()
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            self._cpu_threads, thread_name_prefix=f"{self._name}-cpu"
+        )
+        # zarr's codecs decode via asyncio.to_thread, i.e. on the loop's default executor.
+        loop.set_default_executor(self._executor)
+        started = threading.Event()
+
+        def main() -> None:
+            asyncio.set_event_loop(loop)
+            loop.call_soon(started.set)
+            loop.run_forever()
+
+        self._thread = threading.Thread(target=main, name=self._name, daemon=True)
+        self._thread.start()
+        started.wait()
+        self._loop = loop
+        log.debug("started event loop thread %s", self._name)
+
+    def in_loop_thread(self) -> bool:
+        return self._thread is not None and threading.current_thread() is self._thread
+
+    def close(self) -> None:
+        """Cancel pending tasks, stop the loop, join its thread. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            loop, thread, executor = self._loop, self._thread, self._executor
+            self._loop = self._thread = self._executor = None
+            same_process = self._pid == os.getpid()
+        if loop is None or not same_process:
+            return
+        if thread is not None and threading.current_thread() is thread:
+            raise LoopReentryError(f"{self._name} cannot be closed from its own thread")
+
+        async def shutdown() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            asyncio.run_coroutine_threadsafe(shutdown(), loop).result(_JOIN_TIMEOUT_S)
+        except Exception:  # a task refusing to die must not stop the shutdown
+            log.warning("%s: pending tasks did not finish cancelling", self._name, exc_info=True)
+        loop.call_soon_threadsafe(loop.stop)
+        if thread is not None:
+            thread.join(_JOIN_TIMEOUT_S)
+            if thread.is_alive():
+                log.warning("%s: loop thread did not stop within %ss", self._name, _JOIN_TIMEOUT_S)
+            else:
+                loop.close()
+        if executor is not None:
+            executor.shutdown(wait=True, cancel_futures=True)
+        log.debug("closed event loop thread %s", self._name)
+
+    # -- calls from the synchronous side ------------------------------------------------------
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Schedule ``coro`` on the loop; returns a thread-safe future."""
+        try:
+            loop = self.loop
+        except BaseException:
+            coro.close()
+            raise
+        return asyncio.run_coroutine_threadsafe(coro, loop)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the loop and return its result in the calling thread.
+
+        Raises the coroutine's own exception, LoadTimeoutError after ``timeout`` seconds, and
+        lets KeyboardInterrupt through promptly; in the last two cases the coroutine is cancelled.
+        """
+        if self.in_loop_thread():
+            coro.close()
+            raise LoopReentryError(
+                f"blocking call made from {self._name}'s own thread; await the coroutine instead"
+            )
+        future = self.submit(coro)
+        deadline = None if timeout is None else self.loop.time() + timeout
+        try:
+            while True:
+                remaining = None if deadline is None else deadline - self.loop.time()
+                if remaining is not None and remaining <= 0:
+                    raise LoadTimeoutError(f"no result within {timeout:.3g} s")
+                wait = _WAIT_SLICE_S if remaining is None else min(_WAIT_SLICE_S, remaining)
+                try:
+                    return future.result(wait)
+                except concurrent.futures.TimeoutError:
+                    # On 3.11+ this is the builtin TimeoutError: the coroutine's own may land here.
+                    if future.done():
+                        raise
+
+        except BaseException:
+            future.cancel()
+            raise
+
+    def run_in_thread(self, fn: Any, *args: Any) -> "asyncio.Future[Any]":
+        """From inside the loop: run CPU-bound ``fn(*args)`` on the pool, awaitable."""
+        return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+
+@atexit.register
+def _close_all() -> None:
+    """Stop every live loop at interpreter exit so exit never waits on a fill."""
+    for runner in list(_live):
+        try:
+            runner.close()
+        except Exception:  # pragma: no cover - best effort at exit
+            log.debug("error closing %r at exit", runner, exc_info=True)

@@ -1,0 +1,181 @@
+"""Configuration: frozen dataclasses, validated when they are built.
+
+``FlatTokensParams`` and ``TokenBatchParams`` keep the reference loader's field names, order and
+meaning, so existing configs construct unchanged. Everything asyncflat adds has a default and
+comes after them. A bad value fails here, at construction, with the field and value in the
+message, not minutes later inside a background fill.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Mapping
+from typing import Any, Optional
+
+from .errors import ConfigError
+
+__all__ = [
+    "EngineOptions",
+    "FlatTokensParams",
+    "HuggingFaceDataParams",
+    "RetryPolicy",
+    "TokenBatchParams",
+]
+
+
+def _int_field(owner: object, name: str, *, minimum: int) -> None:
+    """Normalise ``owner.name`` to a Python int >= minimum, or raise ConfigError naming it."""
+    value = getattr(owner, name)
+    if isinstance(value, bool):
+        raise ConfigError(f"{type(owner).__name__}.{name} must be an integer, got bool {value!r}")
+    try:
+        as_int = operator.index(value)
+    except TypeError:
+        raise ConfigError(
+            f"{type(owner).__name__}.{name} must be an integer, got {type(value).__name__} {value!r}"
+        ) from None
+    if as_int < minimum:
+        raise ConfigError(f"{type(owner).__name__}.{name} must be >= {minimum}, got {as_int}")
+    object.__setattr__(owner, name, as_int)
+
+
+def _bool_field(owner: object, name: str) -> None:
+    value = getattr(owner, name)
+    if not isinstance(value, bool):
+        raise ConfigError(
+            f"{type(owner).__name__}.{name} must be a bool, got {type(value).__name__} {value!r}"
+        )
+
+
+def _float_field(owner: object, name: str, *, minimum: float, optional: bool = False) -> None:
+    value = getattr(owner, name)
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(
+            f"{type(owner).__name__}.{name} must be a number, got {type(value).__name__} {value!r}"
+        )
+    if not value >= minimum:  # also rejects NaN
+        raise ConfigError(f"{type(owner).__name__}.{name} must be >= {minimum}, got {value!r}")
+    object.__setattr__(owner, name, float(value))
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenBatchParams:
+    """The shape of a token batch: ``batch`` rows of ``len`` tokens."""
+
+    len: int
+    batch: int
+
+    def __post_init__(self) -> None:
+        _int_field(self, "len", minimum=1)
+        _int_field(self, "batch", minimum=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatTokensParams:
+    """Where a flat-tokens dataset lives and how it is shuffled (the reference's fields).
+
+    A *stream* owns one independent shuffle buffer; batch rows are split evenly over streams, so
+    ``batch`` must be a multiple of ``streams``. A *read block* is ``sequences_per_read_block``
+    consecutive sequences (rows); a *shuffle buffer* holds ``read_blocks_per_shuffle_buffer``
+    randomly chosen blocks per stream; a *minipoch* is one refill of every stream's buffer.
+
+    ``storage_options`` (asyncflat's addition, keyword, after the reference's fields) is passed to
+    the fsspec filesystem when ``filespec`` is a URL such as ``gs://bucket/data.zarr``.
+    """
+
+    filespec: str
+    streams: int
+    read_blocks_per_shuffle_buffer: int
+    sequences_per_read_block: int
+    seed: int
+    sequence_packing: bool
+    storage_options: Optional[Mapping[str, Any]] = dataclasses.field(
+        default=None, compare=False, hash=False
+    )
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.filespec, str) or not self.filespec:
+            raise ConfigError(
+                f"FlatTokensParams.filespec must be a non-empty path or URL string, got {self.filespec!r}"
+            )
+        _int_field(self, "streams", minimum=1)
+        _int_field(self, "read_blocks_per_shuffle_buffer", minimum=1)
+        _int_field(self, "sequences_per_read_block", minimum=1)
+        # Philox takes a non-negative seed; the per-buffer seeds are seed + 1 + m*streams + stream.
+        _int_field(self, "seed", minimum=0)
+        _bool_field(self, "sequence_packing")
+        if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
+            raise ConfigError(
+                "FlatTokensParams.storage_options must be a mapping of fsspec options or None, "
+                f"got {type(self.storage_options).__name__}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class RetryPolicy:
+    """Retries of transient storage failures: jittered exponential backoff up to a deadline."""
+
+    max_attempts: int = 8
+    initial_backoff_s: float = 0.05
+    max_backoff_s: float = 2.0
+    deadline_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        _int_field(self, "max_attempts", minimum=1)
+        _float_field(self, "initial_backoff_s", minimum=0.0)
+        _float_field(self, "max_backoff_s", minimum=0.0)
+        _float_field(self, "deadline_s", minimum=0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """How the background engine runs; none of this changes which data a step gets.
+
+    * ``prefetch``: fill minipoch m+1 while m serves. ``False`` reproduces the reference's
+      synchronous behaviour (a load at a boundary waits for the whole buffer), for comparisons.
+    * ``max_concurrent_reads``: reads in flight over all streams and fills (a sliding window).
+    * ``decode_threads``: threads that decompress chunks and pad rows, off the event loop.
+    * ``load_timeout_s``: ``load()`` raises LoadTimeoutError after this long (None: no limit).
+    * ``max_buffer_bytes``: refuse, at construction, a configuration whose shuffle buffers on this
+      host would need more memory than this (None: no budget).
+    * ``prefetch_to_device``: how many upcoming steps ``iter()`` keeps built as jax arrays.
+    """
+
+    prefetch: bool = True
+    max_concurrent_reads: int = 16
+    decode_threads: int = 2
+    load_timeout_s: Optional[float] = None
+    max_buffer_bytes: Optional[int] = None
+    prefetch_to_device: int = 1
+    retry: RetryPolicy = dataclasses.field(default_factory=RetryPolicy)
+
+    def __post_init__(self) -> None:
+        _bool_field(self, "prefetch")
+        _int_field(self, "max_concurrent_reads", minimum=1)
+        _int_field(self, "decode_threads", minimum=1)
+        _float_field(self, "load_timeout_s", minimum=0.0, optional=True)
+        if self.max_buffer_bytes is not None:
+            _int_field(self, "max_buffer_bytes", minimum=1)
+        _int_field(self, "prefetch_to_device", minimum=0)
+        if not isinstance(self.retry, RetryPolicy):
+            raise ConfigError(
+                f"EngineOptions.retry must be a RetryPolicy, got {type(self.retry).__name__}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class HuggingFaceDataParams:
+    """The reference's Hugging Face streaming config, accepted by ``get_loader`` for parity."""
+
+    path: str
+    tokenizer: str
+    num_workers: int
+    sequences_packed_per_batch: int
+    name: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        _int_field(self, "num_workers", minimum=0)
+        _int_field(self, "sequences_packed_per_batch", minimum=1)

@@ -1,0 +1,495 @@
+"""The engine: per-stream double buffers, filled in the background on the engine's event loop.
+
+For every stream this host serves there are two buffers, allocated once and reused for every
+minipoch (first-touching fresh memory is expensive on these machines; re-touching is cheap).
+When a stream starts serving minipoch m, the fill of m+1 starts into the other buffer, so the
+boundary costs nothing when the fill finishes in time.
+
+A fill is cut into *read units*. With sequence packing a unit is the part of one zarr chunk that
+the fill's blocks cover: each chunk is fetched and decoded once per fill even when several blocks
+share it, and the unit's pieces are copied straight into their block slots of the buffer.
+Without packing a unit is one block (seq_starts, then the tokens, truncated/padded to ``len``).
+Units wait in one priority queue shared by all fills, keyed by the first step that needs them
+(:meth:`ShufflePlan.block_deadlines`), and a fixed set of workers pulls from it: that bounds the
+reads in flight (a sliding window) and makes every fill demand-first, so a load waits only for
+the blocks its own rows live in and the next step's blocks always go first.
+
+The in-buffer shuffle is never materialised: a gather reads buffer row ``perm[position]``.
+
+Failure model: a unit that fails (after the store's retries) fails its fill; the load that needs
+that fill raises the error (with the array, range and cause), the fill is dropped, and a later
+load that needs the same minipoch starts it afresh. Steps served from other fills are unaffected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .config import EngineOptions
+from .errors import AsyncflatError, LoaderClosedError, StorageError
+from .plan import NEVER, ShufflePlan
+from .source import TokenSource
+
+__all__ = ["Engine"]
+
+log = logging.getLogger(__name__)
+
+_STEP_HISTORY = 1 << 16  # per-step wait records kept for stats()
+
+
+@dataclasses.dataclass(eq=False)
+class _Unit:
+    """One read: ``[start, stop)`` of an array, copied as ``pieces`` into block slots."""
+
+    fill: "_Fill"
+    priority: int
+    start: int
+    stop: int
+    #: (slot, row offset inside the slot's flat tokens, offset in the read data, length)
+    pieces: list[tuple[int, int, int, int]]
+    decoded_bytes: int
+
+
+@dataclasses.dataclass(eq=False)
+class _Fill:
+    """The filling (or filled) buffer of one (stream, minipoch)."""
+
+    stream: int
+    minipoch: int
+    buffer_index: int
+    buffer: np.ndarray  # (rows_in_buffer, len) view of the stream's buffer
+    perm: np.ndarray  # buffer row served at each position
+    blocks: np.ndarray  # global read-block id of each slot
+    deadlines: np.ndarray  # first step needing each slot
+    reason: str  # "prefetch" or "demand"
+    pending: np.ndarray  # units still outstanding per slot
+    ready: list[asyncio.Event]
+    started: float
+    finished: float | None = None
+    error: BaseException | None = None
+    cancelled: bool = False
+    blocks_done: int = 0
+    units_in_flight: int = 0
+    useful_bytes: int = 0
+    late_warned: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.blocks_done == len(self.blocks)
+
+    def fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+        for event in self.ready:  # wake every waiter; each checks .error
+            event.set()
+
+
+class Engine:
+    """Serves rows of any step for the streams of this host; runs entirely on one event loop.
+
+    Create with :meth:`create` from a coroutine on the loop; call :meth:`gather` likewise.
+    """
+
+    def __init__(
+        self,
+        plan: ShufflePlan,
+        source: TokenSource,
+        streams: Sequence[int],
+        options: EngineOptions,
+    ) -> None:
+        self.plan = plan
+        self.source = source
+        self.streams = tuple(sorted(set(int(s) for s in streams)))
+        self.options = options
+        self._buffers: dict[int, list[np.ndarray | None]] = {s: [None, None] for s in self.streams}
+        self._fills: dict[int, dict[int, _Fill]] = {s: {} for s in self.streams}
+        self._queue: asyncio.PriorityQueue[tuple[int, int, _Unit]] = asyncio.PriorityQueue()
+        self._order = itertools.count()  # FIFO among equal priorities
+        self._workers: list[asyncio.Task[None]] = []
+        self._gather_lock = asyncio.Lock()
+        self._budget = asyncio.Condition()
+        self._inflight_bytes = 0
+        self._inflight_budget = self._default_inflight_budget()
+        self._closed = False
+        # stats
+        self._step_waits: collections.deque[tuple[int, float]] = collections.deque(maxlen=_STEP_HISTORY)
+        self._fill_records: list[dict[str, Any]] = []
+        self._buffer_allocations = 0
+        self._units_in_flight = 0
+        self._peak_units_in_flight = 0
+        self._decoded_bytes = 0
+        self._useful_bytes = 0
+        self._last_step: tuple[int, float] | None = None
+        self._step_interval: float | None = None  # EWMA of time between gathers
+
+    def _default_inflight_budget(self) -> int:
+        # Decoded bytes of units in flight: an eighth of a buffer keeps peak memory near two
+        # buffers per stream, while always admitting at least one unit.
+        return max(1, min(64 << 20, self.plan.buffer_bytes // 8))
+
+    # -- public -------------------------------------------------------------------------------
+
+    async def gather(self, step: int, batch_indices: np.ndarray) -> np.ndarray:
+        """The encoded rows (uint32[len(batch_indices), len]) of ``step`` at ``batch_indices``."""
+        if self._closed:
+            raise LoaderClosedError("the engine is closed")
+        self.plan.check_step(step)
+        self._start_workers()
+        t0 = time.perf_counter()
+        async with self._gather_lock:
+            loc = self.plan.locate(step, batch_indices)
+            foreign = np.setdiff1d(np.unique(loc.stream), self.streams)
+            if len(foreign):
+                raise ValueError(f"batch indices of streams {foreign.tolist()} are not served here")
+            groups = self._groups(loc)
+            for (stream, minipoch) in groups:
+                self._ensure_fill(stream, minipoch, step, keep={m for s, m in groups if s == stream})
+            if self.options.prefetch:
+                self._prefetch_after(groups)
+            out = np.empty((len(loc.batch_index), self.plan.seq_len), np.uint32)
+            for (stream, minipoch), rows in groups.items():
+                fill = self._fills[stream][minipoch]
+                buffer_rows = fill.perm[loc.position[rows]]
+                await self._wait_ready(fill, step, buffer_rows)
+                out[rows] = fill.buffer[buffer_rows]
+        self._record_step(step, time.perf_counter() - t0)
+        return out
+
+    async def aclose(self) -> None:
+        """Cancel every fill and worker, drop the buffers. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for fills in self._fills.values():
+            for fill in fills.values():
+                fill.cancelled = True
+                fill.fail(LoaderClosedError("the engine was closed"))
+        for task in self._workers:
+            task.cancel()
+        await asyncio.gather(*self._workers, return_exceptions=True)
+        self._workers.clear()
+        self._fills = {s: {} for s in self.streams}
+        self._buffers = {s: [None, None] for s in self.streams}
+        await self.source.aclose()
+
+    def stats(self) -> dict[str, Any]:
+        """Figures for humans and benchmarks (see docs/design.md for each field)."""
+        waits = np.array([w for _, w in self._step_waits], dtype=np.float64)
+        io = self.source.io
+        active = []
+        for fills in self._fills.values():
+            for fill in fills.values():
+                if not fill.done and fill.error is None:
+                    active.append({
+                        "stream": fill.stream, "minipoch": fill.minipoch, "reason": fill.reason,
+                        "blocks_done": fill.blocks_done, "blocks": len(fill.blocks),
+                        "must_finish_by_step": self.plan.first_step(fill.minipoch),
+                    })
+        return {
+            "steps_loaded": len(self._step_waits),
+            "step_waits_s": list(self._step_waits),
+            "wait_median_s": float(np.median(waits)) if len(waits) else None,
+            "wait_max_s": float(waits.max()) if len(waits) else None,
+            "fills": list(self._fill_records),
+            "active_fills": active,
+            "buffer_allocations": self._buffer_allocations,
+            "units_in_flight": self._units_in_flight,
+            "peak_units_in_flight": self._peak_units_in_flight,
+            "bytes_read": io.bytes_read,
+            "bytes_decoded": self._decoded_bytes,
+            "bytes_useful": self._useful_bytes,
+            "read_amplification": self._decoded_bytes / self._useful_bytes if self._useful_bytes else None,
+            "requests": io.requests,
+            "retries": io.retries,
+            "peak_requests_in_flight": io.peak_in_flight,
+            "streams": list(self.streams),
+        }
+
+    # -- planning fills -----------------------------------------------------------------------
+
+    def _groups(self, loc: Any) -> dict[tuple[int, int], np.ndarray]:
+        keys = loc.stream * self.plan.minipoch_count + loc.minipoch
+        groups = {}
+        for key in np.unique(keys):
+            stream, minipoch = divmod(int(key), self.plan.minipoch_count)
+            groups[(stream, minipoch)] = np.flatnonzero(keys == key)
+        return groups
+
+    def _prefetch_after(self, groups: dict[tuple[int, int], np.ndarray]) -> None:
+        current: dict[int, int] = {}
+        for stream, minipoch in groups:
+            current[stream] = max(current.get(stream, minipoch), minipoch)
+        for stream, minipoch in current.items():
+            nxt = minipoch + 1
+            if nxt >= self.plan.minipoch_count or self.plan.served_rows(nxt) == 0:
+                continue
+            if nxt not in self._fills[stream]:
+                keep = {m for s, m in groups if s == stream} | {nxt}
+                self._ensure_fill(stream, nxt, self.plan.first_step(nxt), keep=keep, reason="prefetch")
+
+    def _ensure_fill(
+        self, stream: int, minipoch: int, from_step: int, *, keep: set[int], reason: str = "demand"
+    ) -> _Fill:
+        fills = self._fills[stream]
+        fill = fills.get(minipoch)
+        if fill is not None:
+            if fill.error is None:
+                return fill
+            del fills[minipoch]  # a failed fill is retried by the next load that needs it
+        used = {f.buffer_index for f in fills.values()}
+        free = [i for i in (0, 1) if i not in used]
+        if not free:
+            victims = [f for m, f in fills.items() if m not in keep]
+            if not victims:
+                raise AssertionError("a step needs more than two minipochs of one stream")
+            victim = max(victims, key=lambda f: f.minipoch)
+            self._cancel(victim)
+            free = [victim.buffer_index]
+        fill = self._start_fill(stream, minipoch, free[0], from_step, reason)
+        fills[minipoch] = fill
+        return fill
+
+    def _cancel(self, fill: _Fill) -> None:
+        """Forget a fill nobody needs any more; its queued units are skipped by the workers."""
+        fill.cancelled = True
+        del self._fills[fill.stream][fill.minipoch]
+        if not fill.done:
+            log.debug("cancelled fill stream %d minipoch %d (%d/%d blocks)",
+                      fill.stream, fill.minipoch, fill.blocks_done, len(fill.blocks))
+            self._record_fill(fill, cancelled=True)
+        fill.fail(LoaderClosedError("fill cancelled"))
+
+    def _buffer(self, stream: int, index: int) -> np.ndarray:
+        buffer = self._buffers[stream][index]
+        if buffer is None:
+            buffer = np.empty((self.plan.seqs_per_buffer, self.plan.seq_len), np.uint32)
+            self._buffers[stream][index] = buffer
+            self._buffer_allocations += 1
+        return buffer
+
+    def _start_fill(self, stream: int, minipoch: int, index: int, from_step: int, reason: str) -> _Fill:
+        plan = self.plan
+        rows = plan.rows_in_buffer(minipoch)
+        perm = plan.row_permutation(stream, minipoch)
+        blocks = plan.buffer_blocks(stream, minipoch)
+        deadlines = plan.block_deadlines(perm, minipoch, from_step)
+        fill = _Fill(
+            stream=stream, minipoch=minipoch, buffer_index=index,
+            buffer=self._buffer(stream, index)[:rows], perm=perm, blocks=blocks,
+            deadlines=deadlines, reason=reason, pending=np.zeros(len(blocks), np.int64),
+            ready=[asyncio.Event() for _ in blocks], started=time.perf_counter(),
+        )
+        units = self._units_packed(fill) if plan.sequence_packing else self._units_unpacked(fill)
+        for unit in units:
+            for slot, *_ in unit.pieces:
+                fill.pending[slot] += 1
+            self._queue.put_nowait((unit.priority, next(self._order), unit))
+        log.debug("%s fill of stream %d minipoch %d from step %d: %d blocks, %d reads",
+                  reason, stream, minipoch, from_step, len(blocks), len(units))
+        return fill
+
+    def _units_packed(self, fill: _Fill) -> list[_Unit]:
+        """Group the fill's token ranges by chunk: one read (one decode) per chunk touched."""
+        block_tokens = self.plan.sequences_per_read_block * self.plan.seq_len
+        chunk = self.source.token_chunk
+        by_chunk: dict[int, list[tuple[int, int, int]]] = collections.defaultdict(list)
+        for slot, block in enumerate(fill.blocks.tolist()):
+            lo, hi = block * block_tokens, (block + 1) * block_tokens
+            while lo < hi:  # split the block at chunk boundaries
+                end = min(hi, (lo // chunk + 1) * chunk)
+                by_chunk[lo // chunk].append((slot, lo - block * block_tokens, lo, end))
+                lo = end
+        units = []
+        for chunk_id, parts in by_chunk.items():
+            start, stop = min(p[2] for p in parts), max(p[3] for p in parts)
+            pieces = [(slot, off, lo - start, hi - lo) for slot, off, lo, hi in parts]
+            chunk_len = min(chunk, self.plan.token_count - chunk_id * chunk)
+            priority = int(min(fill.deadlines[slot] for slot, *_ in pieces))
+            units.append(_Unit(fill, priority, start, stop, pieces, chunk_len * 4))
+        units.sort(key=lambda u: (u.priority, u.start))
+        return units
+
+    def _units_unpacked(self, fill: _Fill) -> list[_Unit]:
+        spb, seq_len = self.plan.sequences_per_read_block, self.plan.seq_len
+        units = [
+            _Unit(fill, int(fill.deadlines[slot]), block * spb, (block + 1) * spb,
+                  [(slot, 0, 0, spb * seq_len)], spb * seq_len * 4)
+            for slot, block in enumerate(fill.blocks.tolist())
+        ]
+        units.sort(key=lambda u: (u.priority, u.start))
+        return units
+
+    # -- waiting ------------------------------------------------------------------------------
+
+    async def _wait_ready(self, fill: _Fill, step: int, buffer_rows: np.ndarray) -> None:
+        if self.options.prefetch:
+            slots = np.unique(buffer_rows // self.plan.sequences_per_read_block)
+        else:  # the reference's behaviour: a load waits for the whole buffer
+            slots = np.arange(len(fill.blocks))
+        for slot in slots.tolist():
+            if fill.deadlines[slot] > step and fill.deadlines[slot] != NEVER:
+                # Filled in order of need, except when a load jumps backwards: bump it.
+                self._bump(fill, slot, step)
+            await fill.ready[slot].wait()
+            if fill.error is not None:
+                self._raise_fill_error(fill, step)
+
+    def _bump(self, fill: _Fill, slot: int, step: int) -> None:
+        fill.deadlines[slot] = step
+        # Units already queued keep their old priority; re-queue the slot's pending units at the
+        # new one (the stale queue entries are skipped once their pieces are done).
+        for priority, order, unit in list(self._queue._queue):  # type: ignore[attr-defined]
+            if unit.fill is fill and any(p[0] == slot for p in unit.pieces) and priority > step:
+                unit.priority = step
+                self._queue.put_nowait((step, next(self._order), unit))
+
+    def _raise_fill_error(self, fill: _Fill, step: int) -> None:
+        exc = fill.error
+        assert exc is not None
+        if self._fills[fill.stream].get(fill.minipoch) is fill:
+            del self._fills[fill.stream][fill.minipoch]  # the next load retries this minipoch
+        message = f"step {step}: filling stream {fill.stream} minipoch {fill.minipoch} failed: {exc}"
+        if isinstance(exc, AsyncflatError):
+            raise type(exc)(message) from exc
+        raise StorageError(message) from exc
+
+    # -- workers ------------------------------------------------------------------------------
+
+    def _start_workers(self) -> None:
+        if not self._workers:
+            self._workers = [
+                asyncio.create_task(self._worker(), name=f"asyncflat-read-{i}")
+                for i in range(self.options.max_concurrent_reads)
+            ]
+
+    async def _worker(self) -> None:
+        while True:
+            priority, _, unit = await self._queue.get()
+            fill = unit.fill
+            if fill.cancelled or fill.error is not None or unit.priority != priority:
+                continue  # skipped: fill gone, or a stale entry of a re-prioritised unit
+            unit.priority = -1  # taken: any other queue entry for this unit is now stale
+            async with self._budget:
+                await self._budget.wait_for(
+                    lambda: self._inflight_bytes == 0
+                    or self._inflight_bytes + unit.decoded_bytes <= self._inflight_budget
+                )
+                self._inflight_bytes += unit.decoded_bytes
+            self._units_in_flight += 1
+            self._peak_units_in_flight = max(self._peak_units_in_flight, self._units_in_flight)
+            fill.units_in_flight += 1
+            try:
+                await self._run_unit(unit)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # surfaces from the load that needs this fill
+                log.debug("read %d:%d of stream %d minipoch %d failed", unit.start, unit.stop,
+                          fill.stream, fill.minipoch, exc_info=True)
+                fill.fail(exc)
+            finally:
+                fill.units_in_flight -= 1
+                self._units_in_flight -= 1
+                async with self._budget:
+                    self._inflight_bytes -= unit.decoded_bytes
+                    self._budget.notify_all()
+
+    async def _run_unit(self, unit: _Unit) -> None:
+        fill = unit.fill
+        if self.plan.sequence_packing:
+            data = await self.source.read_tokens(unit.start, unit.stop)
+        else:
+            data = await self._read_unpacked_block(unit.start, unit.stop)
+        if fill.cancelled:
+            return  # the buffer may already belong to another fill: never write into it
+        flat = fill.buffer.reshape(-1)
+        slot_tokens = self.plan.sequences_per_read_block * self.plan.seq_len
+        # Copies happen on the loop thread, so "not cancelled" cannot change mid-copy.
+        for slot, offset, src, length in unit.pieces:
+            dst = slot * slot_tokens + offset
+            flat[dst:dst + length] = data.reshape(-1)[src:src + length]
+            fill.pending[slot] -= 1
+            fill.useful_bytes += length * 4
+            self._useful_bytes += length * 4
+            if fill.pending[slot] == 0:
+                fill.blocks_done += 1
+                fill.ready[slot].set()
+        self._decoded_bytes += unit.decoded_bytes
+        if fill.done:
+            fill.finished = time.perf_counter()
+            self._record_fill(fill)
+        else:
+            self._check_late(fill)
+
+    async def _read_unpacked_block(self, first_seq: int, end_seq: int) -> np.ndarray:
+        """Sequences [first_seq, end_seq) truncated to len and padded with 1 (token 0, start)."""
+        starts = (await self.source.read_seq_starts(first_seq, end_seq + 1)).astype(np.int64)
+        seq_len = self.plan.seq_len
+        lengths = np.minimum(np.diff(starts), seq_len)
+        # Read only up to the end of the last kept token, not the whole last sequence.
+        stop = int((starts[:-1] + lengths).max()) if len(lengths) else int(starts[0])
+        tokens = await self.source.read_tokens(int(starts[0]), stop)
+        return await asyncio.get_running_loop().run_in_executor(
+            None, _pad_rows, tokens, starts - starts[0], lengths, seq_len
+        )
+
+    # -- stats --------------------------------------------------------------------------------
+
+    def _record_step(self, step: int, wait: float) -> None:
+        now = time.perf_counter()
+        if self._last_step is not None and step > self._last_step[0]:
+            per_step = (now - self._last_step[1]) / (step - self._last_step[0])
+            self._step_interval = per_step if self._step_interval is None else (
+                0.8 * self._step_interval + 0.2 * per_step)
+        self._last_step = (step, now)
+        self._step_waits.append((step, wait))
+
+    def _record_fill(self, fill: _Fill, *, cancelled: bool = False) -> None:
+        end = fill.finished or time.perf_counter()
+        duration = end - fill.started
+        self._fill_records.append({
+            "stream": fill.stream, "minipoch": fill.minipoch, "reason": fill.reason,
+            "blocks": len(fill.blocks), "blocks_done": fill.blocks_done, "cancelled": cancelled,
+            "duration_s": duration, "useful_bytes": fill.useful_bytes,
+            "throughput_bytes_per_s": fill.useful_bytes / duration if duration > 0 else None,
+            "must_finish_by_step": self.plan.first_step(fill.minipoch),
+            "finished_at_step": self._last_step[0] if self._last_step else None,
+        })
+
+    def _check_late(self, fill: _Fill) -> None:
+        """Warn once when a prefetch is predicted to finish after the step that needs it."""
+        if fill.late_warned or fill.reason != "prefetch" or not fill.blocks_done:
+            return
+        if self._step_interval is None or self._last_step is None:
+            return
+        now = time.perf_counter()
+        elapsed = now - fill.started
+        predicted_end = fill.started + elapsed * len(fill.blocks) / fill.blocks_done
+        deadline_step = self.plan.first_step(fill.minipoch)
+        needed_at = self._last_step[1] + (deadline_step - self._last_step[0]) * self._step_interval
+        if predicted_end > needed_at and elapsed > 0.05:
+            fill.late_warned = True
+            log.warning(
+                "fill of stream %d minipoch %d is predicted to finish %.2f s after step %d needs "
+                "it (%d/%d blocks after %.2f s); expect a stall there. Faster storage, more "
+                "max_concurrent_reads or a smaller buffer would help.",
+                fill.stream, fill.minipoch, predicted_end - needed_at, deadline_step,
+                fill.blocks_done, len(fill.blocks), elapsed,
+            )
+
+
+def _pad_rows(tokens: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, seq_len: int) -> np.ndarray:
+    """Rows ``tokens[offsets[i] : offsets[i] + lengths[i]]``, padded with 1 to ``seq_len``."""
+    cols = np.arange(seq_len)
+    mask = cols[None, :] < lengths[:, None]
+    rows = np.ones((len(lengths), seq_len), np.uint32)
+    rows[mask] = tokens[(offsets[:-1, None] + cols[None, :])[mask]]
+    return rows

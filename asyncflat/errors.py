@@ -1,0 +1,74 @@
+"""The exceptions asyncflat raises.
+
+Every error the library raises on purpose derives from :class:`AsyncflatError`, so a trainer can
+catch the library's failures in one place. Where a builtin exception describes the same kind of
+failure, the class also derives from it, so code written against the reference loader (which
+raised ``AssertionError``/``ValueError``/``IndexError`` ad hoc) keeps working with ``except``
+clauses on those builtins::
+
+    AsyncflatError
+    ├── ConfigError            (ValueError)   invalid FlatTokensParams / TokenBatchParams / options
+    ├── DatasetFormatError     (ValueError)   a store that is not a valid flat-tokens split
+    │   └── CorruptChunkError                 chunk bytes that do not decode
+    ├── StepOutOfRangeError    (IndexError)   load(step) outside [0, step_count)
+    ├── StorageError           (OSError)      a read failed for good (after retries)
+    │   └── TransientStorageError             a read failed in a way worth retrying
+    ├── LoadTimeoutError       (TimeoutError) load() waited longer than its timeout
+    ├── LoaderClosedError      (RuntimeError) the loader was used after close()
+    └── LoopReentryError       (RuntimeError) a blocking call made from the engine's own loop
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AsyncflatError",
+    "ConfigError",
+    "CorruptChunkError",
+    "DatasetFormatError",
+    "LoadTimeoutError",
+    "LoaderClosedError",
+    "LoopReentryError",
+    "StepOutOfRangeError",
+    "StorageError",
+    "TransientStorageError",
+]
+
+
+class AsyncflatError(Exception):
+    """Base class of every error asyncflat raises on purpose."""
+
+
+class ConfigError(AsyncflatError, ValueError):
+    """A parameter (or a combination of parameters) is invalid; the message names the field."""
+
+
+class DatasetFormatError(AsyncflatError, ValueError):
+    """A store is not a valid flat-tokens split; the message names the store, array and expectation."""
+
+
+class CorruptChunkError(DatasetFormatError):
+    """Bytes of a chunk could not be decoded (truncated or corrupt object)."""
+
+
+class StepOutOfRangeError(AsyncflatError, IndexError):
+    """A step outside ``[0, step_count)`` was requested."""
+
+
+class StorageError(AsyncflatError, OSError):
+    """Reading from the store failed permanently (or after exhausting retries)."""
+
+
+class TransientStorageError(StorageError):
+    """A read failure that may succeed when retried (throttling, 5xx, timeouts, resets)."""
+
+
+class LoadTimeoutError(AsyncflatError, TimeoutError):
+    """``load()`` waited longer than the configured timeout for its data."""
+
+
+class LoaderClosedError(AsyncflatError, RuntimeError):
+    """The loader (or its engine) has been closed and cannot be used again."""
+
+
+class LoopReentryError(AsyncflatError, RuntimeError):
+    """A blocking call was made from the engine's own event-loop thread (it would deadlock)."""
