@@ -9,6 +9,7 @@ one is dealt, so the trainer never waits at a round boundary.
 
 from .config import EngineOptions, FlatTokensParams, HuggingFaceDataParams, RetryPolicy, TokenBatchParams
 from .errors import (
+    ArgumentTypeError,
     AsyncflatError,
     ConfigError,
     CorruptChunkError,
@@ -28,6 +29,7 @@ from .writer import FlatTokensWriter, write_flat_tokens
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArgumentTypeError",
     "AsyncflatError",
     "ConfigError",
     "CorruptChunkError",

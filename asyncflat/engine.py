@@ -119,6 +119,9 @@ class Engine:
         self._budget = asyncio.Condition()
         self._inflight_bytes = 0
         self._inflight_budget = self._default_inflight_budget()
+        # decoded chunks: reads in flight, then a few recent ones (see _read_in_chunk)
+        self._chunks: collections.OrderedDict[int, asyncio.Future[np.ndarray]] = collections.OrderedDict()
+        self._chunks_cached = max(2, self._inflight_budget // max(1, 4 * source.token_chunk))
         self._closed = False
         # stats
         self._step_waits: collections.deque[tuple[int, float]] = collections.deque(maxlen=_STEP_HISTORY)
@@ -173,9 +176,11 @@ class Engine:
             for fill in fills.values():
                 fill.cancelled = True
                 fill.fail(LoaderClosedError("the engine was closed"))
-        for task in self._workers:
+        pending = [*self._workers, *self._chunks.values()]
+        for task in pending:
             task.cancel()
-        await asyncio.gather(*self._workers, return_exceptions=True)
+        await asyncio.gather(*pending, return_exceptions=True)
+        self._chunks.clear()
         self._workers.clear()
         self._fills = {s: {} for s in self.streams}
         self._buffers = {s: [None, None] for s in self.streams}
@@ -211,6 +216,9 @@ class Engine:
             "requests": io.requests,
             "retries": io.retries,
             "peak_requests_in_flight": io.peak_in_flight,
+            # store throttling (429/503) seen, and the adaptive in-flight limit it led to
+            "throttled": getattr(io, "throttled", 0),
+            "concurrency_limit": getattr(io, "concurrency_limit", None),
             "streams": list(self.streams),
         }
 
@@ -232,9 +240,9 @@ class Engine:
             nxt = minipoch + 1
             if nxt >= self.plan.minipoch_count or self.plan.served_rows(nxt) == 0:
                 continue
-            if nxt not in self._fills[stream]:
-                keep = {m for s, m in groups if s == stream} | {nxt}
-                self._ensure_fill(stream, nxt, self.plan.first_step(nxt), keep=keep, reason="prefetch")
+            needed = {m for s, m in groups if s == stream}
+            if nxt not in self._fills[stream] and len(needed) < 2:  # else both buffers serve now
+                self._ensure_fill(stream, nxt, self.plan.first_step(nxt), keep=needed, reason="prefetch")
 
     def _ensure_fill(
         self, stream: int, minipoch: int, from_step: int, *, keep: set[int], reason: str = "demand"
@@ -249,8 +257,10 @@ class Engine:
         free = [i for i in (0, 1) if i not in used]
         if not free:
             victims = [f for m, f in fills.items() if m not in keep]
-            if not victims:
-                raise AssertionError("a step needs more than two minipochs of one stream")
+            # A step spans at most two minipochs (bips <= seqs_per_buffer is not required, but
+            # the rows of one step for one stream are consecutive q's), so keep has at most two
+            # entries and one of them is the minipoch being ensured.
+            assert victims, "a step cannot need more than two minipochs of one stream"
             victim = max(victims, key=lambda f: f.minipoch)
             self._cancel(victim)
             free = [victim.buffer_index]
@@ -405,7 +415,7 @@ class Engine:
     async def _run_unit(self, unit: _Unit) -> None:
         fill = unit.fill
         if self.plan.sequence_packing:
-            data = await self.source.read_tokens(unit.start, unit.stop)
+            data = await self._read_in_chunk(unit.start, unit.stop)
         else:
             data = await self._read_unpacked_block(unit.start, unit.stop)
         if fill.cancelled:
@@ -422,12 +432,38 @@ class Engine:
             if fill.pending[slot] == 0:
                 fill.blocks_done += 1
                 fill.ready[slot].set()
-        self._decoded_bytes += unit.decoded_bytes
+        if not self.plan.sequence_packing:
+            self._decoded_bytes += unit.decoded_bytes
         if fill.done:
             fill.finished = time.perf_counter()
             self._record_fill(fill)
         else:
             self._check_late(fill)
+
+    async def _read_in_chunk(self, start: int, stop: int) -> np.ndarray:
+        """``encoded_tokens[start:stop]`` (inside one chunk), decoding each chunk once.
+
+        Fills of different streams (and consecutive fills) often need the same chunk at about
+        the same time: the whole chunk is read once, concurrent readers share the read, and the
+        last few decoded chunks stay cached (bounded by the in-flight byte budget).
+        """
+        chunk = self.source.token_chunk
+        chunk_id = start // chunk
+        lo, hi = chunk_id * chunk, min((chunk_id + 1) * chunk, self.plan.token_count)
+        task = self._chunks.get(chunk_id)
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
+            task = asyncio.ensure_future(self.source.read_tokens(lo, hi))
+            self._chunks[chunk_id] = task
+            self._decoded_bytes += (hi - lo) * 4
+        self._chunks.move_to_end(chunk_id)
+        while len(self._chunks) > self._chunks_cached:
+            old_id, old = next(iter(self._chunks.items()))
+            if not old.done():
+                break  # never drop a read others may be waiting on
+            del self._chunks[old_id]
+        # shield: a cancelled fill must not cancel a read another fill shares.
+        data = await asyncio.shield(task)
+        return data[start - lo:stop - lo]
 
     async def _read_unpacked_block(self, first_seq: int, end_seq: int) -> np.ndarray:
         """Sequences [first_seq, end_seq) truncated to len and padded with 1 (token 0, start)."""

@@ -8,6 +8,7 @@ clauses on those builtins::
 
     AsyncflatError
     ├── ConfigError            (ValueError)   invalid FlatTokensParams / TokenBatchParams / options
+    │   └── ArgumentTypeError  (TypeError)    a public entry point got an argument of the wrong type
     ├── DatasetFormatError     (ValueError)   a store that is not a valid flat-tokens split
     │   └── CorruptChunkError                 chunk bytes that do not decode
     ├── StepOutOfRangeError    (IndexError)   load(step) outside [0, step_count)
@@ -21,6 +22,7 @@ clauses on those builtins::
 from __future__ import annotations
 
 __all__ = [
+    "ArgumentTypeError",
     "AsyncflatError",
     "ConfigError",
     "CorruptChunkError",
@@ -40,6 +42,10 @@ class AsyncflatError(Exception):
 
 class ConfigError(AsyncflatError, ValueError):
     """A parameter (or a combination of parameters) is invalid; the message names the field."""
+
+
+class ArgumentTypeError(ConfigError, TypeError):
+    """A public entry point was called with an argument of the wrong type (checked by typeguard)."""
 
 
 class DatasetFormatError(AsyncflatError, ValueError):

@@ -1,0 +1,169 @@
+"""permutation(seed, n) must equal seqax's ``_random_permutation`` bit for bit, forever."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import asyncflat.permutation  # noqa: F401  (the package re-exports a function of the same name)
+from asyncflat.errors import ConfigError
+
+impl = sys.modules["asyncflat.permutation"]
+permutation = impl.permutation
+
+GOLDEN = json.loads((Path(__file__).parent / "golden_permutations.json").read_text())
+REPO = Path(__file__).resolve().parent.parent
+
+
+def slow_reference(seed: int, n: int) -> np.ndarray:
+    """The frozen algorithm, written out literally."""
+    swaps = np.random.Philox(seed).random_raw(n) % (np.arange(n, dtype=np.uint64) + 1)
+    result = np.arange(n, dtype=np.uint32)
+    for i in reversed(range(n)):
+        j = swaps[i]
+        result[i], result[j] = result[j], result[i]
+    return result
+
+
+def sha256_u32(values: np.ndarray) -> str:
+    return hashlib.sha256(values.astype("<u4").tobytes()).hexdigest()
+
+
+@pytest.mark.parametrize("case", GOLDEN["vectors"], ids=lambda c: f"seed{c['seed']}-n{c['n']}")
+def test_golden_vectors(case: dict) -> None:
+    got = permutation(case["seed"], case["n"])
+    assert got.dtype == np.uint32
+    assert got.tolist() == case["permutation"]
+
+
+@pytest.mark.parametrize("case", GOLDEN["sha256"], ids=lambda c: f"seed{c['seed']}-n{c['n']}")
+def test_golden_hashes(case: dict) -> None:
+    assert sha256_u32(permutation(case["seed"], case["n"])) == case["sha256_le_u32"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**70), n=st.integers(0, 3000))
+def test_matches_reference(seed: int, n: int) -> None:
+    got = permutation(seed, n)
+    assert got.dtype == np.uint32 and got.shape == (n,)
+    np.testing.assert_array_equal(got, slow_reference(seed, n))
+
+
+@pytest.mark.parametrize(
+    ("seed", "n"),
+    [(0, impl._SMALL_N - 1), (0, impl._SMALL_N), (5, impl._CHUNK), (5, impl._CHUNK + 1),
+     (2**40 + 7, 70_001), (2**100, 65_537), (2**64 - 1, 131_075)],
+)
+def test_matches_reference_at_boundaries(seed: int, n: int) -> None:
+    # 65536 is where the kernel switches from integer to float-quotient modulo.
+    np.testing.assert_array_equal(permutation(seed, n), slow_reference(seed, n))
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 4, 5, 2047, 5000, 9999])
+def test_small_path_and_kernel_agree(n: int) -> None:
+    kernel_result = np.empty(n, np.uint32)
+    key = np.random.Philox(11).state["state"]["key"]
+    impl._get_kernel()(key[0], key[1], kernel_result)
+    small_result = impl._small_permutation(np.random.Philox(11), n)
+    np.testing.assert_array_equal(kernel_result, small_result)
+    np.testing.assert_array_equal(kernel_result, slow_reference(11, n))
+
+
+@pytest.mark.parametrize("n", [0, 1, 100, 5000, 2**20])
+def test_is_a_permutation(n: int) -> None:
+    got = permutation(123, n)
+    assert got.dtype == np.uint32
+    np.testing.assert_array_equal(np.sort(got), np.arange(n, dtype=np.uint32))
+
+
+def test_accepts_numpy_integers() -> None:
+    np.testing.assert_array_equal(permutation(np.uint64(9), np.int32(50)), permutation(9, 50))
+
+
+@pytest.mark.parametrize(
+    ("seed", "n", "name"),
+    [(0, -1, "n"), (0, 2**32, "n"), (0, 2**40, "n"), (0, 1.5, "n"), (0, True, "n"), (0, "3", "n"),
+     (-1, 10, "seed"), (0.5, 10, "seed"), (None, 10, "seed"), (False, 10, "seed")],
+)
+def test_rejects_bad_arguments(seed: object, n: object, name: str) -> None:
+    with pytest.raises(ConfigError, match=rf"\b{name}\b") as info:
+        permutation(seed, n)  # type: ignore[arg-type]
+    assert isinstance(info.value, ValueError)
+
+
+def test_first_call_compiles_without_warnings() -> None:
+    script = (
+        "import warnings, numpy as np\n"
+        "import asyncflat.permutation\n"
+        "warnings.simplefilter('error')\n"
+        "from asyncflat.permutation import permutation\n"
+        "assert permutation(1, 5000).dtype == np.uint32\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "", proc.stderr
+
+
+def _python_loop_rate(seconds: float) -> float:
+    """Iterations per second of a pure-Python loop that needs the GIL to make progress."""
+    count = 0
+    start = time.perf_counter()
+    deadline = start + seconds
+    while time.perf_counter() < deadline:
+        count += 1
+    return count / (time.perf_counter() - start)
+
+
+def _rate_while_shuffling(seconds: float) -> tuple[float, int]:
+    stop = threading.Event()
+    calls = 0
+
+    def shuffle() -> None:
+        nonlocal calls
+        while not stop.is_set():
+            permutation(calls, 2**22)
+            calls += 1
+
+    worker = threading.Thread(target=shuffle)
+    worker.start()
+    try:
+        time.sleep(0.01)
+        rate = _python_loop_rate(seconds)
+    finally:
+        stop.set()
+        worker.join()
+    return rate, calls
+
+
+def test_releases_the_gil() -> None:
+    # With a short switch interval, a worker holding the GIL through each ~25 ms call would leave
+    # the main thread a few percent of its speed; with the GIL released it keeps most of it (half
+    # if another process takes the second core). The best of three attempts absorbs noise.
+    permutation(0, impl._SMALL_N)  # compile outside the measurement
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.0005)
+    try:
+        fractions = []
+        for _ in range(3):
+            baseline = _python_loop_rate(0.2)
+            rate, calls = _rate_while_shuffling(0.4)
+            assert calls >= 1
+            fractions.append(rate / baseline)
+            if fractions[-1] > 0.3:
+                break
+    finally:
+        sys.setswitchinterval(interval)
+    assert max(fractions) > 0.3, fractions
