@@ -139,6 +139,8 @@ class EngineOptions:
     * ``max_concurrent_reads``: reads in flight over all streams and fills (a sliding window).
     * ``decode_threads``: threads that decompress chunks and pad rows, off the event loop.
     * ``load_timeout_s``: ``load()`` raises LoadTimeoutError after this long (None: no limit).
+    * ``max_inflight_bytes``: decoded bytes of reads in flight (None: an eighth of a shuffle
+      buffer, or four chunks if that is more). Bounds memory beyond the two buffers per stream.
     * ``max_buffer_bytes``: refuse, at construction, a configuration whose shuffle buffers on this
       host would need more memory than this (None: no budget).
     * ``prefetch_to_device``: how many upcoming steps ``iter()`` keeps built as jax arrays.
@@ -149,6 +151,7 @@ class EngineOptions:
     decode_threads: int = 2
     load_timeout_s: Optional[float] = None
     max_buffer_bytes: Optional[int] = None
+    max_inflight_bytes: Optional[int] = None
     prefetch_to_device: int = 1
     retry: RetryPolicy = dataclasses.field(default_factory=RetryPolicy)
 
@@ -159,6 +162,8 @@ class EngineOptions:
         _float_field(self, "load_timeout_s", minimum=0.0, optional=True)
         if self.max_buffer_bytes is not None:
             _int_field(self, "max_buffer_bytes", minimum=1)
+        if self.max_inflight_bytes is not None:
+            _int_field(self, "max_inflight_bytes", minimum=1)
         _int_field(self, "prefetch_to_device", minimum=0)
         if not isinstance(self.retry, RetryPolicy):
             raise ConfigError(

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from .config import EngineOptions
-from .errors import AsyncflatError, LoaderClosedError, StorageError
+from .errors import AsyncflatError, DatasetFormatError, LoaderClosedError, StorageError
 from .plan import NEVER, ShufflePlan
 from .source import TokenSource
 
@@ -135,9 +135,12 @@ class Engine:
         self._step_interval: float | None = None  # EWMA of time between gathers
 
     def _default_inflight_budget(self) -> int:
-        # Decoded bytes of units in flight: an eighth of a buffer keeps peak memory near two
-        # buffers per stream, while always admitting at least one unit.
-        return max(1, min(64 << 20, self.plan.buffer_bytes // 8))
+        # Decoded bytes of reads in flight. An eighth of a buffer keeps peak memory near two
+        # buffers per stream; a few whole chunks keep the read window open on small buffers.
+        if self.options.max_inflight_bytes is not None:
+            return self.options.max_inflight_bytes
+        chunk_bytes = self.source.token_chunk * 4
+        return max(self.plan.buffer_bytes // 8, min(self.options.max_concurrent_reads, 4) * chunk_bytes)
 
     # -- public -------------------------------------------------------------------------------
 
@@ -467,7 +470,9 @@ class Engine:
 
     async def _read_unpacked_block(self, first_seq: int, end_seq: int) -> np.ndarray:
         """Sequences [first_seq, end_seq) truncated to len and padded with 1 (token 0, start)."""
-        starts = (await self.source.read_seq_starts(first_seq, end_seq + 1)).astype(np.int64)
+        raw = await self.source.read_seq_starts(first_seq, end_seq + 1)
+        _check_seq_starts(self.source.name, raw, first_seq, self.plan.token_count)
+        starts = raw.astype(np.int64)
         seq_len = self.plan.seq_len
         lengths = np.minimum(np.diff(starts), seq_len)
         # Read only up to the end of the last kept token, not the whole last sequence.
@@ -520,6 +525,27 @@ class Engine:
                 fill.stream, fill.minipoch, predicted_end - needed_at, deadline_step,
                 fill.blocks_done, len(fill.blocks), elapsed,
             )
+
+
+def _check_seq_starts(name: str, raw: np.ndarray, first: int, token_count: int) -> None:
+    """Refuse ``seq_starts[first : first + len(raw)]`` that leave ``[0, token_count]`` or
+    decrease: open_split checks only the first and last entries, and a bad middle entry would
+    otherwise read outside the tokens or serve rows of the wrong sequence."""
+    raw = np.asarray(raw, dtype=np.uint64)  # compare unsigned: a value >= 2**63 stays huge
+    over = np.flatnonzero(raw > np.uint64(token_count))
+    if len(over):
+        i = int(over[0])
+        raise DatasetFormatError(
+            f"{name}/seq_starts[{first + i}] = {int(raw[i])}: expected an offset <= the token "
+            f"count {token_count}"
+        )
+    down = np.flatnonzero(raw[1:] < raw[:-1])
+    if len(down):
+        i = int(down[0]) + 1
+        raise DatasetFormatError(
+            f"{name}/seq_starts: expected non-decreasing offsets, got seq_starts[{first + i}] = "
+            f"{int(raw[i])} < seq_starts[{first + i - 1}] = {int(raw[i - 1])}"
+        )
 
 
 def _pad_rows(tokens: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, seq_len: int) -> np.ndarray:

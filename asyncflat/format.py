@@ -1,0 +1,313 @@
+"""The flat-tokens format: encode and decode tokens, open and validate one split of a store.
+
+A flat-tokens dataset is a zarr group holding the groups ``train`` and ``validation``. Each split
+stores every sequence back to back in one 1-D array, so a read of any token range is one slice:
+
+* ``encoded_tokens`` (uint32, 1-D): ``2*id + 1`` for the first token of a sequence, ``2*id``
+  for the others. Sequence boundaries travel with the tokens, so a packed row needs no side table.
+* ``seq_starts`` (uint64, 1-D): ``sequence_count + 1`` increasing offsets into
+  ``encoded_tokens``; the first is 0 and the last is the token count. Sequence ``i`` is
+  ``encoded_tokens[seq_starts[i]:seq_starts[i+1]]``.
+* the split group's attribute ``max_token_id``: the largest token id (inclusive), so a model can
+  size its vocabulary without scanning the data.
+
+Token ids are below 2**31, so ``2*id + 1`` fits in uint32.
+
+Worked example: sequences ``[5, 6]`` and ``[7]`` encode to ``encoded_tokens = [11, 12, 15]`` and
+``seq_starts = [0, 2, 3]``; decoding gives ``targets = [5, 6, 7]`` and
+``is_seq_start = [True, False, True]``.
+
+:func:`open_split` runs on the library's own event loop, so it uses only
+``zarr.api.asynchronous``: zarr's sync API would block that loop while it waits on zarr's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import operator
+from collections.abc import Awaitable, Iterable
+from typing import Any, TypeVar
+
+import numpy as np
+import zarr
+import zarr.api.asynchronous as zarr_async
+from zarr.abc.store import Store
+
+from .errors import AsyncflatError, ConfigError, CorruptChunkError, DatasetFormatError, StorageError
+
+__all__ = [
+    "SPLITS",
+    "TOKEN_ID_LIMIT",
+    "SplitArrays",
+    "decode",
+    "encode_sequences",
+    "open_split",
+]
+
+SPLITS: tuple[str, str] = ("train", "validation")
+
+#: Token ids must be strictly below this, so that ``2*id + 1`` fits in a uint32.
+TOKEN_ID_LIMIT: int = 1 << 31
+
+_T = TypeVar("_T")
+
+
+# --------------------------------------------------------------------------------------------
+# Encoding and decoding (pure numpy)
+# --------------------------------------------------------------------------------------------
+
+
+def encode_sequences(seqs: Iterable[Any]) -> tuple[np.ndarray, np.ndarray]:
+    """Encode ragged token-id sequences into ``(encoded_tokens, lengths)``.
+
+    ``seqs`` is an iterable of 1-D integer array-likes (lists, numpy arrays), or a 2-D integer
+    numpy array whose rows are the sequences (the fully vectorised path, for packed data).
+    Returns ``encoded`` (uint32, the sequences concatenated and encoded) and ``lengths``
+    (uint64, one per sequence; a cumulative sum of them extends ``seq_starts``).
+
+    Every sequence must be non-empty: a zero-length sequence would make ``seq_starts`` repeat an
+    offset, and a reader padding it would serve a row of nothing but padding. Ids must be
+    integers in ``[0, 2**31)``. Violations raise :class:`ConfigError` naming the sequence.
+    """
+    if isinstance(seqs, np.ndarray) and seqs.ndim == 2:
+        if seqs.shape[1] == 0 and seqs.shape[0] > 0:
+            raise ConfigError("sequence 0 is empty: flat-tokens sequences must have >= 1 token")
+        _check_integer_dtype(seqs.dtype, "sequences")
+        _check_id_range(seqs.reshape(-1), "sequences")
+        ids = seqs.reshape(-1).astype(np.uint32)  # a fresh copy, encoded in place below
+        lengths = np.full(seqs.shape[0], seqs.shape[1], dtype=np.uint64)
+        return _encode_concatenated(ids, lengths), lengths
+
+    arrays: list[np.ndarray] = []
+    for i, seq in enumerate(seqs):
+        arr = np.asarray(seq)
+        if arr.ndim != 1:
+            hint = " (to append one sequence, pass a list holding it)" if arr.ndim == 0 else ""
+            raise ConfigError(f"sequence {i} must be 1-D, got shape {arr.shape}{hint}")
+        if arr.size == 0:
+            raise ConfigError(f"sequence {i} is empty: flat-tokens sequences must have >= 1 token")
+        _check_integer_dtype(arr.dtype, f"sequence {i}")
+        arrays.append(arr)
+    if not arrays:
+        return np.empty(0, np.uint32), np.empty(0, np.uint64)
+
+    # Range-check once per integer kind on a concatenation, not once per sequence: a Python-level
+    # min/max per short sequence would dominate. Signed and unsigned are kept apart because
+    # numpy promotes int64 with uint64 to float64, which would lose ids.
+    for kind, wide in (("i", np.int64), ("u", np.uint64)):
+        same_kind = [a for a in arrays if a.dtype.kind == kind]
+        if same_kind:
+            _check_id_range(np.concatenate(same_kind, dtype=wide), "sequences", arrays=arrays)
+    # Every id is now known to fit, so the unsafe cast cannot change a value.
+    ids = np.concatenate(arrays, dtype=np.uint32, casting="unsafe")
+    lengths = np.fromiter((a.size for a in arrays), dtype=np.uint64, count=len(arrays))
+    return _encode_concatenated(ids, lengths), lengths
+
+
+def decode(encoded: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Split encoded tokens into ``(targets, is_seq_start)``, both the shape of ``encoded``."""
+    encoded = np.asarray(encoded)
+    return encoded >> 1, (encoded & 1) == 1
+
+
+def _encode_concatenated(ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Encode ``ids`` in place (a fresh, range-checked uint32 array) and return it."""
+    encoded = ids
+    encoded <<= 1
+    if lengths.size:
+        starts = np.cumsum(lengths, dtype=np.uint64) - lengths
+        encoded[starts.astype(np.intp)] |= 1
+    return encoded
+
+
+def _check_integer_dtype(dtype: np.dtype, what: str) -> None:
+    if dtype.kind not in "iu":
+        raise ConfigError(f"{what}: token ids must be integers, got dtype {dtype}")
+
+
+def _check_id_range(values: np.ndarray, what: str, arrays: list[np.ndarray] | None = None) -> None:
+    """Raise ConfigError unless every value is in [0, TOKEN_ID_LIMIT); name the offender."""
+    if values.size == 0:
+        return
+    lo, hi = values.min(), values.max()
+    if lo >= 0 and hi < TOKEN_ID_LIMIT:
+        return
+    bad = int(lo) if lo < 0 else int(hi)
+    where = what
+    if arrays is not None:  # slow path, only on error: find which sequence holds it
+        where = next(
+            (f"sequence {i}" for i, a in enumerate(arrays) if a.size and np.any(a == bad)), what
+        )
+    raise ConfigError(f"{where}: token id {bad} is outside [0, 2**31)")
+
+
+# --------------------------------------------------------------------------------------------
+# Opening a split
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitArrays:
+    """One validated split of a flat-tokens store, with what a reader needs to plan its reads.
+
+    ``token_chunk`` is the read granularity of ``encoded_tokens`` (a slice decodes whole chunks
+    of this many tokens; for a sharded zarr-3 array, the inner chunk). ``tokens_per_object`` is
+    how many tokens one stored object holds (the chunk, or the shard), which sets how many
+    requests a range costs on an object store.
+    """
+
+    name: str  #: the store's display name and the split, e.g. ``gs://b/data.zarr/train``
+    split: str
+    encoded_tokens: zarr.AsyncArray[Any]
+    seq_starts: zarr.AsyncArray[Any]
+    max_token_id: int
+    token_count: int
+    sequence_count: int
+    zarr_format: int
+    token_chunk: int
+    tokens_per_object: int
+
+
+async def open_split(store: Store, split: str, *, name: str) -> SplitArrays:
+    """Open ``split`` of the flat-tokens dataset in ``store`` and validate it cheaply.
+
+    Reads metadata and just the first and last entries of ``seq_starts`` (no scan), so opening
+    a multi-terabyte store costs a handful of small requests. ``name`` is how the store is shown
+    in error messages (a path or URL). Zarr format 2 and 3 are detected automatically.
+
+    Raises :class:`ConfigError` for a split other than ``"train"``/``"validation"``,
+    :class:`DatasetFormatError` (or its subclass :class:`CorruptChunkError` for bytes that do
+    not decode) for a store that is not a valid split, and :class:`StorageError` when the store
+    itself fails with an I/O error; the message names the store, the split or array, and what
+    was expected versus found.
+    """
+    if split not in SPLITS:
+        raise ConfigError(f"split must be one of {SPLITS}, got {split!r} (store {name})")
+    where = f"{name.rstrip('/')}/{split}"
+
+    root = await _guarded(zarr_async.open_group(store=store, mode="r"), name, "flat-tokens zarr group")
+    group = await _guarded(root.getitem(split), where, "split group")
+    if not isinstance(group, zarr.AsyncGroup):
+        raise DatasetFormatError(f"{where}: expected a zarr group, found an array")
+
+    # Both arrays' metadata at once (one round trip on an object store); a failure is reported
+    # for encoded_tokens first whatever finished first, so the message is deterministic.
+    encoded_tokens, seq_starts = await _gather_in_order(
+        _open_array(group, where, "encoded_tokens", np.dtype(np.uint32)),
+        _open_array(group, where, "seq_starts", np.dtype(np.uint64)),
+    )
+
+    if "max_token_id" not in group.attrs:
+        raise DatasetFormatError(f"{where}: missing group attribute 'max_token_id'")
+    max_token_id = _check_max_token_id(group.attrs["max_token_id"], where)
+
+    token_count = int(encoded_tokens.shape[0])
+    entries = int(seq_starts.shape[0])
+    if entries < 1:
+        raise DatasetFormatError(
+            f"{where}/seq_starts: expected at least 1 entry (sequence_count + 1), got 0"
+        )
+    ends = await _gather_in_order(
+        *(
+            _guarded(seq_starts.getitem(i), f"{where}/seq_starts", f"entry {i}", read=True)
+            for i in sorted({0, entries - 1})
+        )
+    )
+    first, last = ends[0], ends[-1]
+    if int(first) != 0:
+        raise DatasetFormatError(f"{where}/seq_starts: expected seq_starts[0] == 0, got {int(first)}")
+    if int(last) != token_count:
+        raise DatasetFormatError(
+            f"{where}/seq_starts: expected seq_starts[-1] == len(encoded_tokens) == {token_count}, "
+            f"got {int(last)}"
+        )
+
+    token_chunk = int(encoded_tokens.chunks[0])
+    shards = encoded_tokens.shards
+    return SplitArrays(
+        name=where,
+        split=split,
+        encoded_tokens=encoded_tokens,
+        seq_starts=seq_starts,
+        max_token_id=max_token_id,
+        token_count=token_count,
+        sequence_count=entries - 1,
+        zarr_format=int(encoded_tokens.metadata.zarr_format),
+        token_chunk=token_chunk,
+        tokens_per_object=int(shards[0]) if shards else token_chunk,
+    )
+
+
+async def _gather_in_order(*awaitables: Awaitable[Any]) -> list[Any]:
+    """Run concurrently; if any failed, raise the first failure in argument order."""
+    results = await asyncio.gather(*awaitables, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
+
+
+async def _open_array(
+    group: zarr.AsyncGroup, where: str, key: str, dtype: np.dtype
+) -> zarr.AsyncArray[Any]:
+    arr = await _guarded(group.getitem(key), f"{where}/{key}", "array")
+    if not isinstance(arr, zarr.AsyncArray):
+        raise DatasetFormatError(f"{where}/{key}: expected a zarr array, found a group")
+    if len(arr.shape) != 1:
+        raise DatasetFormatError(
+            f"{where}/{key}: expected a 1-D array, got {len(arr.shape)}-D shape {tuple(arr.shape)}"
+        )
+    # np.dtype(">u4") != uint32 on purpose: readers hand raw little-endian buffers around.
+    actual = np.dtype(arr.dtype)
+    if actual != dtype:
+        raise DatasetFormatError(f"{where}/{key}: expected dtype {dtype}, got {actual}")
+    return arr
+
+
+def _check_max_token_id(value: Any, where: str) -> int:
+    if isinstance(value, bool):
+        raise DatasetFormatError(f"{where}: attribute max_token_id must be an integer, got {value!r}")
+    try:
+        as_int = operator.index(value)
+    except TypeError:
+        raise DatasetFormatError(
+            f"{where}: attribute max_token_id must be an integer, "
+            f"got {type(value).__name__} {value!r}"
+        ) from None
+    if not 0 <= as_int < TOKEN_ID_LIMIT:
+        raise DatasetFormatError(
+            f"{where}: attribute max_token_id must be in [0, 2**31), got {as_int}"
+        )
+    return as_int
+
+
+async def _guarded(awaitable: Awaitable[_T], where: str, what: str, *, read: bool = False) -> _T:
+    """Await zarr opening (or, with ``read``, reading) ``what`` at ``where``, translating its
+    failures into asyncflat's errors with the cause attached.
+
+    Only ``Exception`` is caught: ``CancelledError`` and ``KeyboardInterrupt`` are
+    ``BaseException`` and pass through untouched, as do asyncflat's own errors (for example a
+    fault-injecting store raising :class:`TransientStorageError`).
+    """
+    try:
+        return await awaitable
+    except AsyncflatError:
+        raise
+    except (KeyError, FileNotFoundError) as exc:
+        # zarr's Group/ArrayNotFoundError subclass FileNotFoundError; a missing child is KeyError.
+        raise DatasetFormatError(f"{where}: missing {what} ({type(exc).__name__}: {exc})") from exc
+    except OSError as exc:
+        raise StorageError(
+            f"{where}: storage error {'reading' if read else 'opening'} {what}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    except Exception as exc:
+        if read:
+            raise CorruptChunkError(
+                f"{where}: reading {what} failed, its chunk does not decode: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        raise DatasetFormatError(
+            f"{where}: invalid {what} metadata: {type(exc).__name__}: {exc}"
+        ) from exc

@@ -1,0 +1,346 @@
+"""Writing flat-tokens datasets to local disk, crash-safely and in bounded memory.
+
+:class:`FlatTokensWriter` appends ragged sequences to the ``train`` and ``validation`` splits,
+buffering at most one stored object (a chunk, or a shard) of tokens per split and writing whole
+objects as they fill, so a dataset larger than memory can be written from a stream.
+
+Nothing is written at the target path until the writer commits: all data goes into a staging
+directory beside it (``<path>.partial-<random>``) which ``close()`` renames into place in one
+``os.rename``. A writer that is killed, or whose ``with`` block raises, therefore leaves either
+the previous dataset or nothing at the target; never a half-written store that would open as
+valid. (A killed writer may leave its ``*.partial-*`` directory behind; it is safe to delete.)
+
+Choosing ``chunk_tokens``: a reader decodes whole chunks, so make a chunk the size of the
+loader's read block, ``sequences_per_read_block * len`` tokens for packed data (512 * 2048 =
+1,048,576 = the default). Then a block read decodes exactly the tokens it uses; with seqax's
+4,194,304-token chunks and 1M-token blocks every block read decompresses 4x what it needs. On an
+object store where per-request latency dominates, keep chunks at the block size and group them
+into larger objects with ``shard_tokens`` (zarr format 3).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import weakref
+from collections.abc import Iterable, Mapping
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import zarr
+from numcodecs import Blosc, Delta
+from zarr.codecs import BloscCodec
+
+from .errors import ConfigError, LoaderClosedError
+from .format import SPLITS, encode_sequences
+
+__all__ = ["FlatTokensWriter", "write_flat_tokens"]
+
+logger = logging.getLogger(__name__)
+
+#: Entries per chunk of ``seq_starts`` (seqax's layout; 512 KiB of uint64 before compression).
+SEQ_STARTS_CHUNK = 65536
+
+# Chunks equal to the fill value are still written: readers that fetch objects directly (not
+# through zarr) must find every object, and an all-zero token chunk is legitimate data.
+_ARRAY_CONFIG = {"write_empty_chunks": True}
+
+#: Tokens per ``append`` call that ``write_flat_tokens`` batches a lazy iterable into.
+_BATCH_TOKENS = 1 << 22
+
+
+class _SplitWriter:
+    """Buffers one split's tokens and offsets and writes them out in whole stored objects."""
+
+    def __init__(self, group: zarr.Group, split: str, *, zarr_format: int, chunk_tokens: int,
+                 shard_tokens: int | None) -> None:
+        self.split = split
+        self.group = group
+        if zarr_format == 2:
+            # seqax's exact layout, so seqax (zarr 2.x) can read what we write.
+            compressor = Blosc(cname="lz4", clevel=5, shuffle=Blosc.BITSHUFFLE)
+            self.tokens = group.create_array(
+                "encoded_tokens", shape=(0,), chunks=(chunk_tokens,), dtype="<u4",
+                fill_value=None, compressors=compressor, filters=None, config=_ARRAY_CONFIG,
+            )
+            self.starts = group.create_array(
+                "seq_starts", shape=(0,), chunks=(SEQ_STARTS_CHUNK,), dtype="<u8", fill_value=0,
+                compressors=compressor, filters=[Delta(dtype="<i8", astype="<i8")],
+                config=_ARRAY_CONFIG,
+            )
+        else:
+            codec = BloscCodec(cname="lz4", clevel=5, shuffle="bitshuffle")
+            self.tokens = group.create_array(
+                "encoded_tokens", shape=(0,), chunks=(chunk_tokens,),
+                shards=(shard_tokens,) if shard_tokens else None, dtype="uint32", fill_value=0,
+                compressors=codec, config=_ARRAY_CONFIG,
+            )
+            self.starts = group.create_array(
+                "seq_starts", shape=(0,), chunks=(SEQ_STARTS_CHUNK,), dtype="uint64",
+                fill_value=0, compressors=codec, config=_ARRAY_CONFIG,
+            )
+        # A whole shard is the unit of writing when sharded: writing part of one would make zarr
+        # read, modify and rewrite it.
+        self.token_buf = _Buffer(self.tokens, shard_tokens or chunk_tokens, np.uint32)
+        self.start_buf = _Buffer(self.starts, SEQ_STARTS_CHUNK, np.uint64)
+        self.start_buf.extend(np.zeros(1, np.uint64))
+        self.token_count = 0
+        self.sequence_count = 0
+        self.max_token_id = 0
+
+    def append(self, encoded: np.ndarray, lengths: np.ndarray) -> None:
+        if lengths.size == 0:
+            return
+        self.max_token_id = max(self.max_token_id, int(encoded.max() >> 1))
+        ends = np.cumsum(lengths, dtype=np.uint64)
+        ends += np.uint64(self.token_count)
+        self.token_buf.extend(encoded)
+        self.start_buf.extend(ends)
+        self.token_count += int(encoded.size)
+        self.sequence_count += int(lengths.size)
+
+    def finish(self) -> None:
+        self.token_buf.flush()
+        self.start_buf.flush()
+        self.group.attrs["max_token_id"] = self.max_token_id
+
+
+class _Buffer:
+    """An append-only view of a 1-D zarr array that writes only whole objects until the end."""
+
+    def __init__(self, array: zarr.Array, unit: int, dtype: type) -> None:
+        self.array = array
+        self.unit = unit
+        self.buf = np.empty(unit, dtype)
+        self.fill = 0
+        self.written = 0
+
+    def extend(self, data: np.ndarray) -> None:
+        while data.size:
+            if self.fill == 0 and data.size >= self.unit:
+                # Aligned and at least one whole object: write straight from the caller's array.
+                n = data.size - data.size % self.unit
+                self._write(data[:n])
+                data = data[n:]
+                continue
+            take = min(self.unit - self.fill, data.size)
+            self.buf[self.fill:self.fill + take] = data[:take]
+            self.fill += take
+            data = data[take:]
+            if self.fill == self.unit:
+                self.flush()
+
+    def flush(self) -> None:
+        if self.fill:
+            self._write(self.buf[: self.fill])
+            self.fill = 0
+
+    def _write(self, data: np.ndarray) -> None:
+        start, end = self.written, self.written + data.size
+        self.array.resize((end,))  # growing only rewrites metadata, never touches chunks
+        self.array[start:end] = data
+        self.written = end
+
+
+class FlatTokensWriter:
+    """Write a new flat-tokens dataset at a local ``path``; use as a context manager.
+
+    ``append(split, sequences)`` adds ragged token-id sequences to ``"train"`` or
+    ``"validation"``. Leaving the ``with`` block cleanly (or calling :meth:`close`) writes the
+    remaining partial chunks and the ``max_token_id`` attributes and commits the dataset
+    atomically; an exception inside the block (or :meth:`abort`) discards everything. A split
+    that was never appended to is written empty (0 tokens, ``seq_starts == [0]``,
+    ``max_token_id == 0``), so the dataset always has both splits.
+
+    Arguments:
+      * ``zarr_format``: 3 (default; Blosc lz4 bitshuffle) or 2 (seqax's exact layout: Blosc lz4
+        clevel 5 bitshuffle, ``fill_value`` null, a ``Delta('<i8')`` filter on ``seq_starts``),
+        for stores seqax's own zarr-2 tooling must read.
+      * ``chunk_tokens``: tokens per chunk of ``encoded_tokens``, the reader's decode unit; match
+        the loader's read block (see the module docstring). seqax used 4,194,304.
+      * ``shard_tokens``: format 3 only, a multiple of ``chunk_tokens``; groups chunks into one
+        stored object each (fewer, larger objects for object stores). Memory then holds a shard.
+      * ``overwrite``: replace an existing dataset at ``path``. Without it an existing path is a
+        :class:`ConfigError` (raised at construction, and again at commit if one appeared since).
+        The old dataset is moved aside, the new one renamed into place, then the old removed, so
+        a crash never leaves a mixture.
+
+    Memory stays at about one stored object per split plus the batch passed to ``append``.
+    A writer is not thread-safe.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, zarr_format: int = 3,
+                 chunk_tokens: int = 1 << 20, shard_tokens: int | None = None,
+                 overwrite: bool = False) -> None:
+        chunk_tokens = _positive_int("chunk_tokens", chunk_tokens)
+        if isinstance(zarr_format, bool) or zarr_format not in (2, 3):
+            raise ConfigError(f"FlatTokensWriter.zarr_format must be 2 or 3, got {zarr_format!r}")
+        if shard_tokens is not None:
+            shard_tokens = _positive_int("shard_tokens", shard_tokens)
+            if zarr_format != 3:
+                raise ConfigError(
+                    "FlatTokensWriter.shard_tokens needs zarr_format=3 (format 2 has no sharding), "
+                    f"got zarr_format={zarr_format}"
+                )
+            if shard_tokens % chunk_tokens:
+                raise ConfigError(
+                    f"FlatTokensWriter.shard_tokens ({shard_tokens}) must be a multiple of "
+                    f"chunk_tokens ({chunk_tokens})"
+                )
+        if not isinstance(overwrite, bool):
+            raise ConfigError(f"FlatTokensWriter.overwrite must be a bool, got {overwrite!r}")
+
+        self.path = os.path.abspath(os.fspath(path))
+        self.overwrite = overwrite
+        self._check_target()
+        parent = os.path.dirname(self.path)
+        if not os.path.isdir(parent):
+            raise ConfigError(f"FlatTokensWriter: parent directory {parent} does not exist")
+
+        self._staging = f"{self.path}.partial-{secrets.token_hex(6)}"
+        os.mkdir(self._staging)
+        # If the writer is dropped without close()/abort(), still remove the staging directory.
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self._staging, ignore_errors=True)
+        self._closed = False
+        try:
+            root = zarr.open_group(
+                zarr.storage.LocalStore(self._staging), mode="w", zarr_format=zarr_format
+            )
+            self._splits = {
+                split: _SplitWriter(
+                    root.create_group(split), split, zarr_format=zarr_format,
+                    chunk_tokens=chunk_tokens, shard_tokens=shard_tokens,
+                )
+                for split in SPLITS
+            }
+        except BaseException:
+            self.abort()
+            raise
+        logger.debug("writing flat-tokens dataset %s via %s", self.path, self._staging)
+
+    def append(self, split: str, sequences: Iterable[Any]) -> None:
+        """Encode and append ``sequences`` (1-D non-negative int sequences, ids < 2**31)."""
+        self._check_open()
+        writer = self._splits.get(split)
+        if writer is None:
+            raise ConfigError(f"split must be one of {SPLITS}, got {split!r}")
+        encoded, lengths = encode_sequences(sequences)
+        writer.append(encoded, lengths)
+
+    def close(self) -> None:
+        """Flush every split and commit the dataset at ``path`` atomically (idempotent)."""
+        if self._closed:
+            return
+        try:
+            for writer in self._splits.values():
+                writer.finish()
+            _fsync_tree(self._staging)
+            self._commit()
+        except BaseException:
+            self.abort()
+            raise
+        self._closed = True
+        self._cleanup.detach()
+        for writer in self._splits.values():
+            logger.info(
+                "wrote %s/%s: %d sequences, %d tokens, max_token_id %d", self.path,
+                writer.split, writer.sequence_count, writer.token_count, writer.max_token_id,
+            )
+
+    def abort(self) -> None:
+        """Discard everything written so far; ``path`` is left as it was (idempotent)."""
+        self._closed = True
+        self._cleanup()
+
+    def __enter__(self) -> FlatTokensWriter:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LoaderClosedError(f"FlatTokensWriter for {self.path} is closed")
+
+    def _check_target(self) -> None:
+        if not self.overwrite and os.path.lexists(self.path):
+            raise ConfigError(
+                f"FlatTokensWriter: {self.path} already exists (pass overwrite=True to replace it)"
+            )
+
+    def _commit(self) -> None:
+        self._check_target()
+        old = None
+        if os.path.lexists(self.path):
+            old = f"{self.path}.old-{secrets.token_hex(6)}"
+            os.rename(self.path, old)
+        try:
+            os.rename(self._staging, self.path)
+        except BaseException:
+            if old is not None:
+                os.rename(old, self.path)  # put the previous dataset back
+            raise
+        _fsync_dir(os.path.dirname(self.path))
+        if old is not None:
+            if os.path.isdir(old) and not os.path.islink(old):
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.remove(old)
+
+
+def write_flat_tokens(path: str | os.PathLike[str], splits: Mapping[str, Iterable[Any]],
+                      **writer_kwargs: Any) -> None:
+    """Write a whole dataset in one call: ``splits`` maps split name to its sequences.
+
+    The sequences may be a lazy iterable (a generator over a corpus): they are appended in
+    batches of about ``_BATCH_TOKENS`` tokens, so memory stays bounded whatever the corpus size.
+    """
+    with FlatTokensWriter(path, **writer_kwargs) as writer:
+        for split, sequences in splits.items():
+            if isinstance(sequences, np.ndarray):
+                writer.append(split, sequences)
+                continue
+            batch: list[Any] = []
+            batch_tokens = 0
+            for seq in sequences:
+                batch.append(seq)
+                batch_tokens += len(seq)
+                if batch_tokens >= _BATCH_TOKENS:
+                    writer.append(split, batch)
+                    batch, batch_tokens = [], 0
+            writer.append(split, batch)
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ConfigError(f"FlatTokensWriter.{name} must be an integer, got {value!r}")
+    if value < 1:
+        raise ConfigError(f"FlatTokensWriter.{name} must be >= 1, got {value}")
+    return int(value)
+
+
+def _fsync_tree(root: str) -> None:
+    """Flush every file and directory under ``root`` so the rename commits durable data."""
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for filename in filenames:
+            fd = os.open(os.path.join(dirpath, filename), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(dirpath)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

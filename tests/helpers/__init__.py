@@ -1,0 +1,1 @@
+"""Test helpers: writers of reference stores, independent of asyncflat's own writer."""

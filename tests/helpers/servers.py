@@ -1,0 +1,450 @@
+"""Object-store servers on 127.0.0.1 for the cloud tests and ``bench/cloud.py``.
+
+* :class:`GcsEmulator`: ``gcp-storage-emulator`` in memory, in this process, with its two
+  defects worked around: suffix ranges (``Range: bytes=-N``, which zarr uses for shard indexes)
+  are translated to ``bytes=SIZE-N-`` before the emulator sees them, and the listen backlog is
+  128 instead of the stdlib's 5 (above 5 concurrent connections, dropped SYNs cost ~1 s each).
+* :class:`MotoS3`: moto's threaded S3 server.
+* :class:`TcpProxy`: a loopback TCP proxy in front of either, on its own event-loop thread. It
+  delays every chunk by a fixed latency (pipelined: data keeps flowing while earlier chunks wait,
+  so concurrent transfers overlap as on a real network), logs every HTTP request it forwards,
+  and can answer chosen requests with an HTTP error or reset their connection.
+
+Everything binds 127.0.0.1 and picks free ports. Each class is a context manager and stops what
+it started. ``bench/cloud.py`` imports this module (it puts ``tests/`` on ``sys.path``).
+
+Set ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` before gcsfs is imported when talking to the
+emulator: otherwise gcsfs probes the endpoint over gRPC and every operation takes 60 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import http.server
+import json
+import logging
+import re
+import socket
+import struct
+import threading
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+__all__ = ["GcsEmulator", "MotoS3", "ProxiedRequest", "TcpProxy", "free_port"]
+
+log = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+# --------------------------------------------------------------------------------------------
+# GCS: gcp-storage-emulator
+# --------------------------------------------------------------------------------------------
+
+
+class _Httpd(http.server.HTTPServer):
+    request_queue_size = 128  # the stdlib's 5 drops SYNs under concurrency: ~1 s stalls
+    allow_reuse_address = True
+
+
+def _emulator_handler_class() -> type:
+    from gcp_storage_emulator import server as gse
+    from gcp_storage_emulator.handlers import objects
+
+    download_patterns = [re.compile(regex) for regex, handlers in gse.HANDLERS
+                         if handlers.get(gse.GET) is objects.download]
+    suffix = re.compile(r"\s*bytes=-(\d+)\s*")
+
+    class Handler(gse.RequestHandler):
+        def do_GET(self) -> None:
+            self._translate_suffix_range()
+            super().do_GET()
+
+        def _translate_suffix_range(self) -> None:
+            match = suffix.fullmatch(self.headers.get("Range") or "")
+            if match is None:
+                return
+            path = urlparse(self.path).path
+            for pattern in download_patterns:
+                found = pattern.fullmatch(path)
+                if found is None:
+                    continue
+                params = {k: unquote(v) for k, v in found.groupdict().items()}
+                try:
+                    size = len(self.storage.get_file(params["bucket_name"], params["object_id"]))
+                except Exception:  # missing object: let the emulator answer 404 itself
+                    return
+                start = max(0, size - int(match.group(1)))
+                self.headers.replace_header("Range", f"bytes={start}-")
+                return
+
+    return Handler
+
+
+class GcsEmulator:
+    """An in-memory GCS emulator on 127.0.0.1 with one bucket; ``endpoint`` is its base URL."""
+
+    def __init__(self, bucket: str = "asyncflat-test", port: int = 0) -> None:
+        self.bucket = bucket
+        self._port = port
+        self._httpd: _Httpd | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def endpoint(self) -> str:
+        assert self._httpd is not None, "not started"
+        return f"http://{HOST}:{self._httpd.server_address[1]}"
+
+    @property
+    def port(self) -> int:
+        assert self._httpd is not None, "not started"
+        return int(self._httpd.server_address[1])
+
+    def start(self) -> "GcsEmulator":
+        from gcp_storage_emulator.handlers import buckets
+        from gcp_storage_emulator.storage import Storage
+
+        storage = Storage(use_memory_fs=True)
+        buckets.create_bucket(self.bucket, storage)
+        self._httpd = _Httpd((HOST, self._port), functools.partial(_emulator_handler_class(), storage))
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
+            name="gcs-emulator", daemon=True,
+        )
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+        if self._thread is not None:
+            self._thread.join(5)
+        self._httpd = self._thread = None
+
+    def storage_options(self, endpoint: str | None = None) -> dict[str, Any]:
+        """gcsfs options for this emulator (or for a proxy in front of it at ``endpoint``)."""
+        return {"endpoint_url": endpoint or self.endpoint, "token": "anon", "project": "test"}
+
+    def __enter__(self) -> "GcsEmulator":
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+# --------------------------------------------------------------------------------------------
+# S3: moto
+# --------------------------------------------------------------------------------------------
+
+#: Environment for botocore against moto: fake credentials, and no probing of the EC2
+#: metadata service (a network address) for real ones.
+MOTO_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_SESSION_TOKEN": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+
+
+class MotoS3:
+    """moto's S3 server on 127.0.0.1 with one bucket (names need >= 3 characters)."""
+
+    def __init__(self, bucket: str = "asyncflat-test") -> None:
+        self.bucket = bucket
+        self._server: Any = None
+        self.endpoint = ""
+
+    def start(self) -> "MotoS3":
+        from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one log line per request
+        self._server = ThreadedMotoServer(ip_address=HOST, port=0, verbose=False)
+        self._server.start()
+        host, port = self._server.get_host_and_port()
+        self.endpoint = f"http://{host}:{port}"
+        # moto does not check signatures: a plain PUT creates the bucket.
+        request = urllib.request.Request(f"{self.endpoint}/{self.bucket}", method="PUT")
+        with urllib.request.urlopen(request, timeout=10) as response:
+            response.read()
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+    def storage_options(self, endpoint: str | None = None) -> dict[str, Any]:
+        """s3fs options for this server (or for a proxy in front of it at ``endpoint``)."""
+        return {"endpoint_url": endpoint or self.endpoint, "key": "testing", "secret": "testing"}
+
+    def __enter__(self) -> "MotoS3":
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+# --------------------------------------------------------------------------------------------
+# The latency- and fault-injecting proxy
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ProxiedRequest:
+    """One HTTP request seen by the proxy."""
+
+    method: str
+    target: str  # path and query, as sent
+    range: str | None  # the Range header, if any
+    fault: str | None = None  # what the proxy did instead of forwarding it
+
+    @property
+    def path(self) -> str:
+        return unquote(urlparse(self.target).path)
+
+
+#: A fault policy: given a request, return None to forward it, an HTTP status (e.g. "503") to
+#: answer it with that error, or "reset" to reset its connection. Runs on the proxy's thread.
+FaultPolicy = Callable[[ProxiedRequest], "str | None"]
+
+_REASONS = {403: "Forbidden", 404: "Not Found", 429: "Too Many Requests", 500: "Internal Server Error",
+            502: "Bad Gateway", 503: "Service Unavailable", 504: "Gateway Timeout"}
+_S3_CODES = {403: "AccessDenied", 404: "NoSuchKey", 429: "SlowDown", 500: "InternalError",
+             503: "SlowDown", 504: "ServiceUnavailable"}
+
+
+def _error_response(status: int, dialect: str) -> bytes:
+    reason = _REASONS.get(status, "Error")
+    if dialect == "s3":
+        code = _S3_CODES.get(status, "InternalError")
+        body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
+                f"<Message>injected by the test proxy</Message></Error>").encode()
+        content_type = "application/xml"
+    else:
+        body = json.dumps({"error": {"code": status, "message": f"{reason} (injected by the test proxy)",
+                                     "errors": [{"reason": "injected"}]}}).encode()
+        content_type = "application/json"
+    head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
+    return head.encode() + body
+
+
+class _DelayedPipe:
+    """Writes chunks to ``writer`` ``delay`` seconds after they were handed over, in order;
+    reading goes on meanwhile, so transfers pipeline instead of paying the delay per chunk."""
+
+    def __init__(self, writer: asyncio.StreamWriter, delay: float) -> None:
+        self._writer = writer
+        self._delay = delay
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[tuple[float, bytes | None]] = asyncio.Queue()
+        self._task = asyncio.ensure_future(self._run()) if delay > 0 else None
+
+    async def send(self, data: bytes) -> None:
+        if self._task is None:
+            self._writer.write(data)
+            await self._writer.drain()
+        else:
+            self._queue.put_nowait((self._loop.time() + self._delay, data))
+
+    async def flush(self) -> None:
+        """Wait until everything sent so far is written."""
+        if self._task is not None:
+            self._queue.put_nowait((0.0, None))
+            await self._task
+
+    def cancel(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _run(self) -> None:
+        while True:
+            due, data = await self._queue.get()
+            if data is None:
+                return
+            wait = due - self._loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            self._writer.write(data)
+            await self._writer.drain()
+
+
+class TcpProxy:
+    """Forwards 127.0.0.1:``port`` to ``upstream`` (a URL or (host, port)), adding ``latency_s``
+    to each request's round trip (half each way) and injecting the faults ``fault`` asks for.
+
+    ``dialect`` ("gcs" or "s3") shapes the bodies of injected HTTP errors so that the client
+    library parses them as its service would send them. ``requests`` logs every request.
+    """
+
+    def __init__(self, upstream: str | tuple[str, int], *, latency_s: float = 0.0,
+                 fault: FaultPolicy | None = None, dialect: str = "gcs") -> None:
+        if isinstance(upstream, str):
+            parsed = urlparse(upstream)
+            upstream = (parsed.hostname or HOST, int(parsed.port or 80))
+        self.upstream = upstream
+        self.latency_s = latency_s
+        self.fault = fault
+        self.dialect = dialect
+        self.requests: list[ProxiedRequest] = []
+        self.bytes_down = 0
+        self.connections = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._server: asyncio.base_events.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.port = 0
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def faults(self) -> list[ProxiedRequest]:
+        return [r for r in list(self.requests) if r.fault is not None]
+
+    def start(self) -> "TcpProxy":
+        self._loop = asyncio.new_event_loop()
+        started = threading.Event()
+
+        def main() -> None:
+            asyncio.set_event_loop(self._loop)
+            self._loop.call_soon(started.set)
+            self._loop.run_forever()
+
+        self._thread = threading.Thread(target=main, name="tcp-proxy", daemon=True)
+        self._thread.start()
+        started.wait()
+        self._server = asyncio.run_coroutine_threadsafe(
+            asyncio.start_server(self._serve, HOST, 0, backlog=512), self._loop
+        ).result(10)
+        self.port = int(self._server.sockets[0].getsockname()[1])
+        return self
+
+    def stop(self) -> None:
+        loop, self._loop = self._loop, None
+        if loop is None:
+            return
+
+        async def shutdown() -> None:
+            assert self._server is not None
+            self._server.close()
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self._server.wait_closed()
+
+        try:
+            asyncio.run_coroutine_threadsafe(shutdown(), loop).result(10)
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
+            if self._thread is not None:
+                self._thread.join(10)
+            loop.close()
+
+    def __enter__(self) -> "TcpProxy":
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    # -- connections --------------------------------------------------------------------------
+
+    async def _serve(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        self.connections += 1
+        upstream_writer = None
+        try:
+            try:
+                upstream_reader, upstream_writer = await asyncio.open_connection(*self.upstream)
+            except OSError:
+                return
+            to_client = _DelayedPipe(client_writer, self.latency_s / 2)
+            to_upstream = _DelayedPipe(upstream_writer, self.latency_s / 2)
+            up = asyncio.ensure_future(self._requests(client_reader, to_upstream, client_writer))
+            down = asyncio.ensure_future(self._responses(upstream_reader, to_client))
+            try:
+                # Whichever side ends first ends the connection: the upstream closing after its
+                # response (HTTP/1.0), the client closing, or an injected fault.
+                await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for pump in (up, down):
+                    pump.cancel()
+                await asyncio.gather(up, down, return_exceptions=True)
+                to_client.cancel()
+                to_upstream.cancel()
+        except asyncio.CancelledError:
+            pass
+        finally:
+            for writer in (client_writer, upstream_writer):
+                if writer is not None and not writer.is_closing():
+                    writer.close()
+            self._tasks.discard(task)
+
+    async def _responses(self, reader: asyncio.StreamReader, to_client: _DelayedPipe) -> None:
+        while data := await reader.read(1 << 18):
+            self.bytes_down += len(data)
+            await to_client.send(data)
+        await to_client.flush()
+
+    async def _requests(self, reader: asyncio.StreamReader, to_upstream: _DelayedPipe,
+                        client_writer: asyncio.StreamWriter) -> None:
+        """Forward requests one by one, parsing just enough HTTP to see each one's head."""
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+                return
+            lines = head.decode("latin-1").split("\r\n")
+            method, target = (lines[0].split(" ") + ["", ""])[:2]
+            headers = {}
+            for line in lines[1:]:
+                name, _, value = line.partition(":")
+                headers[name.strip().lower()] = value.strip()
+            request = ProxiedRequest(method, target, headers.get("range"))
+            self.requests.append(request)
+            kind = self.fault(request) if self.fault is not None else None
+            if kind is not None:
+                request.fault = kind
+                await self._inject(kind, client_writer)
+                return
+            await to_upstream.send(head)
+            if "chunked" in headers.get("transfer-encoding", "").lower():
+                # Not parsed further: the rest of this connection is passed through as is.
+                while data := await reader.read(1 << 18):
+                    await to_upstream.send(data)
+                return
+            remaining = int(headers.get("content-length", "0") or 0)
+            while remaining > 0:
+                data = await reader.read(min(remaining, 1 << 18))
+                if not data:
+                    return
+                remaining -= len(data)
+                await to_upstream.send(data)
+
+    async def _inject(self, kind: str, client_writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(self.latency_s)
+        if kind == "reset":
+            sock = client_writer.get_extra_info("socket")
+            if sock is not None:  # SO_LINGER 0: close() sends RST instead of FIN
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            client_writer.transport.abort()
+            return
+        client_writer.write(_error_response(int(kind), self.dialect))
+        with contextlib.suppress(ConnectionError):
+            await client_writer.drain()

@@ -1,0 +1,291 @@
+"""The async engine with injected fake sources: concurrency, ordering, cancellation, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import numpy as np
+import pytest
+
+from asyncflat import EngineOptions, FlatTokensParams, LoaderClosedError, ShufflePlan, StorageError, TokenBatchParams
+from asyncflat.engine import Engine
+from asyncflat.source import IOCounters
+from reference_impl import ReferenceLoader
+
+SEQ_LEN = 8
+
+
+class FakeSource:
+    """In-memory tokens with per-read latency, failure injection and a log of every read."""
+
+    def __init__(self, tokens: np.ndarray, starts: np.ndarray, *, chunk: int, latency_s: float = 0.0,
+                 fail: Callable[[int, int], BaseException | None] | None = None) -> None:
+        self.tokens, self.starts = tokens, starts
+        self.name = "fake://tokens"
+        self.token_count, self.sequence_count = len(tokens), len(starts) - 1
+        self.max_token_id = int((tokens >> 1).max())
+        self.token_chunk = chunk
+        self.io = IOCounters()
+        self.latency_s, self.fail = latency_s, fail
+        self.in_flight = self.peak_in_flight = 0
+        self.reads: list[tuple[int, int]] = []   # completed token reads, in completion order
+        self.cancelled_reads = 0
+        self.closed = False
+
+    async def _read(self, array: np.ndarray, start: int, stop: int, log: bool) -> np.ndarray:
+        self.in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(self.latency_s)
+            error = self.fail(start, stop) if self.fail and log else None
+            if error is not None:
+                raise error
+            if log:
+                self.reads.append((start, stop))
+            return array[start:stop].copy()
+        except asyncio.CancelledError:
+            self.cancelled_reads += 1
+            raise
+        finally:
+            self.in_flight -= 1
+
+    async def read_tokens(self, start: int, stop: int) -> np.ndarray:
+        return await self._read(self.tokens, start, stop, log=True)
+
+    async def read_seq_starts(self, start: int, stop: int) -> np.ndarray:
+        return await self._read(self.starts, start, stop, log=False)
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+def make_data(seed: int = 0, rows: int = 640) -> tuple[np.ndarray, np.ndarray]:
+    """Packed tokens whose value encodes their own position (so any misplacement shows)."""
+    tokens = (np.arange(rows * SEQ_LEN, dtype=np.uint32) * 2) % (1 << 31)
+    starts = np.arange(0, rows * SEQ_LEN + 1, SEQ_LEN, dtype=np.uint64)
+    tokens[starts[:-1].astype(np.int64)] |= 1
+    return tokens, starts
+
+
+def make(source: FakeSource, *, streams: int = 2, rbpsb: int = 4, spb: int = 8, batch: int = 8,
+         packing: bool = True, **options: Any) -> Engine:
+    params = FlatTokensParams("fake://tokens", streams, rbpsb, spb, seed=3, sequence_packing=packing)
+    plan = ShufflePlan.create(params, TokenBatchParams(len=SEQ_LEN, batch=batch),
+                              token_count=source.token_count, sequence_count=source.sequence_count)
+    return Engine(plan, source, range(streams), EngineOptions(**options))
+
+
+def oracle_for(engine: Engine, source: FakeSource) -> ReferenceLoader:
+    p = engine.plan
+    return ReferenceLoader(source.tokens, source.starts, seq_len=p.seq_len, batch=p.batch,
+                           streams=p.streams, read_blocks_per_shuffle_buffer=p.read_blocks_per_shuffle_buffer,
+                           sequences_per_read_block=p.sequences_per_read_block, seed=p.seed,
+                           sequence_packing=p.sequence_packing)
+
+
+def run(coro_fn: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
+    return asyncio.run(asyncio.wait_for(coro_fn(), timeout=60))
+
+
+ALL = np.arange(8)
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("packing", [True, False])
+def test_batches_match_the_oracle_in_any_order(prefetch: bool, packing: bool) -> None:
+    source = FakeSource(*make_data(), chunk=24, latency_s=0.001)
+    engine = make(source, packing=packing, prefetch=prefetch)
+    oracle = oracle_for(engine, source)
+    order = list(range(engine.plan.step_count)) + np.random.default_rng(1).permutation(engine.plan.step_count).tolist()
+
+    async def main() -> None:
+        for step in order:
+            np.testing.assert_array_equal(await engine.gather(step, ALL), oracle.encoded_batch(step))
+        await engine.aclose()
+
+    run(main)
+
+
+def test_reads_in_flight_never_exceed_the_limit() -> None:
+    source = FakeSource(*make_data(rows=2048), chunk=SEQ_LEN * 8, latency_s=0.003)
+    engine = make(source, streams=4, rbpsb=8, spb=8, batch=16, max_concurrent_reads=3)
+
+    async def main() -> None:
+        for step in range(0, engine.plan.step_count, 5):
+            await engine.gather(step, np.arange(16))
+        await engine.aclose()
+
+    run(main)
+    assert source.peak_in_flight == 3  # the window is used fully, and never exceeded
+    assert engine.stats()["peak_units_in_flight"] <= 3
+
+
+def test_buffers_are_allocated_once_per_stream_and_reused() -> None:
+    source = FakeSource(*make_data(), chunk=SEQ_LEN * 8)
+    engine = make(source)
+
+    async def main() -> None:
+        for step in range(engine.plan.step_count):
+            await engine.gather(step, ALL)
+        await engine.aclose()
+
+    run(main)
+    assert engine.plan.minipoch_count >= 4
+    assert engine.stats()["buffer_allocations"] == 2 * engine.plan.streams
+
+
+def test_the_next_minipoch_fills_as_soon_as_the_current_one_serves() -> None:
+    source = FakeSource(*make_data(), chunk=SEQ_LEN * 8, latency_s=0.002)
+    engine = make(source)
+    plan = engine.plan
+
+    async def main() -> None:
+        await engine.gather(plan.first_step(1), ALL)
+        active = {(f["stream"], f["minipoch"], f["reason"]) for f in engine.stats()["active_fills"]}
+        assert {(0, 2, "prefetch"), (1, 2, "prefetch")} <= active
+        await asyncio.sleep(0.5)  # give the prefetch time to finish
+        fills_before = len(engine.stats()["fills"])
+        await engine.gather(plan.first_step(2), ALL)  # served from the prefetched buffer
+        assert not [f for f in engine.stats()["fills"][fills_before:] if f["minipoch"] == 2]
+        fills = [f for f in engine.stats()["fills"] if f["minipoch"] == 2]
+        assert len(fills) == 2 and all(f["reason"] == "prefetch" and not f["cancelled"] for f in fills)
+        await engine.aclose()
+
+    run(main)
+
+
+def test_a_resume_waits_only_for_the_blocks_its_rows_live_in() -> None:
+    # One read at a time, chunks aligned to blocks: the reads done before the first batch
+    # returns are exactly the blocks holding that step's rows (fetched first), nothing else.
+    source = FakeSource(*make_data(rows=4096), chunk=SEQ_LEN * 16, latency_s=0.002)
+    engine = make(source, streams=1, rbpsb=32, spb=16, batch=8, max_concurrent_reads=1)
+    plan = engine.plan
+    step = plan.first_step(1) + 5
+    loc = plan.locate(step)
+    perm = plan.row_permutation(0, 1)
+    needed_blocks = set(plan.buffer_blocks(0, 1)[perm[loc.position] // 16].tolist())
+    block_tokens = 16 * SEQ_LEN
+
+    async def main() -> int:
+        await engine.gather(step, ALL)
+        done_before = len(source.reads)
+        await engine.aclose()
+        return done_before
+
+    reads_before_first_batch = run(main)
+    first_reads = {start // block_tokens for start, _ in source.reads[:reads_before_first_batch]}
+    assert first_reads == needed_blocks
+    assert reads_before_first_batch == len(needed_blocks) < plan.read_blocks_per_shuffle_buffer
+
+
+def test_random_access_cancels_fills_nobody_needs() -> None:
+    source = FakeSource(*make_data(rows=4096), chunk=SEQ_LEN * 8, latency_s=0.02)
+    engine = make(source, streams=1, rbpsb=16, spb=8, batch=8, max_concurrent_reads=2)
+    plan = engine.plan
+
+    async def main() -> None:
+        await engine.gather(0, ALL)          # serves minipoch 0, prefetches 1 (slow)
+        far = plan.first_step(plan.minipoch_count - 2)
+        await engine.gather(far, ALL)        # jump: minipoch 1's prefetch is abandoned
+        fills = engine.stats()["fills"]
+        assert any(f["minipoch"] == 1 and f["cancelled"] for f in fills)
+        block_tokens = 8 * SEQ_LEN
+        m1_blocks = set(plan.buffer_blocks(0, 1).tolist())
+        reads_m1 = sum(1 for s, _ in source.reads if s // block_tokens in m1_blocks)
+        await asyncio.sleep(0.3)
+        assert sum(1 for s, _ in source.reads if s // block_tokens in m1_blocks) <= reads_m1 + 2
+        await engine.aclose()
+
+    run(main)
+
+
+def test_close_cancels_reads_in_flight_and_wakes_waiters() -> None:
+    source = FakeSource(*make_data(), chunk=SEQ_LEN * 8, latency_s=30)
+    engine = make(source)
+
+    async def main() -> None:
+        waiter = asyncio.ensure_future(engine.gather(0, ALL))
+        await asyncio.sleep(0.05)
+        assert source.in_flight > 0
+        await engine.aclose()
+        with pytest.raises(LoaderClosedError):
+            await asyncio.wait_for(waiter, 5)
+        assert source.in_flight == 0 and source.cancelled_reads > 0 and source.closed
+        with pytest.raises(LoaderClosedError):
+            await engine.gather(0, ALL)
+
+    run(main)
+
+
+def test_a_failed_read_surfaces_from_the_load_that_needs_it_and_is_retried_later() -> None:
+    tokens, starts = make_data()
+    broken = {"on": True}
+    bad_chunk = 5
+
+    def fail(start: int, stop: int) -> BaseException | None:
+        if broken["on"] and start // (SEQ_LEN * 8) == bad_chunk:
+            return StorageError(f"fake://tokens/c/{bad_chunk}: 403 Forbidden")
+        return None
+
+    source = FakeSource(tokens, starts, chunk=SEQ_LEN * 8, fail=fail)
+    engine = make(source)
+    oracle = oracle_for(engine, source)
+    plan = engine.plan
+    block_tokens = plan.sequences_per_read_block * SEQ_LEN
+    # find a step whose rows live in the bad block, and one that does not touch its minipoch
+    bad_block = bad_chunk  # chunks are aligned with blocks here
+    bad_step = next(
+        s for s in range(plan.step_count)
+        if any(plan.buffer_blocks(st, m)[plan.row_permutation(st, m)[p] // plan.sequences_per_read_block] == bad_block
+               for st, m, p in zip(*(a.tolist() for a in (plan.locate(s).stream, plan.locate(s).minipoch, plan.locate(s).position))))
+    )
+    bad_minipochs = set(plan.minipochs_of_step(bad_step))
+    good_step = next(s for s in range(plan.step_count) if not set(plan.minipochs_of_step(s)) & bad_minipochs)
+    assert block_tokens == source.token_chunk
+
+    async def main() -> None:
+        with pytest.raises(StorageError, match=r"403 Forbidden") as info:
+            await engine.gather(bad_step, ALL)
+        assert f"step {bad_step}" in str(info.value) and info.value.__cause__ is not None
+        np.testing.assert_array_equal(await engine.gather(good_step, ALL), oracle.encoded_batch(good_step))
+        broken["on"] = False
+        np.testing.assert_array_equal(await engine.gather(bad_step, ALL), oracle.encoded_batch(bad_step))
+        await engine.aclose()
+
+    run(main)
+
+
+def test_prefetch_off_waits_for_the_whole_buffer_like_the_reference() -> None:
+    source = FakeSource(*make_data(), chunk=SEQ_LEN * 8, latency_s=0.001)
+    engine = make(source, prefetch=False)
+
+    async def main() -> None:
+        await engine.gather(0, ALL)
+        blocks = engine.plan.blocks_in_minipoch(0) * engine.plan.streams
+        assert len(source.reads) == blocks  # whole buffer of every stream, nothing of minipoch 1
+        await asyncio.sleep(0.1)
+        assert len(source.reads) == blocks
+        await engine.aclose()
+
+    run(main)
+
+
+def test_a_fill_predicted_to_be_late_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    source = FakeSource(*make_data(rows=4096), chunk=SEQ_LEN * 8, latency_s=0.05)
+    engine = make(source, streams=1, rbpsb=16, spb=8, batch=8, max_concurrent_reads=1)
+
+    async def main() -> None:
+        with caplog.at_level(logging.WARNING, logger="asyncflat.engine"):
+            # 10 ms train steps through minipoch 0, while minipoch 1 fills at 50 ms a block:
+            # 16 blocks cannot arrive within the 15 remaining steps.
+            for step in range(engine.plan.first_step(1)):
+                await engine.gather(step, ALL)
+                await asyncio.sleep(0.01)
+        await engine.aclose()
+
+    run(main)
+    assert engine.plan.first_step(1) == 16
+    assert any("predicted to finish" in r.getMessage() and "minipoch 1" in r.getMessage() for r in caplog.records)
