@@ -79,6 +79,11 @@ class _Fill:
     cancelled: bool = False
     blocks_done: int = 0
     units_in_flight: int = 0
+    #: decodes writing into ``buffer`` right now; ``drained`` is set when there are none
+    writers: int = 0
+    drained: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    #: the previous occupant's ``drained``: its last writes must land before ours
+    write_after: asyncio.Event | None = None
     useful_bytes: int = 0
     late_warned: bool = False
 
@@ -122,6 +127,9 @@ class Engine:
         # decoded chunks: reads in flight, then a few recent ones (see _read_in_chunk)
         self._chunks: collections.OrderedDict[int, asyncio.Future[np.ndarray]] = collections.OrderedDict()
         self._chunks_cached = max(2, self._inflight_budget // max(1, 4 * source.token_chunk))
+        # Decode chunk objects ourselves, straight into the buffers (partial Blosc decodes),
+        # when the source can hand them out; otherwise zarr decodes and we copy.
+        self._direct = plan.sequence_packing and getattr(source, "raw_codec", None) is not None
         self._closed = False
         # stats
         self._step_waits: collections.deque[tuple[int, float]] = collections.deque(maxlen=_STEP_HISTORY)
@@ -152,6 +160,8 @@ class Engine:
         self._start_workers()
         t0 = time.perf_counter()
         async with self._gather_lock:
+            if self._closed:  # closed while this gather queued behind another (no workers now)
+                raise LoaderClosedError("the engine is closed")
             loc = self.plan.locate(step, batch_indices)
             foreign = np.setdiff1d(np.unique(loc.stream), self.streams)
             if len(foreign):
@@ -267,7 +277,11 @@ class Engine:
             victim = max(victims, key=lambda f: f.minipoch)
             self._cancel(victim)
             free = [victim.buffer_index]
+            write_after = victim.drained
+        else:
+            write_after = None
         fill = self._start_fill(stream, minipoch, free[0], from_step, reason)
+        fill.write_after = write_after
         fills[minipoch] = fill
         return fill
 
@@ -301,6 +315,7 @@ class Engine:
             deadlines=deadlines, reason=reason, pending=np.zeros(len(blocks), np.int64),
             ready=[asyncio.Event() for _ in blocks], started=time.perf_counter(),
         )
+        fill.drained.set()
         units = self._units_packed(fill) if plan.sequence_packing else self._units_unpacked(fill)
         for unit in units:
             for slot, *_ in unit.pieces:
@@ -417,18 +432,23 @@ class Engine:
 
     async def _run_unit(self, unit: _Unit) -> None:
         fill = unit.fill
-        if self.plan.sequence_packing:
-            data = await self._read_in_chunk(unit.start, unit.stop)
+        if self._direct:
+            await self._decode_unit(unit)
         else:
-            data = await self._read_unpacked_block(unit.start, unit.stop)
+            if self.plan.sequence_packing:
+                data = await self._read_in_chunk(unit.start, unit.stop)
+            else:
+                data = await self._read_unpacked_block(unit.start, unit.stop)
+            if fill.cancelled:
+                return  # the buffer may already belong to another fill: never write into it
+            flat, slot_tokens = fill.buffer.reshape(-1), self._slot_tokens
+            # Copies happen on the loop thread, so "not cancelled" cannot change mid-copy.
+            for slot, offset, src, length in unit.pieces:
+                dst = slot * slot_tokens + offset
+                flat[dst:dst + length] = data.reshape(-1)[src:src + length]
         if fill.cancelled:
-            return  # the buffer may already belong to another fill: never write into it
-        flat = fill.buffer.reshape(-1)
-        slot_tokens = self.plan.sequences_per_read_block * self.plan.seq_len
-        # Copies happen on the loop thread, so "not cancelled" cannot change mid-copy.
+            return
         for slot, offset, src, length in unit.pieces:
-            dst = slot * slot_tokens + offset
-            flat[dst:dst + length] = data.reshape(-1)[src:src + length]
             fill.pending[slot] -= 1
             fill.useful_bytes += length * 4
             self._useful_bytes += length * 4
@@ -443,29 +463,72 @@ class Engine:
         else:
             self._check_late(fill)
 
-    async def _read_in_chunk(self, start: int, stop: int) -> np.ndarray:
-        """``encoded_tokens[start:stop]`` (inside one chunk), decoding each chunk once.
+    @property
+    def _slot_tokens(self) -> int:
+        return self.plan.sequences_per_read_block * self.plan.seq_len
+
+    async def _decode_unit(self, unit: _Unit) -> None:
+        """Fetch the unit's chunk object and decode its pieces straight into their slots."""
+        fill = unit.fill
+        chunk = self.source.token_chunk
+        chunk_id, lo = unit.start // chunk, unit.start // chunk * chunk
+        if self.source.raw_codec == "raw":  # uncompressed: fetch just the bytes we use
+            frame = await self.source.read_frame(chunk_id, (unit.start - lo, unit.stop - lo))
+        else:
+            frame = await self._shared_chunk(chunk_id, lambda: self.source.read_frame(chunk_id), 0)
+        if fill.write_after is not None:
+            await fill.write_after.wait()  # the buffer's previous fill is still decoding into it
+        if fill.cancelled:
+            return
+        flat, slot_tokens = fill.buffer.reshape(-1), self._slot_tokens
+        targets = [(unit.start - lo + src, flat[slot * slot_tokens + offset:][:length])
+                   for slot, offset, src, length in unit.pieces]
+        fill.writers += 1
+        fill.drained.clear()
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self._decode_targets, frame, targets)
+        except AsyncflatError:
+            # Bad bytes must not stay cached for the fills that come after: fetch them afresh.
+            cached = self._chunks.get(chunk_id)
+            if cached is not None and cached.done() and not cached.cancelled() and \
+                    cached.exception() is None and cached.result() is frame:
+                del self._chunks[chunk_id]
+            raise
+        finally:
+            fill.writers -= 1
+            if not fill.writers:
+                fill.drained.set()
+        self._decoded_bytes += sum(out.nbytes for _, out in targets)
+
+    def _decode_targets(self, frame: Any, targets: list[tuple[int, np.ndarray]]) -> None:
+        for first_item, out in targets:
+            self.source.decode_into(frame, first_item, out)
+
+    def _shared_chunk(self, chunk_id: int, read: Any, decoded_bytes: int) -> "asyncio.Future[Any]":
+        """One read per chunk for everyone who needs it; the last few results stay cached.
 
         Fills of different streams (and consecutive fills) often need the same chunk at about
-        the same time: the whole chunk is read once, concurrent readers share the read, and the
-        last few decoded chunks stay cached (bounded by the in-flight byte budget).
+        the same time. Shielded: a cancelled fill must not cancel a read another fill shares.
         """
-        chunk = self.source.token_chunk
-        chunk_id = start // chunk
-        lo, hi = chunk_id * chunk, min((chunk_id + 1) * chunk, self.plan.token_count)
         task = self._chunks.get(chunk_id)
         if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
-            task = asyncio.ensure_future(self.source.read_tokens(lo, hi))
+            task = asyncio.ensure_future(read())
             self._chunks[chunk_id] = task
-            self._decoded_bytes += (hi - lo) * 4
+            self._decoded_bytes += decoded_bytes
         self._chunks.move_to_end(chunk_id)
         while len(self._chunks) > self._chunks_cached:
             old_id, old = next(iter(self._chunks.items()))
             if not old.done():
                 break  # never drop a read others may be waiting on
             del self._chunks[old_id]
-        # shield: a cancelled fill must not cancel a read another fill shares.
-        data = await asyncio.shield(task)
+        return asyncio.shield(task)
+
+    async def _read_in_chunk(self, start: int, stop: int) -> np.ndarray:
+        """``encoded_tokens[start:stop]`` (inside one chunk) through zarr, one decode per chunk."""
+        chunk = self.source.token_chunk
+        chunk_id = start // chunk
+        lo, hi = chunk_id * chunk, min((chunk_id + 1) * chunk, self.plan.token_count)
+        data = await self._shared_chunk(chunk_id, lambda: self.source.read_tokens(lo, hi), (hi - lo) * 4)
         return data[start - lo:stop - lo]
 
     async def _read_unpacked_block(self, first_seq: int, end_seq: int) -> np.ndarray:

@@ -23,3 +23,27 @@ def random_sequences(seed: int, count: int, *, max_len: int = 300, vocab: int = 
 @pytest.fixture(scope="session")
 def small_sequences() -> list[np.ndarray]:
     return random_sequences(0, 3000)
+
+
+# -- cloud: object-store servers on 127.0.0.1 (tests/helpers/servers.py), started on first use --
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator():
+    """gcp-storage-emulator in memory (suffix ranges and listen backlog fixed), one bucket."""
+    from helpers.servers import GcsEmulator
+
+    with GcsEmulator(bucket="asyncflat-test") as emulator:
+        yield emulator
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server, one bucket; fake credentials and no EC2 metadata probing meanwhile."""
+    from helpers.servers import MOTO_ENV, MotoS3
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in MOTO_ENV.items():
+            patch.setenv(name, value)
+        with MotoS3(bucket="asyncflat-test") as server:
+            yield server

@@ -60,6 +60,7 @@ class _Httpd(http.server.HTTPServer):
 
 def _emulator_handler_class() -> type:
     from gcp_storage_emulator import server as gse
+    from gcp_storage_emulator.exceptions import NotFound
     from gcp_storage_emulator.handlers import objects
 
     download_patterns = [re.compile(regex) for regex, handlers in gse.HANDLERS
@@ -83,7 +84,7 @@ def _emulator_handler_class() -> type:
                 params = {k: unquote(v) for k, v in found.groupdict().items()}
                 try:
                     size = len(self.storage.get_file(params["bucket_name"], params["object_id"]))
-                except Exception:  # missing object: let the emulator answer 404 itself
+                except NotFound:  # let the emulator answer 404 itself
                     return
                 start = max(0, size - int(match.group(1)))
                 self.headers.replace_header("Range", f"bytes={start}-")
@@ -111,7 +112,7 @@ class GcsEmulator:
         assert self._httpd is not None, "not started"
         return int(self._httpd.server_address[1])
 
-    def start(self) -> "GcsEmulator":
+    def start(self) -> GcsEmulator:
         from gcp_storage_emulator.handlers import buckets
         from gcp_storage_emulator.storage import Storage
 
@@ -137,7 +138,7 @@ class GcsEmulator:
         """gcsfs options for this emulator (or for a proxy in front of it at ``endpoint``)."""
         return {"endpoint_url": endpoint or self.endpoint, "token": "anon", "project": "test"}
 
-    def __enter__(self) -> "GcsEmulator":
+    def __enter__(self) -> GcsEmulator:
         return self.start()
 
     def __exit__(self, *exc_info: object) -> None:
@@ -167,7 +168,7 @@ class MotoS3:
         self._server: Any = None
         self.endpoint = ""
 
-    def start(self) -> "MotoS3":
+    def start(self) -> MotoS3:
         from moto.server import ThreadedMotoServer
 
         logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one log line per request
@@ -190,7 +191,7 @@ class MotoS3:
         """s3fs options for this server (or for a proxy in front of it at ``endpoint``)."""
         return {"endpoint_url": endpoint or self.endpoint, "key": "testing", "secret": "testing"}
 
-    def __enter__(self) -> "MotoS3":
+    def __enter__(self) -> MotoS3:
         return self.start()
 
     def __exit__(self, *exc_info: object) -> None:
@@ -315,7 +316,7 @@ class TcpProxy:
     def faults(self) -> list[ProxiedRequest]:
         return [r for r in list(self.requests) if r.fault is not None]
 
-    def start(self) -> "TcpProxy":
+    def start(self) -> TcpProxy:
         self._loop = asyncio.new_event_loop()
         started = threading.Event()
 
@@ -354,7 +355,7 @@ class TcpProxy:
                 self._thread.join(10)
             loop.close()
 
-    def __enter__(self) -> "TcpProxy":
+    def __enter__(self) -> TcpProxy:
         return self.start()
 
     def __exit__(self, *exc_info: object) -> None:

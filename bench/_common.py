@@ -1,0 +1,81 @@
+"""Shared pieces of the benchmarks: the DESIGN §4 dataset, timers, JSON output.
+
+Datasets are cached under ``$ASYNCFLAT_BENCH_DIR`` (default: ``/tmp/asyncflat-bench``) so a
+second run does not rewrite a gigabyte. Layouts:
+
+* ``seqax``: zarr format 2 exactly as seqax's tools write it (4,194,304-token chunks, Blosc lz4
+  bitshuffle), the setup the reference figures were measured on;
+* ``aligned``: asyncflat's default, format 3 with chunks equal to a 1M-token read block.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+DESIGN_TOKENS = 1 << 28
+SEQAX_CHUNK = 4_194_304
+BLOCK_TOKENS = 1 << 20
+
+
+def bench_dir() -> Path:
+    path = Path(os.environ.get("ASYNCFLAT_BENCH_DIR", "/tmp/asyncflat-bench"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def synthetic_sequences(tokens: int, seed: int = 0, vocab: int = 50_000):
+    """Zipf-distributed ids (text-like, ~2x compressible), sequence lengths ~ geometric(1/900)."""
+    rng = np.random.default_rng(seed)
+    step = 1 << 24
+    for lo in range(0, tokens, step):
+        n = min(step, tokens - lo)
+        ids = (rng.zipf(1.15, n) - 1) % vocab
+        lengths = rng.geometric(1 / 900, size=n // 100 + 16)
+        ends = np.cumsum(lengths)
+        ends = ends[ends < n]
+        yield np.split(ids.astype(np.uint32), ends)
+
+
+def ensure_dataset(layout: str, tokens: int = DESIGN_TOKENS) -> str:
+    """Write (once) and return the path of a ``layout`` dataset with about ``tokens`` tokens."""
+    from asyncflat import FlatTokensWriter
+
+    path = bench_dir() / f"{layout}-{tokens}.zarr"
+    if path.exists():
+        return str(path)
+    kwargs = {"seqax": dict(zarr_format=2, chunk_tokens=SEQAX_CHUNK),
+              "aligned": dict(zarr_format=3, chunk_tokens=BLOCK_TOKENS)}[layout]
+    t0 = time.perf_counter()
+    with FlatTokensWriter(path, **kwargs) as writer:
+        for sequences in synthetic_sequences(tokens):
+            writer.append("train", sequences)
+        writer.append("validation", next(synthetic_sequences(1 << 16, seed=1)))
+    print(f"wrote {path} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return str(path)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def emit(figures: dict) -> None:
+    """Print the one JSON line of a benchmark (stdout); everything else goes to stderr."""
+    print(json.dumps(figures, sort_keys=False), flush=True)
+
+
+def out_dir() -> Path:
+    path = Path(__file__).resolve().parent / "out"
+    path.mkdir(exist_ok=True)
+    return path

@@ -1,0 +1,112 @@
+"""Fill throughput: the engine filling a shuffle buffer vs tensorstore reading the same blocks.
+
+Two layouts of the DESIGN §4 dataset (warm page cache):
+* ``seqax``: 4M-token chunks, 1M-token blocks (a block read decodes a 4x bigger chunk);
+  target: engine >= 1.0x tensorstore on the same blocks.
+* ``aligned``: chunks = blocks; target: engine >= 0.5x blosc's own 2-thread decode rate
+  of the same chunks.
+The engine's figure is the best whole fill into buffers already touched (as in steady state),
+from ``stats()["fills"]``; prefetch is off so fills do not overlap. Prints one
+JSON line (GB/s of useful tokens, 1 GB = 1e9 bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import DESIGN_TOKENS, emit, ensure_dataset  # noqa: E402
+
+LEN, BATCH, SPB, RBPSB = 2048, 64, 512, 64
+
+
+def warm_page_cache(path: str) -> None:
+    for file in Path(path).rglob("*"):
+        if file.is_file():
+            file.read_bytes()
+
+
+def engine_fill_gbps(path: str) -> tuple[float, list]:
+    """Best rate of a whole fill (prefetch off, so fills do not overlap) into warm buffers."""
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    import asyncflat
+
+    params = asyncflat.FlatTokensParams(path, 1, RBPSB, SPB, seed=0, sequence_packing=True)
+    options = asyncflat.EngineOptions(prefetch=False)
+    with asyncflat.ShufflingLoader("train", params, asyncflat.TokenBatchParams(LEN, BATCH), options=options) as loader:
+        plan = loader.plan
+        minipochs = list(range(plan.minipoch_count))
+        # Two rounds: the first touches the two buffers' fresh memory (a one-time cost on these
+        # VMs), the second measures fills into memory already mapped, as in steady state.
+        for m in minipochs * 2:
+            loader.load(plan.first_step(m))  # with 2 buffers, round two refills every minipoch
+        warm = [f for f in loader.stats()["fills"][2:] if not f["cancelled"]]  # not the first two
+        if not warm:
+            raise SystemExit("need at least 3 minipochs (use more --tokens)")
+        blocks = [plan.buffer_blocks(0, f["minipoch"]) for f in warm]
+    return max(f["useful_bytes"] / f["duration_s"] / 1e9 for f in warm), blocks
+
+
+def tensorstore_gbps(path: str, zarr_format: int, block_sets: list[np.ndarray], repeats: int = 3) -> float:
+    import tensorstore as ts
+
+    driver = "zarr" if zarr_format == 2 else "zarr3"
+    array = ts.open({"driver": driver, "kvstore": {"driver": "file", "path": path + "/train/encoded_tokens"}},
+                    read=True).result()
+    block_tokens = SPB * LEN
+    best = 0.0
+    for _ in range(repeats):
+        for blocks in block_sets:
+            t0 = time.perf_counter()
+            futures = [array[int(b) * block_tokens:(int(b) + 1) * block_tokens].read() for b in blocks]
+            total = sum(f.result().nbytes for f in futures)
+            best = max(best, total / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def blosc_decode_gbps(path: str, block_sets: list[np.ndarray]) -> float:
+    """numcodecs' Blosc on 2 threads decoding the chunk objects of the same blocks (aligned)."""
+    from numcodecs import blosc
+
+    chunk_dir = Path(path) / "train" / "encoded_tokens" / "c"
+    raw = [(chunk_dir / str(int(b))).read_bytes() for blocks in block_sets for b in blocks]
+    blosc.set_nthreads(2)
+    out = np.empty(SPB * LEN, np.uint32)
+    best = 0.0
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for data in raw:
+            blosc.decompress(data, out)
+        best = max(best, len(raw) * out.nbytes / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=DESIGN_TOKENS)
+    args = parser.parse_args()
+    figures: dict = {"bench": "fill", "tokens": args.tokens}
+    for layout, zarr_format in (("seqax", 2), ("aligned", 3)):
+        path = ensure_dataset(layout, args.tokens)
+        warm_page_cache(path)
+        engine, block_sets = engine_fill_gbps(path)
+        store = tensorstore_gbps(path, zarr_format, block_sets)
+        figures[layout] = {"engine_gbps": round(engine, 3), "tensorstore_gbps": round(store, 3),
+                           "engine_over_tensorstore": round(engine / store, 2)}
+        if layout == "aligned":
+            blosc_rate = blosc_decode_gbps(path, block_sets)
+            figures[layout].update(blosc_2thread_gbps=round(blosc_rate, 3),
+                                   engine_over_blosc=round(engine / blosc_rate, 2))
+    figures["meets_seqax_target"] = figures["seqax"]["engine_over_tensorstore"] >= 1.0
+    figures["meets_aligned_target"] = figures["aligned"]["engine_over_blosc"] >= 0.5
+    emit(figures)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""Stall benchmark: load() latency per step across minipoch boundaries, prefetch on vs off.
+
+Runs a training loop with a simulated step (``--step-ms`` of sleep, i.e. a trainer that waits
+on the accelerator) over a whole epoch of the DESIGN §4 setup (2^28 tokens in seqax's layout,
+len 2048, batch 64, 512 sequences per block, 64 blocks per buffer: 4 minipochs, 3 boundaries),
+once with prefetch and once with the reference's synchronous fills, each in a fresh process so
+peak RSS is per mode. In the same process it times the bare cost of a batch (numpy gather +
+``make_array_from_callback`` + decode) as the floor. Prints one JSON line and writes
+``bench/out/stall.png``.
+
+Targets (DESIGN §4): max load() after the first <= 2x the steady median; steady median <= 1.3x
+the bare floor; peak RSS <= 2.2x the shuffle buffer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import DESIGN_TOKENS, emit, ensure_dataset, out_dir, peak_rss_bytes, rss_bytes  # noqa: E402
+
+
+def child(args: argparse.Namespace) -> None:
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    import jax
+
+    import asyncflat
+    from asyncflat.loader import _decoder, default_sharding
+
+    params = asyncflat.FlatTokensParams(args.path, args.streams, args.rbpsb, args.spb, seed=0,
+                                        sequence_packing=True)
+    batch_params = asyncflat.TokenBatchParams(len=args.len, batch=args.batch)
+    # jax and the decode function warm up before the baseline RSS is taken
+    jax.block_until_ready(_decoder(False)(jax.device_put(np.zeros((args.batch, args.len), np.uint32),
+                                                         default_sharding())))
+    rss0 = rss_bytes()
+    options = asyncflat.EngineOptions(prefetch=args.mode == "on")
+    latencies = []
+    with asyncflat.ShufflingLoader("train", params, batch_params, options=options) as loader:
+        steps = loader.step_count if args.steps is None else min(args.steps, loader.step_count)
+        for step in range(steps):
+            t0 = time.perf_counter()
+            batch = loader.load(step)
+            latencies.append(time.perf_counter() - t0)
+            time.sleep(args.step_ms / 1000)
+            del batch
+        stats = loader.stats()
+        plan = loader.plan
+        peak = peak_rss_bytes()
+        # The floor: the same rows gathered from a resident numpy array, wrapped and decoded.
+        rows = np.random.default_rng(0).integers(0, 1 << 30, (plan.seqs_per_buffer, args.len), dtype=np.uint32)
+        perm = plan.row_permutation(0, 0)
+        sharding = loader.sharding
+        decode = _decoder(False)
+        floor = []
+        for step in range(min(400, steps)):
+            t0 = time.perf_counter()
+            host = rows[perm[(step * args.batch + np.arange(args.batch)) % len(perm)]]
+            arr = jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+            out = decode(arr)
+            floor.append(time.perf_counter() - t0)
+            time.sleep(args.step_ms / 1000)
+            del out
+    print(json.dumps({
+        "latencies": latencies, "floor": floor, "rss0": rss0, "peak_rss": peak,
+        "buffer_bytes": plan.buffer_bytes, "streams": plan.streams,
+        "minipoch_first_steps": [plan.first_step(m) for m in range(plan.minipoch_count)],
+        "fills": stats["fills"], "read_amplification": stats["read_amplification"],
+    }))
+
+
+def summarize(run: dict) -> dict:
+    lat = np.array(run["latencies"])
+    after_first = lat[1:]
+    median = float(np.median(after_first))
+    fills = [f for f in run["fills"] if not f["cancelled"]]
+    return {
+        "first_load_ms": round(lat[0] * 1e3, 3),
+        "median_ms": round(median * 1e3, 3),
+        "p99_ms": round(float(np.percentile(after_first, 99)) * 1e3, 3),
+        "max_after_first_ms": round(float(after_first.max()) * 1e3, 3),
+        "max_over_median": round(float(after_first.max()) / median, 2),
+        "floor_median_ms": round(float(np.median(run["floor"])) * 1e3, 3),
+        "median_over_floor": round(median / float(np.median(run["floor"])), 2),
+        "fill_s": [round(f["duration_s"], 3) for f in fills],
+        "peak_rss_over_buffer": round((run["peak_rss"] - run["rss0"]) / (run["buffer_bytes"] * run["streams"]), 2),
+    }
+
+
+def plot(runs: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4))
+    for mode, color in (("off", "tab:red"), ("on", "tab:blue")):
+        lat = np.array(runs[mode]["latencies"]) * 1e3
+        label = "prefetch off (reference behaviour)" if mode == "off" else "asyncflat prefetch"
+        ax.plot(np.arange(len(lat)), lat, ".", ms=2, color=color, label=label)
+    for step in runs["on"]["minipoch_first_steps"][1:]:
+        ax.axvline(step, color="grey", lw=0.5, ls="--")
+    ax.set_yscale("log")
+    ax.set_xlabel("step (dashed: minipoch boundaries)")
+    ax.set_ylabel("load() latency [ms]")
+    ax.set_title("load() latency per step")
+    ax.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=DESIGN_TOKENS)
+    parser.add_argument("--layout", default="seqax", choices=["seqax", "aligned"])
+    parser.add_argument("--len", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--streams", type=int, default=1)
+    parser.add_argument("--spb", type=int, default=512)
+    parser.add_argument("--rbpsb", type=int, default=64)
+    parser.add_argument("--step-ms", type=float, default=5.0)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--mode", choices=["on", "off"], help=argparse.SUPPRESS)
+    parser.add_argument("--path", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.mode:
+        return child(args)
+    path = ensure_dataset(args.layout, args.tokens)
+    runs = {}
+    for mode in ("on", "off"):
+        cmd = [sys.executable, __file__, "--mode", mode, "--path", path] + sys.argv[1:]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        runs[mode] = json.loads(out.strip().splitlines()[-1])
+    png = out_dir() / "stall.png"
+    plot(runs, str(png))
+    on, off = summarize(runs["on"]), summarize(runs["off"])
+    emit({
+        "bench": "stall", "tokens": args.tokens, "layout": args.layout, "step_ms": args.step_ms,
+        "steps": len(runs["on"]["latencies"]), "boundaries": len(runs["on"]["minipoch_first_steps"]) - 1,
+        "prefetch_on": on, "prefetch_off": off,
+        "target_max_over_median": 2.0, "meets_max_target": on["max_over_median"] <= 2.0,
+        "target_median_over_floor": 1.3, "meets_median_target": on["median_over_floor"] <= 1.3,
+        "target_rss_over_buffer": 2.2, "meets_rss_target": on["peak_rss_over_buffer"] <= 2.2,
+        "plot": str(png),
+    })
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""One process of a multi-host test run (started by tests/test_multihost.py, never by pytest).
+
+Usage: ``python tests/multihost_worker.py SPEC.json PROCESS_ID``. The spec names the dataset,
+the number of processes and local devices, the coordinator port, the output directory and the
+cases to run. For every case this process:
+
+1. loads steps ``start .. start+count-1`` in order with ``load()``, letting the engine settle
+   after each (so the bytes it read are deterministic), and records ``stats()``;
+2. iterates the same steps with ``iter(start)`` (device prefetch on), plus a few steps out of
+   order with ``load()``, and for each step saves
+   * ``gathered``: the global batch gathered with ``process_allgather`` (targets, is_seq_start);
+   * ``local``: the global batch as seen through this process's addressable shards only, with a
+     mask of the rows/columns they cover.
+
+Results go to ``OUT/result-<process_id>.npz`` and ``OUT/stats-<process_id>.json``. The parent
+compares them with the oracle (tests/reference_impl.py) and with the other runs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+
+with open(sys.argv[1]) as _f:
+    SPEC = json.load(_f)
+PROCESS_ID = int(sys.argv[2])
+# Before jax is imported anywhere.
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={SPEC['local_devices']}"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
+
+import asyncflat  # noqa: E402
+
+SETTLE_TIMEOUT_S = 20.0
+
+
+def make_sharding(kind: str) -> jax.sharding.Sharding | None:
+    """The sharding of a case; the same construction in a 1-process and a 2-process run."""
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    n = len(devices)
+    if kind == "default":
+        return None
+    if kind == "interleaved":  # batch rows alternate between processes: non-contiguous host rows
+        order = [devices[(i % 2) * (n // 2) + i // 2] for i in range(n)]
+        return NamedSharding(Mesh(np.array(order), ("batch",)), PartitionSpec("batch", None))
+    if kind == "batch_seq":  # batch over 4, sequence axis over 2 (within a process)
+        mesh = Mesh(np.array(devices).reshape(n // 2, 2), ("batch", "seq"))
+        return NamedSharding(mesh, PartitionSpec("batch", "seq"))
+    if kind == "replicated_over_processes":  # every process holds the whole batch
+        mesh = Mesh(np.array(devices).reshape(2, n // 2), ("replica", "batch"))
+        return NamedSharding(mesh, PartitionSpec("batch", None))
+    raise ValueError(kind)
+
+
+def settle(loader: asyncflat.ShufflingLoader) -> None:
+    """Wait until no fill is running, so the bytes read so far no longer depend on timing."""
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    while True:
+        stats = loader.stats()
+        if not stats["active_fills"] and stats["units_in_flight"] == 0:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"fills still running after {SETTLE_TIMEOUT_S} s: {stats['active_fills']}")
+        time.sleep(0.002)
+
+
+def local_view(array: jax.Array) -> tuple[np.ndarray, np.ndarray]:
+    """The global array as far as this process's shards show it, and the mask they cover."""
+    values = np.zeros(array.shape, np.dtype(array.dtype))
+    covered = np.zeros(array.shape, bool)
+    for shard in array.addressable_shards:
+        assert shard.device.process_index == jax.process_index()
+        values[shard.index] = np.asarray(shard.data)
+        covered[shard.index] = True
+    return values, covered
+
+
+def run_case(case: dict, results: dict[str, np.ndarray]) -> dict:
+    name = case["name"]
+    params = asyncflat.FlatTokensParams(
+        SPEC["dataset"], case["streams"], case["rbpsb"], case["spb"], case["seed"], case["packing"]
+    )
+    batch_params = asyncflat.TokenBatchParams(len=case["len"], batch=case["batch"])
+    options = asyncflat.EngineOptions(prefetch_to_device=case.get("prefetch_to_device", 1))
+    steps = list(range(case["start"], case["start"] + case["count"]))
+    with asyncflat.ShufflingLoader(
+        "train", params, batch_params, make_sharding(case["sharding"]), options=options
+    ) as loader:
+        read_at_open = loader.stats()["bytes_read"]  # metadata, seq_starts
+        for step in steps:
+            loader.load(step)
+            settle(loader)
+        stats = loader.stats()
+        record = {
+            key: stats[key]
+            for key in ("streams", "bytes_read", "bytes_useful", "bytes_decoded", "host_batch_rows")
+        }
+        record["bytes_read"] -= read_at_open
+        record["fill_streams"] = sorted({f["stream"] for f in stats["fills"]})
+        record["step_count"] = loader.step_count
+
+        served: list[tuple[int, asyncflat.TokenBatch]] = []
+        iterator = loader.iter(case["start"])
+        for step, batch in iterator:
+            served.append((step, batch))
+            if len(served) == len(steps):
+                break
+        iterator.close()
+        for step in case["out_of_order"]:
+            served.append((step, loader.load(step)))
+
+        for i, (step, batch) in enumerate(served):
+            assert batch.targets.shape == (case["batch"], case["len"])
+            targets = multihost_utils.process_allgather(batch.targets, tiled=True)
+            starts = multihost_utils.process_allgather(batch.is_seq_start, tiled=True)
+            local_t, covered = local_view(batch.targets)
+            local_s, _ = local_view(batch.is_seq_start)
+            results[f"{name}/{i}/step"] = np.array(step)
+            results[f"{name}/{i}/targets"] = np.asarray(targets)
+            results[f"{name}/{i}/is_seq_start"] = np.asarray(starts)
+            results[f"{name}/{i}/local_targets"] = local_t
+            results[f"{name}/{i}/local_is_seq_start"] = local_s
+            results[f"{name}/{i}/covered"] = covered
+        record["served"] = len(served)
+    # No asyncflat thread may outlive close().
+    record["threads_after_close"] = [t.name for t in threading.enumerate() if "asyncflat" in t.name]
+    return record
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    t0 = time.perf_counter()
+    if SPEC["num_processes"] > 1:
+        jax.distributed.initialize(
+            coordinator_address=f"127.0.0.1:{SPEC['port']}",
+            num_processes=SPEC["num_processes"],
+            process_id=PROCESS_ID,
+            initialization_timeout=SPEC["init_timeout_s"],
+            heartbeat_timeout_seconds=10,
+            shutdown_timeout_seconds=10,
+        )
+    assert jax.process_count() == SPEC["num_processes"]
+    assert len(jax.devices()) == SPEC["num_processes"] * SPEC["local_devices"]
+    init_s = time.perf_counter() - t0
+    results: dict[str, np.ndarray] = {}
+    stats = {"init_s": init_s, "process_index": jax.process_index(), "cases": {}}
+    for case in SPEC["cases"]:
+        stats["cases"][case["name"]] = run_case(case, results)
+    stats["total_s"] = time.perf_counter() - t0
+    out = SPEC["out"]
+    np.savez(os.path.join(out, f"result-{PROCESS_ID}.npz"), **results)
+    with open(os.path.join(out, f"stats-{PROCESS_ID}.json"), "w") as f:
+        json.dump(stats, f)
+    if SPEC["num_processes"] > 1:
+        multihost_utils.sync_global_devices("asyncflat-multihost-worker-done")
+        jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,308 @@
+"""Tests of the asyncflat command line and of asyncflat.inspect (describe, loader figures, verify)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import asyncflat.inspect as inspect_mod
+from asyncflat import FlatTokensParams, ShufflePlan, TokenBatchParams, write_flat_tokens
+from asyncflat.cli import main
+from asyncflat.errors import CorruptChunkError, DatasetFormatError
+from asyncflat.inspect import describe_split, loader_figures, verify_split
+from conftest import random_sequences
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[np.ndarray]]:
+    seqs = random_sequences(1, 1500, max_len=200, vocab=5000)
+    path = tmp_path_factory.mktemp("cli") / "ds.zarr"
+    write_flat_tokens(path, {"train": seqs, "validation": seqs[:40]}, chunk_tokens=4096)
+    return path, seqs
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+# -- the command line -------------------------------------------------------------------------
+
+
+def test_python_m_asyncflat_help() -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "asyncflat", "--help"], capture_output=True,
+                          text=True, env=env, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    for command in ("demo", "inspect", "convert", "bench"):
+        assert command in proc.stdout
+
+
+@pytest.mark.parametrize("command, option", [
+    ("demo", "--no-prefetch"), ("inspect", "--verify"), ("convert", "--tokenizer"), ("bench", "--list"),
+])
+def test_each_command_has_help(capsys: pytest.CaptureFixture[str], command: str, option: str) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    assert option in capsys.readouterr().out
+
+
+def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--steps", "0"])
+    assert exit_info.value.code == 2
+    with pytest.raises(SystemExit):
+        main([])
+    capsys.readouterr()
+
+
+def test_demo_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    common = ["--tokens", "300000", "--len", "64", "--batch", "8", "--sequences-per-block", "16",
+              "--read-blocks-per-buffer", "4", "--step-ms", "0.5", "--no-progress",
+              "--path", str(tmp_path / "demo.zarr")]
+    rc, out, _ = run(capsys, "demo", *common, "--json")
+    assert rc == 0
+    result = json.loads(out)
+    plan = ShufflePlan.create(
+        FlatTokensParams(str(tmp_path / "demo.zarr"), 1, 4, 16, 0, True),
+        TokenBatchParams(len=64, batch=8),
+        token_count=zarr.open_group(str(tmp_path / "demo.zarr"))["train"]["encoded_tokens"].shape[0],
+        sequence_count=0,
+    )
+    assert result["steps"] == plan.step_count
+    assert result["minipoch_boundaries_crossed"] == plan.minipoch_count - 1 >= 3
+    assert result["fills"] == plan.minipoch_count
+    assert result["fills_prefetch"] == plan.minipoch_count - 1
+    assert result["tokens_per_s"] > 0 and result["load_max_s"] >= result["load_median_s"] > 0
+    assert result["read_amplification"] == pytest.approx(1.0)  # chunks written to match blocks
+
+    # The dataset at --path is reused; without prefetch every fill is on demand. Text output.
+    rc, out, _ = run(capsys, "demo", *common, "--no-prefetch", "--steps", "40")
+    assert rc == 0
+    assert "40 steps of 8 x 64 tokens" in out and "prefetch off" in out
+    assert "M tokens/s" in out and "0 prefetch" in out and "load() latency" in out
+
+
+def test_inspect_text_and_json(
+    dataset: tuple[Path, list[np.ndarray]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, seqs = dataset
+    rc, out, _ = run(capsys, "inspect", str(path), "--len", "128", "--batch", "8",
+                     "--sequences-per-block", "8", "--read-blocks-per-buffer", "4", "--no-progress")
+    assert rc == 0
+    tokens = sum(len(s) for s in seqs)
+    assert f"train: {tokens:,} tokens, {len(seqs):,} sequences" in out
+    assert "zarr format 3" in out and "chunks of 4,096 tokens" in out and "blosc(lz4" in out
+    assert "sequence lengths: min" in out and "read amplification" in out and "minipochs" in out
+
+    rc, out, _ = run(capsys, "inspect", str(path), "--split", "train", "--len", "128", "--batch", "8",
+                     "--sequences-per-block", "8", "--read-blocks-per-buffer", "4", "--streams", "2",
+                     "--hosts", "2", "--json", "--no-progress", "--verify")
+    assert rc == 0
+    report = json.loads(out)["splits"]["train"]
+    summary, loader = report["summary"], report["loader"]
+    lengths = np.array([len(s) for s in seqs])
+    assert summary["token_count"] == tokens and summary["sequence_count"] == len(seqs)
+    assert summary["max_token_id"] == max(int(s.max()) for s in seqs)
+    assert summary["lengths"]["min"] == lengths.min() and summary["lengths"]["max"] == lengths.max()
+    assert summary["lengths"]["median"] == int(np.quantile(lengths, 0.5, method="inverted_cdf"))
+    assert summary["lengths"]["p90"] == int(np.quantile(lengths, 0.9, method="inverted_cdf"))
+    assert sum(summary["lengths"]["log2_histogram"]) == len(seqs)
+    assert summary["compression_ratio"] > 1
+    plan = ShufflePlan.create(
+        FlatTokensParams(str(path), 2, 4, 8, 0, True), TokenBatchParams(len=128, batch=8),
+        token_count=tokens, sequence_count=len(seqs),
+    )
+    assert loader["step_count"] == plan.step_count and loader["minipoch_count"] == plan.minipoch_count
+    assert loader["streams_per_host"] == 1
+    assert loader["buffer_bytes_per_host"] == 2 * plan.buffer_bytes
+    assert report["verify"]["token_count"] == tokens
+
+
+def test_inspect_reports_parameters_too_large(dataset: tuple[Path, list[np.ndarray]],
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    path, _ = dataset
+    rc, out, _ = run(capsys, "inspect", str(path), "--split", "validation", "--len", "2048",
+                     "--batch", "8", "--no-progress")
+    assert rc == 0 and "loader: the split has" in out
+
+
+def test_inspect_missing_dataset(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = run(capsys, "inspect", str(tmp_path / "nope"), "--no-progress")
+    assert rc == 1 and "asyncflat inspect: error:" in err
+
+
+# -- read amplification -----------------------------------------------------------------------
+
+
+def test_read_amplification_packed_figures(dataset: tuple[Path, list[np.ndarray]]) -> None:
+    path, _ = dataset
+    summary = describe_split(str(path), "train", scan_lengths=False)
+    batch = TokenBatchParams(len=128, batch=8)
+    aligned = loader_figures(summary, FlatTokensParams(str(path), 1, 4, 32, 0, True), batch)
+    assert aligned.read_amplification == pytest.approx(1.0, abs=0.02)  # 32*128 = one chunk
+    quarter = loader_figures(summary, FlatTokensParams(str(path), 1, 1, 8, 0, True), batch)
+    assert quarter.read_amplification == pytest.approx(4.0, rel=0.02)  # one block per fill
+    unpacked = loader_figures(summary, FlatTokensParams(str(path), 1, 4, 8, 0, False), batch)
+    assert unpacked.read_amplification > 1
+
+
+# -- verify: each corruption is caught, with its index ----------------------------------------
+
+
+def corrupt_copy(tmp_path: Path, fmt: int) -> Path:
+    seqs = random_sequences(2, 400, max_len=60, vocab=300)
+    path = tmp_path / f"ds{fmt}.zarr"
+    write_flat_tokens(path, {"train": seqs}, zarr_format=fmt, chunk_tokens=512)
+    return path
+
+
+def array(path: Path, name: str) -> zarr.Array:
+    return zarr.open_array(str(path / "train" / name), mode="r+")
+
+
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_verify_passes_and_cli_exit_codes(
+    tmp_path: Path, fmt: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = corrupt_copy(tmp_path, fmt)
+    report = verify_split(str(path), "train")
+    assert report.observed_max_token_id == report.max_token_id
+    assert run(capsys, "inspect", str(path), "--verify", "--no-progress")[0] == 0
+    array(path, "encoded_tokens")[5] = np.uint32(2 * 10_000)
+    rc, _, err = run(capsys, "inspect", str(path), "--verify", "--no-progress", "--no-lengths")
+    assert rc == 1 and "encoded_tokens[5]: token id 10000 > max_token_id" in err
+
+
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_verify_seq_starts_not_increasing(tmp_path: Path, fmt: int) -> None:
+    path = corrupt_copy(tmp_path, fmt)
+    starts = array(path, "seq_starts")
+    starts[37] = starts[35]
+    with pytest.raises(DatasetFormatError, match=r"not strictly increasing at index 37"):
+        verify_split(str(path), "train")
+
+
+def test_verify_last_entry_mismatch(tmp_path: Path) -> None:
+    path = corrupt_copy(tmp_path, 3)
+    starts = array(path, "seq_starts")
+    starts[starts.shape[0] - 1] = starts[starts.shape[0] - 1] - 1
+    with pytest.raises(DatasetFormatError, match=r"seq_starts\[-1\] == len\(encoded_tokens\)"):
+        verify_split(str(path), "train")
+
+
+def test_verify_start_bits(tmp_path: Path) -> None:
+    path = corrupt_copy(tmp_path, 3)
+    tokens = array(path, "encoded_tokens")
+    starts = array(path, "seq_starts")[:]
+    inside = int(starts[10]) + 1  # a token that does not start a sequence
+    assert inside < starts[11]
+    tokens[inside] = tokens[inside] | 1
+    with pytest.raises(DatasetFormatError, match=rf"encoded_tokens\[{inside}\]: start bit set"):
+        verify_split(str(path), "train")
+    tokens[inside] = tokens[inside] & ~np.uint32(1)
+    first = int(starts[200])
+    tokens[first] = tokens[first] & ~np.uint32(1)
+    match = rf"encoded_tokens\[{first}\]: sequence 200 starts there"
+    with pytest.raises(DatasetFormatError, match=match):
+        verify_split(str(path), "train")
+
+
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_verify_corrupt_and_missing_chunks(tmp_path: Path, fmt: int) -> None:
+    path = corrupt_copy(tmp_path, fmt)
+    chunk = path / "train" / "encoded_tokens" / ("3" if fmt == 2 else "c/3")
+    original = chunk.read_bytes()
+    chunk.write_bytes(np.random.default_rng(0).bytes(len(original)))
+    with pytest.raises(CorruptChunkError, match=r"encoded_tokens: chunk 3 \(elements 1536:2048\)"):
+        verify_split(str(path), "train")
+    chunk.unlink()
+    with pytest.raises(CorruptChunkError, match="missing"):
+        verify_split(str(path), "train")
+    chunk.write_bytes(original)
+    verify_split(str(path), "train")
+    starts_chunk = path / "train" / "seq_starts" / ("0" if fmt == 2 else "c/0")
+    starts_chunk.write_bytes(starts_chunk.read_bytes()[:20])
+    with pytest.raises(DatasetFormatError):  # first/last checks or the chunk itself
+        verify_split(str(path), "train")
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=80),
+    kind=st.sampled_from(["id", "bit", "starts", "none"]),
+    where=st.floats(0, 1, exclude_max=True),
+)
+def test_verify_finds_first_violation_across_windows(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch,
+    lengths: list[int], kind: str, where: float,
+) -> None:
+    # Tiny windows and chunks, so every check crosses window and chunk boundaries.
+    monkeypatch.setattr(inspect_mod, "_TOKEN_WINDOW", 16)
+    monkeypatch.setattr(inspect_mod, "_STARTS_WINDOW", 8)
+    rng = np.random.default_rng(len(lengths))
+    seqs = [rng.integers(0, 50, n) for n in lengths]
+    path = tmp_path_factory.mktemp("prop") / "ds.zarr"
+    write_flat_tokens(path, {"train": seqs}, chunk_tokens=8)
+    tokens, starts = array(path, "encoded_tokens"), array(path, "seq_starts")
+    n = tokens.shape[0]
+    k = int(where * n)
+    if kind == "id":
+        tokens[k] = (tokens[k] & 1) | (2 * 1000)
+        match = rf"encoded_tokens\[{k}\]: token id 1000"
+    elif kind == "bit":
+        tokens[k] = tokens[k] ^ 1
+        match = rf"encoded_tokens\[{k}\]"
+    elif kind == "starts" and len(lengths) > 1:
+        i = 1 + int(where * (len(lengths) - 1))
+        starts[i] = starts[i - 1]
+        match = rf"index {i}"
+    else:
+        assert verify_split(str(path), "train").token_count == n
+        return
+    with pytest.raises(DatasetFormatError, match=match):
+        verify_split(str(path), "train")
+
+
+# -- bench ------------------------------------------------------------------------------------
+
+
+def test_bench_runs_scripts_and_prints_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    (bench / "fast.py").write_text(
+        '"""A fast benchmark."""\nprint("warming up")\nprint(\'{"figure": 1.5}\')\n'
+    )
+    (bench / "broken.py").write_text('"""Fails."""\nimport sys\nsys.exit(3)\n')
+    (bench / "_helper.py").write_text("")
+    rc, out, _ = run(capsys, "bench", "--bench-dir", str(bench), "--list")
+    assert rc == 0 and "fast" in out and "A fast benchmark." in out and "_helper" not in out
+    rc, out, err = run(capsys, "bench", "--bench-dir", str(bench), "fast")
+    assert rc == 0
+    assert json.loads(out) == {"figure": 1.5} and "warming up" in err
+    rc, _, err = run(capsys, "bench", "--bench-dir", str(bench), "broken")
+    assert rc == 1 and "broken (exit status 3)" in err
+    rc, _, err = run(capsys, "bench", "--bench-dir", str(bench), "nope")
+    assert rc == 1 and "unknown benchmark" in err
+    rc, _, err = run(capsys, "bench", "--bench-dir", str(tmp_path / "missing"), "--list")
+    assert rc == 1 and "not a directory" in err
+
+
+def test_bench_finds_the_checkout(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run(capsys, "bench", "--list")
+    assert rc == 0
+    assert {p.stem for p in (REPO / "bench").glob("*.py") if not p.name.startswith("_")} <= {
+        line.split()[0] for line in out.splitlines() if line.strip()}

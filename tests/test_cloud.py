@@ -1,0 +1,487 @@
+"""Object stores through fsspec: gcsfs against the GCS emulator, s3fs against moto's S3 server.
+
+The servers run on 127.0.0.1 (fixtures in conftest.py, pieces in helpers/servers.py). Datasets
+are written locally with asyncflat's writer, uploaded with fsspec, and the batches read from the
+bucket must equal those read from the local copy and the oracle, bit for bit. A TCP proxy in
+front of a server logs every request (to check that reads are ranged per chunk) and injects HTTP
+errors and connection resets (to check retries, throttling back-off and fail-fast errors).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import gc
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import random_sequences
+from helpers.servers import ProxiedRequest, TcpProxy
+from reference_impl import ReferenceLoader, load_split_arrays
+
+import asyncflat
+from asyncflat import (
+    CorruptChunkError,
+    DatasetFormatError,
+    EngineOptions,
+    FlatTokensParams,
+    RetryPolicy,
+    ShufflingLoader,
+    StorageError,
+    TokenBatchParams,
+    TransientStorageError,
+)
+from asyncflat.retry import is_throttle, is_transient
+from asyncflat.source import AdaptiveLimiter, IOCounters, _close_filesystem, _filesystem
+
+BUCKET = "asyncflat-test"
+CHUNK = 4096
+SHARD = 16384
+INDEX_BYTES = (SHARD // CHUNK) * 16 + 4  # (offset, nbytes) uint64 pairs + crc32c
+FORMATS: dict[str, dict[str, Any]] = {
+    "v2": {"zarr_format": 2, "chunk_tokens": CHUNK},
+    "v3": {"zarr_format": 3, "chunk_tokens": CHUNK},
+    "v3_sharded": {"zarr_format": 3, "chunk_tokens": CHUNK, "shard_tokens": SHARD},
+}
+BATCH = TokenBatchParams(len=32, batch=8)
+# streams 2, 3 blocks of 8 rows per buffer, 4 rows per stream per step: a minipoch every 6 steps.
+STREAMS, RBPSB, SPB, SEED = 2, 3, 8, 5
+FAST_RETRY = RetryPolicy(max_attempts=8, initial_backoff_s=0.005, max_backoff_s=0.05, deadline_s=30)
+
+
+# -- datasets and backends ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def local_datasets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("cloud")
+    train, validation = random_sequences(7, 1200), random_sequences(8, 300)
+    paths = {}
+    for name, kwargs in FORMATS.items():
+        paths[name] = root / f"{name}.zarr"
+        asyncflat.write_flat_tokens(paths[name], {"train": train, "validation": validation}, **kwargs)
+    return paths
+
+
+class Backend:
+    """One object store: how to reach it, directly or through a proxy."""
+
+    def __init__(self, name: str, server: Any) -> None:
+        self.name, self.server = name, server
+        self.protocol = "gs" if name == "gcs" else "s3"
+        self.dialect = name if name == "gcs" else "s3"
+
+    def url(self, key: str) -> str:
+        return f"{self.protocol}://{BUCKET}/{key}"
+
+    def options(self, proxy: TcpProxy | None = None) -> dict[str, Any]:
+        return self.server.storage_options(proxy.endpoint if proxy is not None else None)
+
+    def proxy(self, **kwargs: Any) -> TcpProxy:
+        return TcpProxy(self.server.endpoint, dialect=self.dialect, **kwargs)
+
+    def run(self, fn: Callable[[Any], Any]) -> Any:
+        """Run ``await fn(fs)`` with a fresh asynchronous filesystem, closed afterwards."""
+
+        async def main() -> Any:
+            fs, _ = _filesystem(self.url(""), self.options())
+            try:
+                return await fn(fs)
+            finally:
+                await _close_filesystem(fs)
+
+        return asyncio.run(main())
+
+
+@pytest.fixture(scope="module", params=["gcs", "s3"])
+def backend(request: pytest.FixtureRequest, local_datasets: dict[str, Path]) -> Iterator[Backend]:
+    server = request.getfixturevalue("gcs_emulator" if request.param == "gcs" else "s3_server")
+    backend = Backend(request.param, server)
+
+    async def upload(fs: Any) -> None:
+        for name, path in local_datasets.items():
+            await fs._put(str(path), f"{BUCKET}/data/{name}.zarr", recursive=True)
+
+    backend.run(upload)
+    yield backend
+
+
+def _params(filespec: str, options: dict[str, Any] | None = None, *, packing: bool = True,
+            streams: int = STREAMS) -> FlatTokensParams:
+    return FlatTokensParams(filespec, streams, RBPSB, SPB, SEED, packing, storage_options=options)
+
+
+_ORACLES: dict[tuple[str, str, bool, int], ReferenceLoader] = {}
+
+
+def _oracle(path: Path, split: str, packing: bool, streams: int = STREAMS) -> ReferenceLoader:
+    key = (str(path), split, packing, streams)
+    if key not in _ORACLES:
+        tokens, starts = load_split_arrays(path, split)
+        _ORACLES[key] = ReferenceLoader(
+            tokens, starts, seq_len=BATCH.len, batch=BATCH.batch, streams=streams,
+            read_blocks_per_shuffle_buffer=RBPSB, sequences_per_read_block=SPB, seed=SEED,
+            sequence_packing=packing,
+        )
+    return _ORACLES[key]
+
+
+def _encoded(batch: asyncflat.TokenBatch) -> np.ndarray:
+    targets = np.asarray(batch.targets)
+    return (targets << 1) | np.asarray(batch.is_seq_start).astype(np.uint32)
+
+
+def _data_request(request: ProxiedRequest) -> bool:
+    """A request for chunk bytes of encoded_tokens (not metadata)."""
+    path = request.path
+    return "/encoded_tokens/" in path and not path.endswith(
+        ("zarr.json", ".zarray", ".zattrs", ".zgroup"))
+
+
+# -- bit-identical batches ----------------------------------------------------------------------
+
+
+@pytest.mark.cloud
+@pytest.mark.parametrize(("fmt", "packing"), [
+    ("v2", True), ("v3", True), ("v3_sharded", True), ("v2", False), ("v3_sharded", False),
+])
+def test_bucket_batches_equal_local_and_oracle(
+    backend: Backend, local_datasets: dict[str, Path], fmt: str, packing: bool
+) -> None:
+    local = local_datasets[fmt]
+    oracle = _oracle(local, "train", packing)
+    remote_params = _params(backend.url(f"data/{fmt}.zarr"), backend.options(), packing=packing)
+    with ShufflingLoader("train", remote_params, BATCH) as remote, \
+            ShufflingLoader("train", _params(str(local), packing=packing), BATCH) as here:
+        assert remote.step_count == here.step_count == oracle.step_count
+        assert remote.max_token_id == here.max_token_id
+        # Steps 0-13 cross the minipoch boundaries at steps 6 and 12; then a jump and the end.
+        steps = list(range(14)) + [40, 41, remote.step_count - 1]
+        for step in steps:
+            got = _encoded(remote.load(step))
+            np.testing.assert_array_equal(got, _encoded(here.load(step)), err_msg=f"step {step}")
+            np.testing.assert_array_equal(got, oracle.encoded_batch(step), err_msg=f"step {step}")
+        stats = remote.stats()
+        assert stats["retries"] == 0 and stats["requests"] > 0 and stats["bytes_read"] > 0
+
+
+def test_memory_url_equals_local(local_datasets: dict[str, Path]) -> None:
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    fs.put(str(local_datasets["v3_sharded"]), "/asyncflat-cloud-test/v3s.zarr", recursive=True)
+    try:
+        remote = _params("memory://asyncflat-cloud-test/v3s.zarr")
+        with ShufflingLoader("validation", remote, BATCH) as loader, ShufflingLoader(
+                "validation", _params("file://" + str(local_datasets["v3_sharded"])), BATCH) as here:
+            for step in range(0, loader.step_count, 7):
+                np.testing.assert_array_equal(_encoded(loader.load(step)), _encoded(here.load(step)))
+    finally:
+        fs.rm("/asyncflat-cloud-test", recursive=True)
+
+
+# -- ranged reads ---------------------------------------------------------------------------------
+
+
+def _shard_index(local: Path, shard: int) -> list[tuple[int, int]]:
+    """(offset, nbytes) of each inner chunk of one local shard file."""
+    data = (local / "train" / "encoded_tokens" / "c" / str(shard)).read_bytes()
+    pairs = np.frombuffer(data[-INDEX_BYTES:-4], "<u8").reshape(-1, 2)
+    return [(int(o), int(n)) for o, n in pairs]
+
+
+@pytest.mark.cloud
+@pytest.mark.parametrize("fmt", ["v3", "v3_sharded"])
+def test_one_ranged_read_per_chunk(backend: Backend, local_datasets: dict[str, Path], fmt: str) -> None:
+    """A fill reads exactly the chunks its blocks live in, once each; a sharded array is read
+    with one ranged GET per inner chunk plus one (cached) index read per shard."""
+    with backend.proxy() as proxy:
+        params = _params(backend.url(f"data/{fmt}.zarr"), backend.options(proxy), streams=1)
+        with ShufflingLoader("train", params, BATCH, options=EngineOptions(prefetch=False)) as loader:
+            before = len(proxy.requests)
+            loader.load(0)  # without prefetch: exactly one fill, minipoch 0 of stream 0
+            blocks = loader.plan.buffer_blocks(0, 0)
+            stats = loader.stats()
+        requests = [r for r in proxy.requests[before:] if _data_request(r)]
+    block_tokens = SPB * BATCH.len
+    chunks = sorted({t // CHUNK for b in blocks.tolist()
+                     for t in (b * block_tokens, (b + 1) * block_tokens - 1)})
+    assert all(r.method == "GET" for r in requests)
+    if fmt == "v3":
+        # Whole chunk objects (each is the unit of decoding), each exactly once.
+        assert all(r.range is None for r in requests), requests
+        got = collections.Counter(int(r.path.rsplit("/", 1)[1]) for r in requests)
+        assert got == collections.Counter(chunks)
+        return
+    # Sharded: never a whole shard; the index once per shard, then each inner chunk's bytes.
+    assert all(r.range is not None for r in requests), requests
+    index_reads = collections.Counter(r.path for r in requests if r.range == f"bytes=-{INDEX_BYTES}")
+    assert set(index_reads.values()) == {1}
+    shards = sorted({c // (SHARD // CHUNK) for c in chunks})
+    assert sorted(int(p.rsplit("/", 1)[1]) for p in index_reads) == shards
+    expected = collections.Counter()
+    for chunk in chunks:
+        shard, inner = divmod(chunk, SHARD // CHUNK)
+        offset, nbytes = _shard_index(local_datasets[fmt], shard)[inner]
+        expected[(shard, f"bytes={offset}-{offset + nbytes - 1}")] += 1
+    got = collections.Counter((int(r.path.rsplit("/", 1)[1]), r.range) for r in requests
+                              if r.range != f"bytes=-{INDEX_BYTES}")
+    assert got == expected
+    assert stats["requests"] >= len(requests)
+
+
+# -- transient faults ------------------------------------------------------------------------------
+
+
+def _every_nth_fault(kinds: list[str], every: int) -> Callable[[ProxiedRequest], str | None]:
+    """Fail every ``every``-th data request, cycling through ``kinds``, but never the retry of a
+    request just failed (so each fault costs exactly one retry)."""
+    just_failed: set[tuple[str, str | None]] = set()
+    count = [0, 0]
+
+    def policy(request: ProxiedRequest) -> str | None:
+        key = (request.target, request.range)
+        if not _data_request(request):
+            return None
+        if key in just_failed:
+            just_failed.discard(key)
+            return None
+        count[0] += 1
+        if count[0] % every:
+            return None
+        just_failed.add(key)
+        count[1] += 1
+        return kinds[count[1] % len(kinds)]
+
+    return policy
+
+
+@pytest.mark.cloud
+@pytest.mark.parametrize("fmt", ["v2", "v3_sharded"])
+def test_transient_faults_are_retried_and_batches_unchanged(
+    backend: Backend, local_datasets: dict[str, Path], fmt: str
+) -> None:
+    kinds = ["503", "429", "reset", "500", "502", "504"]
+    options = EngineOptions(retry=FAST_RETRY)
+    with backend.proxy(latency_s=0.004, fault=_every_nth_fault(kinds, every=3)) as proxy:
+        remote = _params(backend.url(f"data/{fmt}.zarr"), backend.options(proxy))
+        with ShufflingLoader("validation", remote, BATCH, options=options) as loader, \
+                ShufflingLoader("validation", _params(str(local_datasets[fmt])), BATCH) as here:
+            oracle = _oracle(local_datasets[fmt], "validation", True)
+            for step in range(loader.step_count):  # the whole split: every fill completes
+                got = _encoded(loader.load(step))
+                np.testing.assert_array_equal(got, _encoded(here.load(step)), err_msg=f"step {step}")
+                if step % 8 == 0:
+                    np.testing.assert_array_equal(got, oracle.encoded_batch(step), err_msg=f"step {step}")
+            stats = loader.stats()
+        faults = proxy.faults()
+    assert len(faults) >= 5, "the policy should have injected faults"
+    # One retry per injected HTTP error: neither gcsfs/s3fs nor botocore retried on their own.
+    # A reset connection is re-sent once by aiohttp itself, at once (RFC 9112 allows it for
+    # idempotent requests; aiohttp has no option to turn it off), so it costs no retry of ours.
+    resets = sum(f.fault == "reset" for f in faults)
+    assert resets and stats["retries"] == len(faults) - resets
+    assert stats["throttled"] == sum(f.fault in ("429", "503") for f in faults)
+
+
+@pytest.mark.cloud
+def test_attempts_do_not_multiply(backend: Backend) -> None:
+    """A chunk that always answers 503 is requested exactly max_attempts times, not 3 x 6."""
+    policy = RetryPolicy(max_attempts=3, initial_backoff_s=0.001, max_backoff_s=0.002, deadline_s=30)
+    with backend.proxy(fault=lambda r: "503" if _data_request(r) else None) as proxy:
+        params = _params(backend.url("data/v3.zarr"), backend.options(proxy))
+        with ShufflingLoader("train", params, BATCH, options=EngineOptions(retry=policy)) as loader:
+            with pytest.raises(TransientStorageError) as info:
+                loader.load(0)
+            stats = loader.stats()
+        attempts = collections.Counter((r.target, r.range) for r in proxy.faults())
+    assert max(attempts.values()) == 3
+    assert stats["throttled"] >= 3 and stats["concurrency_limit"] < EngineOptions().max_concurrent_reads
+    message = str(info.value)
+    assert backend.url("data/v3.zarr/train/encoded_tokens/") in message
+    assert "after 3 attempts" in message
+
+
+# -- permanent failures -------------------------------------------------------------------------
+
+
+@pytest.mark.cloud
+def test_forbidden_fails_fast_naming_url_and_range(backend: Backend) -> None:
+    with backend.proxy(fault=lambda r: "403" if _data_request(r) else None) as proxy:
+        params = _params(backend.url("data/v3_sharded.zarr"), backend.options(proxy))
+        with ShufflingLoader("train", params, BATCH, options=EngineOptions(retry=FAST_RETRY)) as loader:
+            t0 = time.perf_counter()
+            with pytest.raises(StorageError) as info:
+                loader.load(0)
+            elapsed = time.perf_counter() - t0
+            stats = loader.stats()
+        assert proxy.faults()
+    message = str(info.value)
+    assert backend.url("data/v3_sharded.zarr/train/encoded_tokens/c/") in message
+    assert "bytes=" in message
+    assert "Forbidden" in message or "Access" in message or "PermissionError" in message
+    assert not isinstance(info.value, TransientStorageError)
+    assert stats["retries"] == 0
+    assert elapsed < 5
+
+
+@pytest.mark.cloud
+def test_missing_chunk_object_fails_fast_naming_url(backend: Backend, local_datasets: dict[str, Path]) -> None:
+    prefix = f"{BUCKET}/missing/v3.zarr"
+
+    async def upload_without_chunks(fs: Any) -> None:
+        await fs._put(str(local_datasets["v3"]), prefix, recursive=True)
+        chunks = [p for p in await fs._find(f"{prefix}/train/encoded_tokens") if "/c/" in p]
+        assert chunks
+        await fs._rm(chunks)
+
+    backend.run(upload_without_chunks)
+    params = _params(backend.url("missing/v3.zarr"), backend.options())
+    with ShufflingLoader("train", params, BATCH, options=EngineOptions(retry=FAST_RETRY)) as loader:
+        t0 = time.perf_counter()
+        with pytest.raises(CorruptChunkError) as info:
+            loader.load(0)
+        assert time.perf_counter() - t0 < 5
+        assert loader.stats()["retries"] == 0
+    assert backend.url("missing/v3.zarr/train/encoded_tokens/c/") in str(info.value)
+    assert "missing" in str(info.value)
+
+
+@pytest.mark.cloud
+def test_missing_dataset_names_url(backend: Backend) -> None:
+    params = _params(backend.url("no-such-dataset.zarr"), backend.options())
+    with pytest.raises(DatasetFormatError, match=backend.url("no-such-dataset.zarr")):
+        ShufflingLoader("train", params, BATCH)
+
+
+# -- sessions -----------------------------------------------------------------------------------
+
+
+@pytest.mark.cloud
+def test_close_releases_http_sessions(backend: Backend) -> None:
+    params = _params(backend.url("data/v3.zarr"), backend.options())
+    loader = ShufflingLoader("train", params, BATCH)
+    loader.load(0)
+    fs = loader._engine.source._store.fs
+    loader.close()
+    if backend.name == "gcs":
+        assert fs._session is None or fs._session.closed
+    else:
+        assert getattr(fs, "_s3creator", None) is None
+    del loader, fs
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gc.collect()
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)], caught
+
+
+# -- filesystem options and error classification (no server needed) ------------------------------
+
+
+@pytest.mark.cloud
+def test_filesystems_own_retries_are_off_unless_configured() -> None:
+    import gcsfs
+    import s3fs
+
+    async def make(url: str, options: dict[str, Any]) -> Any:
+        fs, _ = _filesystem(url, options)
+        await _close_filesystem(fs)
+        return fs
+
+    raw = gcsfs.GCSFileSystem._request.__wrapped__
+    gs = asyncio.run(make("gs://b/x.zarr", {"token": "anon", "endpoint_url": "http://127.0.0.1:9"}))
+    assert isinstance(gs, gcsfs.GCSFileSystem) and gs.asynchronous
+    assert gs._request.__func__ is raw
+    again = asyncio.run(make("gs://b/x.zarr", {"token": "anon", "endpoint_url": "http://127.0.0.1:9"}))
+    assert again is not gs  # never fsspec's cached instance (its session may be on a dead loop)
+    gs6 = asyncio.run(make("gs://b/x.zarr", {"token": "anon", "endpoint_url": "http://127.0.0.1:9",
+                                             "retries": 6}))
+    assert gs6._request.__func__ is not raw
+
+    s3 = asyncio.run(make("s3://b/x.zarr", {"endpoint_url": "http://127.0.0.1:9", "anon": True}))
+    assert isinstance(s3, s3fs.S3FileSystem) and s3.retries == 1
+    assert s3.config_kwargs["retries"] == {"total_max_attempts": 1}
+    mine = {"retries": {"mode": "adaptive", "max_attempts": 4}}
+    s3b = asyncio.run(make("s3://b/x.zarr", {"endpoint_url": "http://127.0.0.1:9", "anon": True,
+                                             "config_kwargs": mine, "retries": 2}))
+    assert s3b.config_kwargs["retries"] == mine["retries"] and s3b.retries == 2
+
+    with pytest.raises(asyncflat.ConfigError, match="retries"):
+        asyncio.run(make("gs://b/x.zarr", {"token": "anon", "retries": 0}))
+
+
+def test_error_classification() -> None:
+    import aiohttp
+
+    pytest.importorskip("gcsfs")
+    pytest.importorskip("s3fs")
+    import requests
+    from botocore.exceptions import ClientError
+    from gcsfs.retry import HttpError
+    from s3fs.errors import translate_boto_error
+
+    def client_error(status: int, code: str) -> ClientError:
+        return ClientError({"Error": {"Code": code, "Message": "m"},
+                            "ResponseMetadata": {"HTTPStatusCode": status}}, "GetObject")
+
+    gcs_503 = HttpError({"code": 503, "message": "unavailable"})
+    assert is_transient(gcs_503) and is_throttle(gcs_503)
+    assert is_transient(HttpError({"code": 500, "message": "x"})) and not is_throttle(HttpError({"code": 500}))
+    assert not is_transient(HttpError({"code": 400, "message": "bad"}))
+    assert is_transient(requests.exceptions.ProxyError())  # gcsfs's 502
+    assert not is_transient(OSError("Forbidden: b/o"))  # gcsfs's 403
+    assert not is_transient(FileNotFoundError("b/o"))  # 404, both
+    slow = translate_boto_error(client_error(503, "SlowDown"))
+    assert isinstance(slow, OSError) and is_transient(slow) and is_throttle(slow)
+    assert is_transient(translate_boto_error(client_error(500, "InternalError")))
+    assert not is_transient(translate_boto_error(client_error(403, "AccessDenied")))
+    assert is_transient(aiohttp.ServerDisconnectedError())
+    assert is_transient(ConnectionResetError(104, "reset"))
+    assert is_transient(asyncio.TimeoutError())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # .code of aiohttp's error is deprecated: never touched
+        assert is_throttle(aiohttp.ClientResponseError(None, (), status=429))  # type: ignore[arg-type]
+        assert not is_transient(aiohttp.ClientResponseError(None, (), status=404))  # type: ignore[arg-type]
+
+
+def test_adaptive_limiter_halves_on_throttle_and_recovers() -> None:
+    async def main() -> None:
+        io = IOCounters()
+        limiter = AdaptiveLimiter(8, io)
+        epochs = [await limiter.acquire() for _ in range(8)]
+        waiter = asyncio.ensure_future(limiter.acquire())
+        await asyncio.sleep(0)
+        assert not waiter.done()  # at the limit
+        # A burst of throttles from requests that were in flight together halves once.
+        for epoch in epochs[:4]:
+            limiter.release(epoch, ok=False, throttled=True)
+        assert io.concurrency_limit == 4 and limiter.in_flight == 4
+        await asyncio.sleep(0)
+        assert not waiter.done()  # 4 in flight, limit 4
+        limiter.release(epochs[4], ok=True, throttled=False)
+        await asyncio.sleep(0)
+        assert waiter.done()
+        for epoch in epochs[5:] + [waiter.result()]:
+            limiter.release(epoch, ok=True, throttled=False)
+        assert limiter.in_flight == 0 and io.concurrency_limit == 5
+        # Throttles of requests started after the decrease halve again, never below 1.
+        for _ in range(6):
+            epoch = await limiter.acquire()
+            limiter.release(epoch, ok=False, throttled=True)
+        assert limiter.limit == 1.0
+        # Additive increase: +1/limit per success, i.e. about one slot per window of successes.
+        for _ in range(10):
+            epoch = await limiter.acquire()
+            limiter.release(epoch, ok=True, throttled=False)
+        assert 3 <= io.concurrency_limit <= 5
+        for _ in range(200):
+            epoch = await limiter.acquire()
+            limiter.release(epoch, ok=True, throttled=False)
+        assert io.concurrency_limit == 8
+
+    asyncio.run(main())

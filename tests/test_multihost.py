@@ -1,0 +1,257 @@
+"""Multi-host with real processes: two ``jax.distributed`` processes on 127.0.0.1, 4 CPU devices each.
+
+One module fixture writes a dataset, then starts, at the same time,
+
+* a pair of processes (``jax.distributed.initialize``, 4 devices each, one global mesh of 8), and
+* one plain process with 8 devices (the elasticity baseline),
+
+each running every case of ``CASES`` with tests/multihost_worker.py and writing its results to a
+temp dir. The tests then check, against the oracle (tests/reference_impl.py) computed here:
+
+* every gathered global batch, and every process's own shards, equal the oracle bit for bit
+  (steps across minipoch boundaries, a resume mid-minipoch, out-of-order loads);
+* each process filled only the streams its rows belong to, and read its share of the bytes;
+* 1 process and 2 processes give the same global batches (elasticity);
+* no asyncflat thread outlives ``close()``.
+
+Every wait is bounded: ``initialization_timeout`` in the workers and one deadline for all of
+them here; on failure or timeout every child is killed and its log is shown.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from reference_impl import ReferenceLoader, load_split_arrays
+
+import asyncflat
+
+pytestmark = pytest.mark.multihost
+
+REPO = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).resolve().parent / "multihost_worker.py"
+INIT_TIMEOUT_S = 30
+RUN_TIMEOUT_S = 150  # all three workers together; a healthy run takes ~15-25 s on 2 cores
+
+SEQ_LEN, BATCH, SPB, RBPSB = 16, 16, 8, 3  # a read block = 8 rows = 128 tokens = one chunk
+
+# start: a resume step (mid-minipoch where the minipoch spans several steps); count: steps
+# iterated from there, crossing at least one minipoch boundary.
+CASES: list[dict[str, Any]] = [
+    # streams=1: bips 16 > seqs_per_buffer 24 / 2: most steps straddle two minipochs
+    dict(name="s1", streams=1, sharding="default", packing=True, start=1, count=5),
+    dict(name="s2", streams=2, sharding="default", packing=True, start=4, count=7),
+    dict(name="s8", streams=8, sharding="default", packing=True, start=6, count=20),
+    dict(name="s8_interleaved", streams=8, sharding="interleaved", packing=True, start=5, count=9),
+    dict(name="s2_batch_seq_unpacked", streams=2, sharding="batch_seq", packing=False, start=2,
+         count=4),
+    dict(name="s4_replicated", streams=4, sharding="replicated_over_processes", packing=True,
+         start=3, count=4),
+]
+for _i, _case in enumerate(CASES):
+    _case.update(len=SEQ_LEN, batch=BATCH, spb=SPB, rbpsb=RBPSB, seed=11 + _i)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+    env["NO_PROXY"] = env["no_proxy"] = "127.0.0.1,localhost"  # gRPC must not use a proxy
+    env["JAX_PLATFORMS"] = "cpu"
+    env.pop("XLA_FLAGS", None)  # the worker sets its own device count before importing jax
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
+
+
+def _run_workers(jobs: list[tuple[Path, int, Path]], timeout_s: float) -> None:
+    """Run ``worker SPEC PID`` for each job at once; fail (killing all) on error or timeout."""
+    procs: list[tuple[subprocess.Popen[bytes], Path]] = []
+
+    def logs() -> str:
+        return "\n".join(
+            f"--- {log.name} ---\n{log.read_text(errors='replace')[-4000:]}" for _, log in procs
+        )
+
+    try:
+        for spec, pid, log in jobs:
+            with open(log, "wb") as out:
+                procs.append((subprocess.Popen(
+                    [sys.executable, str(WORKER), str(spec), str(pid)], cwd=str(REPO),
+                    env=_child_env(), stdout=out, stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                ), log))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            codes = [p.poll() for p, _ in procs]
+            if any(c not in (None, 0) for c in codes):
+                pytest.fail(f"a multihost worker failed (exit codes {codes}):\n{logs()}")
+            if all(c == 0 for c in codes):
+                return
+            if time.monotonic() > deadline:
+                pytest.fail(f"multihost workers still running after {timeout_s} s:\n{logs()}")
+            time.sleep(0.05)
+    finally:
+        for p, _ in procs:
+            if p.poll() is None:
+                p.kill()
+        for p, _ in procs:
+            p.wait(10)
+
+
+class Run:
+    """The results of one run (1 or 2 processes): per process, stats and saved arrays."""
+
+    def __init__(self, out: Path, processes: int) -> None:
+        self.stats = [json.loads((out / f"stats-{p}.json").read_text()) for p in range(processes)]
+        self.arrays = []
+        for p in range(processes):
+            with np.load(out / f"result-{p}.npz") as data:
+                self.arrays.append({k: data[k] for k in data.files})
+
+    def served(self, process: int, case: str) -> list[dict[str, np.ndarray]]:
+        arrays = self.arrays[process]
+        count = self.stats[process]["cases"][case]["served"]
+        fields = ("step", "targets", "is_seq_start", "local_targets", "local_is_seq_start", "covered")
+        return [{f: arrays[f"{case}/{i}/{f}"] for f in fields} for i in range(count)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("multihost")
+    dataset = root / "data.zarr"
+    rng = np.random.default_rng(5)
+    seqs = [rng.integers(0, 1000, rng.integers(1, 41)) for _ in range(2000)]
+    asyncflat.write_flat_tokens(dataset, {"train": seqs, "validation": seqs[:50]},
+                                chunk_tokens=SPB * SEQ_LEN)
+    for case in CASES:  # out-of-order steps: the last, the first, one before the resume step
+        step_count = _oracle(str(dataset), case["name"]).step_count
+        case["out_of_order"] = [step_count - 1, 0, max(0, case["start"] - 1)]
+        assert case["start"] + case["count"] <= step_count
+
+    jobs = []
+    outs = {}
+    for name, processes, devices in [("two", 2, 4), ("one", 1, 8)]:
+        out = root / name
+        out.mkdir()
+        spec = dict(dataset=str(dataset), num_processes=processes, local_devices=devices,
+                    port=_free_port(), init_timeout_s=INIT_TIMEOUT_S, out=str(out), cases=CASES)
+        spec_path = root / f"spec-{name}.json"
+        spec_path.write_text(json.dumps(spec))
+        jobs += [(spec_path, pid, root / f"{name}-{pid}.log") for pid in range(processes)]
+        outs[name] = (out, processes)
+    t0 = time.monotonic()
+    _run_workers(jobs, RUN_TIMEOUT_S)
+    wall = time.monotonic() - t0
+    result = {name: Run(out, processes) for name, (out, processes) in outs.items()}
+    result["wall_s"] = wall
+    result["dataset"] = str(dataset)
+    return result
+
+
+@functools.cache
+def _oracle(dataset: str, case_name: str) -> ReferenceLoader:
+    case = next(c for c in CASES if c["name"] == case_name)
+    tokens, starts = load_split_arrays(dataset, "train")
+    return ReferenceLoader(
+        tokens, starts, seq_len=case["len"], batch=case["batch"], streams=case["streams"],
+        read_blocks_per_shuffle_buffer=case["rbpsb"], sequences_per_read_block=case["spb"],
+        seed=case["seed"], sequence_packing=case["packing"],
+    )
+
+
+def _expected_steps(case: dict[str, Any]) -> list[int]:
+    return list(range(case["start"], case["start"] + case["count"])) + case["out_of_order"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_two_processes_match_the_oracle(runs: dict[str, Any], case: dict[str, Any]) -> None:
+    oracle = _oracle(runs["dataset"], case["name"])
+    run: Run = runs["two"]
+    for process in range(2):
+        served = run.served(process, case["name"])
+        assert [int(s["step"]) for s in served] == _expected_steps(case)
+        for s in served:
+            step = int(s["step"])
+            targets, is_start = oracle.batch(step)
+            # The global batch, gathered from both processes.
+            np.testing.assert_array_equal(s["targets"], targets, err_msg=f"step {step}")
+            np.testing.assert_array_equal(s["is_seq_start"], is_start, err_msg=f"step {step}")
+            # This process's own shards, at their places in the global batch.
+            covered = s["covered"]
+            assert covered.any()
+            np.testing.assert_array_equal(s["local_targets"][covered], targets[covered])
+            np.testing.assert_array_equal(s["local_is_seq_start"][covered], is_start[covered])
+    # Together the two processes' shards cover the whole batch.
+    first = [run.served(p, case["name"])[0]["covered"] for p in range(2)]
+    assert (first[0] | first[1]).all()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_each_process_fills_only_its_streams(runs: dict[str, Any], case: dict[str, Any]) -> None:
+    single = runs["one"].stats[0]["cases"][case["name"]]
+    assert single["streams"] == list(range(case["streams"]))
+    bips = case["batch"] // case["streams"]
+    hosts = []
+    for process in range(2):
+        stats = runs["two"].stats[process]["cases"][case["name"]]
+        rows = np.flatnonzero(runs["two"].served(process, case["name"])[0]["covered"].any(axis=1))
+        expected_streams = sorted(set((rows // bips).tolist()))
+        assert stats["streams"] == expected_streams, (process, stats["streams"])
+        assert set(stats["fill_streams"]) <= set(expected_streams)
+        assert stats["host_batch_rows"] == len(rows)
+        share = len(expected_streams) / case["streams"]
+        if len(rows) == len(expected_streams) * bips:
+            # The host holds every row of its streams: it needs the same minipochs of them as a
+            # single host does, and every stream's buffers hold the same number of blocks, so it
+            # reads exactly k/S of what one host serving all S streams reads.
+            assert stats["bytes_useful"] == single["bytes_useful"] * share
+        else:
+            # Hosts share a stream: each reads only the minipochs its own rows need (with
+            # streams=1 a host may skip a minipoch that only the other host's rows touch).
+            assert 0 < stats["bytes_useful"] <= single["bytes_useful"] * share
+        hosts.append(stats)
+    if case["streams"] >= 2 and case["sharding"] != "replicated_over_processes":
+        # Disjoint streams: the hosts split the work between them.
+        assert not set(hosts[0]["streams"]) & set(hosts[1]["streams"])
+        assert hosts[0]["bytes_useful"] + hosts[1]["bytes_useful"] == single["bytes_useful"]
+        if case["packing"]:  # chunks = blocks: the hosts read disjoint chunks (after opening)
+            assert hosts[0]["bytes_read"] + hosts[1]["bytes_read"] == single["bytes_read"]
+    if case["streams"] == 8:
+        assert [len(h["streams"]) for h in hosts] == [4, 4]
+        assert hosts[0]["bytes_useful"] == hosts[1]["bytes_useful"] == single["bytes_useful"] / 2
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_one_and_two_processes_give_the_same_batches(runs: dict[str, Any], case: dict[str, Any]) -> None:
+    one = runs["one"].served(0, case["name"])
+    for process in range(2):
+        two = runs["two"].served(process, case["name"])
+        assert len(one) == len(two)
+        for a, b in zip(one, two):
+            assert int(a["step"]) == int(b["step"])
+            np.testing.assert_array_equal(a["targets"], b["targets"])
+            np.testing.assert_array_equal(a["is_seq_start"], b["is_seq_start"])
+    assert runs["one"].served(0, case["name"])[0]["covered"].all()
+
+
+def test_no_thread_outlives_close_and_run_is_quick(runs: dict[str, Any]) -> None:
+    for name in ("one", "two"):
+        for stats in runs[name].stats:
+            for case, record in stats["cases"].items():
+                assert record["threads_after_close"] == [], (name, case)
+    assert [s["process_index"] for s in runs["two"].stats] == [0, 1]
+    assert runs["wall_s"] < RUN_TIMEOUT_S
