@@ -140,7 +140,8 @@ class EngineOptions:
     * ``decode_threads``: threads that decompress chunks and pad rows, off the event loop.
     * ``load_timeout_s``: ``load()`` raises LoadTimeoutError after this long (None: no limit).
     * ``max_inflight_bytes``: decoded bytes of reads in flight (None: an eighth of a shuffle
-      buffer, or four chunks if that is more). Bounds memory beyond the two buffers per stream.
+      buffer, or four chunks if that is more; for a remote store, ``max_concurrent_reads``
+      chunks, since only a full read window hides latency). Bounds memory beyond the buffers.
     * ``max_buffer_bytes``: refuse, at construction, a configuration whose shuffle buffers on this
       host would need more memory than this (None: no budget).
     * ``prefetch_to_device``: how many upcoming steps ``iter()`` keeps built as jax arrays.

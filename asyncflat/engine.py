@@ -28,6 +28,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -84,6 +85,7 @@ class _Fill:
     drained: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     #: the previous occupant's ``drained``: its last writes must land before ours
     write_after: asyncio.Event | None = None
+    urgent: bool = False
     useful_bytes: int = 0
     late_warned: bool = False
 
@@ -121,18 +123,32 @@ class Engine:
         self._order = itertools.count()  # FIFO among equal priorities
         self._workers: list[asyncio.Task[None]] = []
         self._gather_lock = asyncio.Lock()
+        # Guards the state other threads touch: which fill owns which buffer, and the step
+        # records. The loop takes it briefly (never across an await) to start or drop fills;
+        # try_gather takes it to read finished buffers from the caller's thread, so a buffer is
+        # never handed to a new fill mid-read.
+        self._lock = threading.Lock()
+        #: per (stream, buffer index): writes a fill that left the buffer may still be making
+        self._pending_writes: dict[tuple[int, int], asyncio.Event] = {}
         self._budget = asyncio.Condition()
         self._inflight_bytes = 0
         self._inflight_budget = self._default_inflight_budget()
         # decoded chunks: reads in flight, then a few recent ones (see _read_in_chunk)
         self._chunks: collections.OrderedDict[int, asyncio.Future[np.ndarray]] = collections.OrderedDict()
-        self._chunks_cached = max(2, self._inflight_budget // max(1, 4 * source.token_chunk))
+        self._chunks_cached = 2
         # Decode chunk objects ourselves, straight into the buffers (partial Blosc decodes),
         # when the source can hand them out; otherwise zarr decodes and we copy.
         self._direct = plan.sequence_packing and getattr(source, "raw_codec", None) is not None
         self._closed = False
         # stats
-        self._step_waits: collections.deque[tuple[int, float]] = collections.deque(maxlen=_STEP_HISTORY)
+        # (step, wait) of the last loads, in numpy so that per-step records never become objects
+        # the garbage collector has to walk (a full collection in a jax process costs ~100 ms).
+        self._wait_steps = np.zeros(_STEP_HISTORY, np.int64)
+        self._wait_s = np.zeros(_STEP_HISTORY, np.float64)
+        self._waits_recorded = 0
+        # Prefetch fills decode on all but one CPU thread, leaving a core to the trainer; a fill
+        # that a load is waiting for (urgent) uses them all.
+        self._background_decodes = asyncio.Semaphore(max(1, options.decode_threads - 1))
         self._fill_records: list[dict[str, Any]] = []
         self._buffer_allocations = 0
         self._units_in_flight = 0
@@ -145,15 +161,20 @@ class Engine:
     def _default_inflight_budget(self) -> int:
         # Decoded bytes of reads in flight. An eighth of a buffer keeps peak memory near two
         # buffers per stream; a few whole chunks keep the read window open on small buffers.
+        # Behind a network, latency is hidden only by keeping the whole read window busy.
         if self.options.max_inflight_bytes is not None:
             return self.options.max_inflight_bytes
         chunk_bytes = self.source.token_chunk * 4
-        return max(self.plan.buffer_bytes // 8, min(self.options.max_concurrent_reads, 4) * chunk_bytes)
+        window = self.options.max_concurrent_reads if getattr(self.source, "remote", False) else 4
+        return max(self.plan.buffer_bytes // 8, min(self.options.max_concurrent_reads, window) * chunk_bytes)
 
     # -- public -------------------------------------------------------------------------------
 
     async def gather(self, step: int, batch_indices: np.ndarray) -> np.ndarray:
-        """The encoded rows (uint32[len(batch_indices), len]) of ``step`` at ``batch_indices``."""
+        """The encoded rows (uint32[len(batch_indices), len]) of ``step`` at ``batch_indices``.
+
+        ``batch_indices`` must be sorted; the loader passes this host's rows.
+        """
         if self._closed:
             raise LoaderClosedError("the engine is closed")
         self.plan.check_step(step)
@@ -163,20 +184,49 @@ class Engine:
             if self._closed:  # closed while this gather queued behind another (no workers now)
                 raise LoaderClosedError("the engine is closed")
             loc = self.plan.locate(step, batch_indices)
-            foreign = np.setdiff1d(np.unique(loc.stream), self.streams)
-            if len(foreign):
-                raise ValueError(f"batch indices of streams {foreign.tolist()} are not served here")
             groups = self._groups(loc)
-            for (stream, minipoch) in groups:
-                self._ensure_fill(stream, minipoch, step, keep={m for s, m in groups if s == stream})
-            if self.options.prefetch:
-                self._prefetch_after(groups)
+            with self._lock:
+                for (stream, minipoch) in groups:
+                    self._ensure_fill(stream, minipoch, step, keep={m for s, m in groups if s == stream})
+                if self.options.prefetch:
+                    self._prefetch_after(groups)
             out = np.empty((len(loc.batch_index), self.plan.seq_len), np.uint32)
             for (stream, minipoch), rows in groups.items():
                 fill = self._fills[stream][minipoch]
                 buffer_rows = fill.perm[loc.position[rows]]
-                await self._wait_ready(fill, step, buffer_rows)
-                out[rows] = fill.buffer[buffer_rows]
+                if not fill.done:
+                    await self._wait_ready(fill, step, buffer_rows)
+                elif fill.error is not None:
+                    self._raise_fill_error(fill, step)
+                np.take(fill.buffer, buffer_rows, axis=0, out=out[rows])
+        self._record_step(step, time.perf_counter() - t0)
+        return out
+
+    def try_gather(self, step: int, batch_indices: np.ndarray) -> np.ndarray | None:
+        """:meth:`gather` from the caller's thread, when nothing needs the loop; else None.
+
+        The steady state (every row already in a finished buffer, the next minipoch already
+        filling) needs no scheduling, so it skips the round trip to the loop thread. The first
+        step of a minipoch, a missing block or an error returns None: use :meth:`gather`.
+        """
+        if self._closed:
+            raise LoaderClosedError("the engine is closed")
+        self.plan.check_step(step)
+        t0 = time.perf_counter()
+        loc = self.plan.locate(step, batch_indices)
+        groups = self._groups(loc)
+        with self._lock:
+            fills = []
+            for stream, minipoch in groups:
+                fill = self._fills[stream].get(minipoch)
+                if fill is None or not fill.done or fill.error is not None:
+                    return None
+                fills.append(fill)
+            if self.options.prefetch and self._prefetches_due(groups):
+                return None
+            out = np.empty((len(loc.batch_index), self.plan.seq_len), np.uint32)
+            for fill, rows in zip(fills, groups.values()):
+                np.take(fill.buffer, fill.perm[loc.position[rows]], axis=0, out=out[rows])
         self._record_step(step, time.perf_counter() - t0)
         return out
 
@@ -195,13 +245,16 @@ class Engine:
         await asyncio.gather(*pending, return_exceptions=True)
         self._chunks.clear()
         self._workers.clear()
-        self._fills = {s: {} for s in self.streams}
-        self._buffers = {s: [None, None] for s in self.streams}
+        with self._lock:
+            self._fills = {s: {} for s in self.streams}
+            self._buffers = {s: [None, None] for s in self.streams}
         await self.source.aclose()
 
     def stats(self) -> dict[str, Any]:
         """Figures for humans and benchmarks (see docs/design.md for each field)."""
-        waits = np.array([w for _, w in self._step_waits], dtype=np.float64)
+        kept = min(self._waits_recorded, _STEP_HISTORY)
+        order = np.arange(self._waits_recorded - kept, self._waits_recorded) % _STEP_HISTORY
+        steps, waits = self._wait_steps[order], self._wait_s[order]
         io = self.source.io
         active = []
         for fills in self._fills.values():
@@ -213,8 +266,8 @@ class Engine:
                         "must_finish_by_step": self.plan.first_step(fill.minipoch),
                     })
         return {
-            "steps_loaded": len(self._step_waits),
-            "step_waits_s": list(self._step_waits),
+            "steps_loaded": self._waits_recorded,
+            "step_waits_s": list(zip(steps.tolist(), waits.tolist())),
             "wait_median_s": float(np.median(waits)) if len(waits) else None,
             "wait_max_s": float(waits.max()) if len(waits) else None,
             "fills": list(self._fill_records),
@@ -237,25 +290,40 @@ class Engine:
 
     # -- planning fills -----------------------------------------------------------------------
 
-    def _groups(self, loc: Any) -> dict[tuple[int, int], np.ndarray]:
+    def _groups(self, loc: Any) -> dict[tuple[int, int], slice]:
+        """The (stream, minipoch) buffers a step reads, each with its run of output rows.
+
+        Sorted batch indices give non-decreasing streams, and within a stream the minipoch
+        only grows, so every buffer's rows form one contiguous run.
+        """
         keys = loc.stream * self.plan.minipoch_count + loc.minipoch
+        edges = [0, *(np.flatnonzero(np.diff(keys)) + 1).tolist(), len(keys)]
         groups = {}
-        for key in np.unique(keys):
-            stream, minipoch = divmod(int(key), self.plan.minipoch_count)
-            groups[(stream, minipoch)] = np.flatnonzero(keys == key)
+        for lo, hi in zip(edges[:-1], edges[1:]):
+            stream, minipoch = divmod(int(keys[lo]), self.plan.minipoch_count)
+            if stream not in self._fills:
+                raise ValueError(f"batch index {int(loc.batch_index[lo])} belongs to stream {stream}, "
+                                 f"which this engine does not serve (it serves {list(self.streams)})")
+            if (stream, minipoch) in groups:
+                raise ValueError("batch_indices must be sorted")
+            groups[(stream, minipoch)] = slice(lo, hi)
         return groups
 
-    def _prefetch_after(self, groups: dict[tuple[int, int], np.ndarray]) -> None:
-        current: dict[int, int] = {}
-        for stream, minipoch in groups:
-            current[stream] = max(current.get(stream, minipoch), minipoch)
-        for stream, minipoch in current.items():
-            nxt = minipoch + 1
-            if nxt >= self.plan.minipoch_count or self.plan.served_rows(nxt) == 0:
-                continue
+    def _prefetches_due(self, groups: dict[tuple[int, int], slice]) -> list[tuple[int, int, set[int]]]:
+        """(stream, next minipoch, minipochs this step reads) for each prefetch not started yet."""
+        due = []
+        for stream in {s for s, _ in groups}:
             needed = {m for s, m in groups if s == stream}
-            if nxt not in self._fills[stream] and len(needed) < 2:  # else both buffers serve now
-                self._ensure_fill(stream, nxt, self.plan.first_step(nxt), keep=needed, reason="prefetch")
+            nxt = max(needed) + 1
+            if (nxt < self.plan.minipoch_count and self.plan.served_rows(nxt) > 0
+                    and nxt not in self._fills[stream]
+                    and len(needed) < 2):  # a step reading two minipochs occupies both buffers
+                due.append((stream, nxt, needed))
+        return due
+
+    def _prefetch_after(self, groups: dict[tuple[int, int], slice]) -> None:
+        for stream, nxt, needed in self._prefetches_due(groups):
+            self._ensure_fill(stream, nxt, self.plan.first_step(nxt), keep=needed, reason="prefetch")
 
     def _ensure_fill(
         self, stream: int, minipoch: int, from_step: int, *, keep: set[int], reason: str = "demand"
@@ -265,7 +333,7 @@ class Engine:
         if fill is not None:
             if fill.error is None:
                 return fill
-            del fills[minipoch]  # a failed fill is retried by the next load that needs it
+            self._retire(fills.pop(minipoch))  # a failed fill is retried by the next load
         used = {f.buffer_index for f in fills.values()}
         free = [i for i in (0, 1) if i not in used]
         if not free:
@@ -277,9 +345,7 @@ class Engine:
             victim = max(victims, key=lambda f: f.minipoch)
             self._cancel(victim)
             free = [victim.buffer_index]
-            write_after = victim.drained
-        else:
-            write_after = None
+        write_after = self._pending_writes.pop((stream, free[0]), None)
         fill = self._start_fill(stream, minipoch, free[0], from_step, reason)
         fill.write_after = write_after
         fills[minipoch] = fill
@@ -287,13 +353,30 @@ class Engine:
 
     def _cancel(self, fill: _Fill) -> None:
         """Forget a fill nobody needs any more; its queued units are skipped by the workers."""
-        fill.cancelled = True
+        self._retire(fill)
         del self._fills[fill.stream][fill.minipoch]
         if not fill.done:
             log.debug("cancelled fill stream %d minipoch %d (%d/%d blocks)",
                       fill.stream, fill.minipoch, fill.blocks_done, len(fill.blocks))
             self._record_fill(fill, cancelled=True)
         fill.fail(LoaderClosedError("fill cancelled"))
+
+    def _retire(self, fill: _Fill) -> None:
+        """``fill`` leaves its buffer (cancelled, or failed and dropped): it must never write
+        into it again, and the buffer's next fill must wait for the decodes already writing.
+
+        Without this a failed fill's reads still in flight landed in a buffer that a later fill
+        (of another minipoch) had taken: wrong rows served after a storage error.
+        """
+        fill.cancelled = True
+        if fill.write_after is not None and not fill.write_after.is_set():
+            # Its own decodes have not started (they wait for the previous occupant's, and
+            # will see ``cancelled``): the buffer's next fill waits for that occupant instead.
+            pending: asyncio.Event | None = fill.write_after
+        else:
+            pending = fill.drained if fill.writers else None
+        if pending is not None:
+            self._pending_writes[(fill.stream, fill.buffer_index)] = pending
 
     def _buffer(self, stream: int, index: int) -> np.ndarray:
         buffer = self._buffers[stream][index]
@@ -359,6 +442,7 @@ class Engine:
     # -- waiting ------------------------------------------------------------------------------
 
     async def _wait_ready(self, fill: _Fill, step: int, buffer_rows: np.ndarray) -> None:
+        fill.urgent = True  # a load waits on it: decode on every thread from now on
         if self.options.prefetch:
             slots = np.unique(buffer_rows // self.plan.sequences_per_read_block)
         else:  # the reference's behaviour: a load waits for the whole buffer
@@ -383,8 +467,10 @@ class Engine:
     def _raise_fill_error(self, fill: _Fill, step: int) -> None:
         exc = fill.error
         assert exc is not None
-        if self._fills[fill.stream].get(fill.minipoch) is fill:
-            del self._fills[fill.stream][fill.minipoch]  # the next load retries this minipoch
+        with self._lock:
+            if self._fills[fill.stream].get(fill.minipoch) is fill:
+                # the next load retries this minipoch
+                self._retire(self._fills[fill.stream].pop(fill.minipoch))
         message = f"step {step}: filling stream {fill.stream} minipoch {fill.minipoch} failed: {exc}"
         if isinstance(exc, AsyncflatError):
             raise type(exc)(message) from exc
@@ -486,7 +572,11 @@ class Engine:
         fill.writers += 1
         fill.drained.clear()
         try:
-            await asyncio.get_running_loop().run_in_executor(None, self._decode_targets, frame, targets)
+            if fill.reason == "prefetch" and not fill.urgent:
+                async with self._background_decodes:
+                    await asyncio.get_running_loop().run_in_executor(None, self._decode_targets, frame, targets)
+            else:
+                await asyncio.get_running_loop().run_in_executor(None, self._decode_targets, frame, targets)
         except AsyncflatError:
             # Bad bytes must not stay cached for the fills that come after: fetch them afresh.
             cached = self._chunks.get(chunk_id)
@@ -548,13 +638,19 @@ class Engine:
     # -- stats --------------------------------------------------------------------------------
 
     def _record_step(self, step: int, wait: float) -> None:
+        with self._lock:
+            self._record_step_locked(step, wait)
+
+    def _record_step_locked(self, step: int, wait: float) -> None:
         now = time.perf_counter()
         if self._last_step is not None and step > self._last_step[0]:
             per_step = (now - self._last_step[1]) / (step - self._last_step[0])
             self._step_interval = per_step if self._step_interval is None else (
                 0.8 * self._step_interval + 0.2 * per_step)
         self._last_step = (step, now)
-        self._step_waits.append((step, wait))
+        slot = self._waits_recorded % _STEP_HISTORY
+        self._wait_steps[slot], self._wait_s[slot] = step, wait
+        self._waits_recorded += 1
 
     def _record_fill(self, fill: _Fill, *, cancelled: bool = False) -> None:
         end = fill.finished or time.perf_counter()

@@ -177,6 +177,42 @@ def describe_range(byte_range: ByteRequest | None) -> str:
     return repr(byte_range)  # pragma: no cover - zarr has no other kind
 
 
+def _blosc_frame_problem(buffer: Buffer) -> str | None:
+    """Why ``buffer`` is not one whole Blosc frame (its header's length must match), or None."""
+    size = len(buffer)
+    if size < 16:
+        return f"{size} bytes cannot hold a Blosc header"
+    cbytes = int(buffer.as_numpy_array()[12:16].view("<u4")[0])
+    return None if cbytes == size else f"header says {cbytes} compressed bytes, object has {size}"
+
+
+def _blosc_frame_prefixes(arrays: SplitArrays) -> set[str]:
+    """Key prefixes of the split's arrays whose chunk objects are exactly one Blosc frame."""
+    from zarr.codecs import BloscCodec, ShardingCodec
+    from zarr.core.metadata import ArrayV2Metadata
+
+    prefixes = set()
+    for array in (arrays.encoded_tokens, arrays.seq_starts):
+        meta = array.metadata
+        if isinstance(meta, ArrayV2Metadata):
+            blosc = getattr(meta.compressor, "codec_id", None) == "blosc"
+        else:
+            codecs = list(meta.codecs)
+            blosc = isinstance(codecs[-1], BloscCodec) and not isinstance(codecs[0], ShardingCodec)
+        if blosc:
+            prefixes.add(f"{array.store_path.path}/")
+    return prefixes
+
+
+def _range_length(byte_range: ByteRequest | None) -> int | None:
+    """How many bytes ``byte_range`` asks for, when the request says (not for open ends)."""
+    if isinstance(byte_range, RangeByteRequest):
+        return byte_range.end - byte_range.start
+    if isinstance(byte_range, SuffixByteRequest):
+        return byte_range.suffix
+    return None
+
+
 class _GuardedStore(WrapperStore[Store]):
     """Bounded, retried, counted, strict access to the objects of a store."""
 
@@ -193,10 +229,15 @@ class _GuardedStore(WrapperStore[Store]):
         super().__init__(store)
         self._name, self._limiter, self._retry, self._io = name.rstrip("/"), limiter, retry, io
         self._suffix_cache = collections.OrderedDict() if suffix_cache is None else suffix_cache
+        #: Key prefixes of arrays whose chunk objects are single Blosc frames (set by
+        #: ZarrTokenSource.open; shared with copies): checked before numcodecs decodes them.
+        self.blosc_frames: set[str] = set()
 
     def _with_store(self, store: Store) -> _GuardedStore:
-        return _GuardedStore(store, name=self._name, limiter=self._limiter, retry=self._retry,
+        copy = _GuardedStore(store, name=self._name, limiter=self._limiter, retry=self._retry,
                              io=self._io, suffix_cache=self._suffix_cache)
+        copy.blosc_frames = self.blosc_frames
+        return copy
 
     async def get(
         self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None
@@ -270,6 +311,22 @@ class _GuardedStore(WrapperStore[Store]):
                     f"{describe()}: chunk object is missing from the store (404 / not found)"
                 )
             return None
+        if not key.endswith(_METADATA_SUFFIXES):
+            # A chunk object is never empty, and a range zarr asks for (from a shard index, or
+            # the shard index itself) lies inside the object: fewer bytes mean a truncated
+            # object. zarr would decode an empty shard as fill values, i.e. wrong data.
+            wanted = _range_length(byte_range)
+            if len(buffer) == 0 or (wanted is not None and len(buffer) < wanted):
+                raise CorruptChunkError(
+                    f"{describe()}: chunk object is truncated: got {len(buffer)} bytes"
+                    + (f", expected {wanted}" if wanted is not None else "")
+                )
+            if byte_range is None and key.startswith(tuple(self.blosc_frames)):
+                # c-blosc trusts the length in the frame's header: a truncated frame would be
+                # decoded by reading past the end of the object (garbage, or a crash).
+                problem = _blosc_frame_problem(buffer)
+                if problem is not None:
+                    raise CorruptChunkError(f"{describe()}: chunk object is not a whole Blosc frame: {problem}")
         self._io.bytes_read += len(buffer)
         return buffer
 
@@ -385,6 +442,8 @@ class ZarrTokenSource:
         self.max_token_id = arrays.max_token_id
         self.token_chunk = arrays.token_chunk
         self.zarr_format = arrays.zarr_format
+        #: Behind a network: latency is hidden by keeping many reads in flight.
+        self.remote = False
         #: The guard's shard-index cache (set by open()): cleared when bytes fail to decode.
         self._suffix_cache: collections.OrderedDict[Any, Any] | None = None
         #: "blosc" or "raw" when chunk objects can be decoded directly (see read_frame).
@@ -415,7 +474,9 @@ class ZarrTokenSource:
             await _close_store(raw)
             raise
         source = cls(arrays, io, raw)
+        source.remote = not isinstance(raw, LocalStore)
         source._suffix_cache = guarded._suffix_cache
+        guarded.blosc_frames.update(_blosc_frame_prefixes(arrays))
         return source
 
     async def read_tokens(self, start: int, stop: int) -> np.ndarray:

@@ -113,7 +113,8 @@ def edit_json(file: str, edit: Callable[[dict[str, Any]], None]) -> None:
 def set_attr(path: str, split: str, key: str, value: Any, *, delete: bool = False) -> None:
     group = zarr.open_group(path, mode="r+")[split]
     if delete:
-        del group.attrs[key]
+        if key in group.attrs:
+            del group.attrs[key]
     else:
         group.attrs[key] = value
 
@@ -319,6 +320,8 @@ def read_mutated(path: str, split: str = "train") -> tuple[np.ndarray, np.ndarra
         n, chunk = arr.shape[0], arr.chunks[0]
         values, known = np.zeros(n, dtype), np.zeros(n, bool)
         for lo in range(0, n, chunk):
+            if not _whole_blosc_frame(path, arr, lo // chunk):
+                continue  # numcodecs would read past its end: garbage (or a crash), not data
             try:
                 values[lo:lo + chunk] = arr[lo:lo + chunk]
                 known[lo:lo + chunk] = True
@@ -326,6 +329,29 @@ def read_mutated(path: str, split: str = "train") -> tuple[np.ndarray, np.ndarra
                 pass
         out += [values, known]
     return out[0], out[1], out[2], out[3]
+
+
+class Mutation:
+    """A named change to a store (hypothesis prints the name of a falsifying example)."""
+
+    def __init__(self, name: str, apply: Callable[[str], None]) -> None:
+        self.name, self.apply = name, apply
+
+    def __repr__(self) -> str:
+        return f"<{self.name}>"
+
+
+def _whole_blosc_frame(path: str, arr: zarr.Array, index: int) -> bool:
+    """False when chunk ``index`` of an unsharded array is a file whose Blosc header claims
+    more (or fewer) bytes than it holds."""
+    if arr.shards is not None:
+        return True
+    base = os.path.join(path, arr.path)
+    for file in (os.path.join(base, "c", str(index)), os.path.join(base, str(index))):
+        if os.path.isfile(file):
+            data = Path(file).read_bytes()
+            return len(data) >= 16 and int.from_bytes(data[12:16], "little") == len(data)
+    return True  # missing: zarr reads fill values, the loader refuses
 
 
 def _known_rows(packing: bool, tok_known: np.ndarray, starts: np.ndarray, st_known: np.ndarray) -> Callable[[int], bool]:
@@ -341,13 +367,13 @@ def _known_rows(packing: bool, tok_known: np.ndarray, starts: np.ndarray, st_kno
     return known
 
 
-def _json_edit(array: str, field: str) -> st.SearchStrategy[Callable[[str], None]]:
+def _json_edit(array: str, field: str) -> st.SearchStrategy[Mutation]:
     """Edit one metadata field of ``array`` (shape, chunk shape, dtype) to a drawn value."""
     dtypes_v3 = ["int32", "uint16", "uint64", "float32", "int64", "uint32", "bool"]
     dtypes_v2 = ["<i4", "<u2", "<u8", "<f4", ">u4", "<u4", "|b1"]
 
     @st.composite
-    def strategy(draw: st.DrawFn) -> Callable[[str], None]:
+    def strategy(draw: st.DrawFn) -> Mutation:
         delta = draw(st.integers(-600, 300))
         dtype_index = draw(st.integers(0, len(dtypes_v3) - 1))
         extra_dim = draw(st.booleans())
@@ -369,13 +395,12 @@ def _json_edit(array: str, field: str) -> st.SearchStrategy[Callable[[str], None
                 else:
                     doc["dtype"] = dtypes_v2[dtype_index]
             edit_json(meta_path(os.path.join(path, "train", array)), edit)
-        mutate.__qualname__ = f"edit {array} {field} (delta {delta}, dtype #{dtype_index}, 2-D {extra_dim})"
-        return mutate
+        return Mutation(f"edit {array} {field} (delta {delta}, dtype #{dtype_index}, 2-D {extra_dim})", mutate)
     return strategy()
 
 
 @st.composite
-def _file_damage(draw: st.DrawFn) -> Callable[[str], None]:
+def _file_damage(draw: st.DrawFn) -> Mutation:
     array = draw(st.sampled_from(["encoded_tokens", "seq_starts"]))
     which = draw(st.integers(0, 50))
     how = draw(st.sampled_from(["truncate", "flip", "delete", "garbage"]))
@@ -397,12 +422,11 @@ def _file_damage(draw: st.DrawFn) -> Callable[[str], None]:
         else:
             data = bytearray(os.urandom(max(1, int(len(data) * cut))))
         Path(target).write_bytes(bytes(data))
-    mutate.__qualname__ = f"{how} {array} chunk file #{which} (cut {cut:.2f}, flips {flips})"
-    return mutate
+    return Mutation(f"{how} {array} chunk file #{which} (cut {cut:.2f}, flips {flips})", mutate)
 
 
 @st.composite
-def _seq_starts_rewrite(draw: st.DrawFn) -> Callable[[str], None]:
+def _seq_starts_rewrite(draw: st.DrawFn) -> Mutation:
     index = draw(st.integers(0, 41))
     value = draw(st.one_of(st.integers(0, 600), st.just(2**64 - 1), st.integers(2**62, 2**63 + 5)))
     reverse = draw(st.booleans())
@@ -415,22 +439,20 @@ def _seq_starts_rewrite(draw: st.DrawFn) -> Callable[[str], None]:
             arr[lo:lo + 4] = np.asarray(arr[lo:lo + 4])[::-1]
         else:
             arr[index % n] = value
-    mutate.__qualname__ = f"seq_starts[{index}] = {value}" if not reverse else f"reverse seq_starts[{index}:+4]"
-    return mutate
+    return Mutation(f"seq_starts[{index}] = {value}" if not reverse else f"reverse seq_starts[{index}:+4]", mutate)
 
 
 @st.composite
-def _attr_edit(draw: st.DrawFn) -> Callable[[str], None]:
+def _attr_edit(draw: st.DrawFn) -> Mutation:
     value = draw(st.sampled_from([None, -1, 0, 5, 2**31, "49", 49.0, [49], True]))
 
     def mutate(path: str) -> None:
         set_attr(path, "train", "max_token_id", value, delete=value is None)
-    mutate.__qualname__ = f"max_token_id = {value!r}"
-    return mutate
+    return Mutation(f"max_token_id = {value!r}", mutate)
 
 
 @st.composite
-def _structure(draw: st.DrawFn) -> Callable[[str], None]:
+def _structure(draw: st.DrawFn) -> Mutation:
     victim = draw(st.sampled_from([
         "train/encoded_tokens/zarr.json", "train/encoded_tokens/.zarray", "train/seq_starts/zarr.json",
         "train/seq_starts/.zarray", "train/zarr.json", "train/.zgroup", "train/.zattrs",
@@ -445,8 +467,7 @@ def _structure(draw: st.DrawFn) -> Callable[[str], None]:
             os.remove(file)
         else:
             Path(file).write_bytes(garbage)
-    mutate.__qualname__ = f"{'delete' if garbage is None else f'overwrite with {garbage!r}'} {victim}"
-    return mutate
+    return Mutation(f"{'delete' if garbage is None else f'overwrite with {garbage!r}'} {victim}", mutate)
 
 
 MUTATIONS = st.one_of(
@@ -465,15 +486,17 @@ MUTATIONS = st.one_of(
 _OUTCOMES: dict[str, int] = {}
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=int(os.environ.get("RELIABILITY_EXAMPLES", "150")), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(fmt=st.sampled_from(list(WRITERS)), packing=st.booleans(),
        mutations=st.lists(MUTATIONS, min_size=1, max_size=2))
 def test_mutated_stores_load_correctly_or_raise_an_asyncflat_error(
-    bases: dict[str, str], fmt: str, packing: bool, mutations: list[Callable[[str], None]]
+    bases: dict[str, str], fmt: str, packing: bool, mutations: list[Mutation]
 ) -> None:
     with copy_of(bases[fmt]) as path:
-        for mutate in mutations:
-            mutate(path)
+        for mutation in mutations:
+            with contextlib.suppress(Exception):  # e.g. rewriting seq_starts in a damaged chunk
+                mutation.apply(path)
         try:
             tokens, tok_known, starts, st_known = read_mutated(path)
             oracle: ReferenceLoader | None = ReferenceLoader(
