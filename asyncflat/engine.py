@@ -133,6 +133,9 @@ class Engine:
         self._budget = asyncio.Condition()
         self._inflight_bytes = 0
         self._inflight_budget = self._default_inflight_budget()
+        # decoded bytes of the largest unit: what a worker reserves before taking one
+        self._unit_bytes = 4 * (source.token_chunk if plan.sequence_packing
+                                else plan.sequences_per_read_block * plan.seq_len)
         # decoded chunks: reads in flight, then a few recent ones (see _read_in_chunk)
         self._chunks: collections.OrderedDict[int, asyncio.Future[np.ndarray]] = collections.OrderedDict()
         self._chunks_cached = 2
@@ -486,35 +489,51 @@ class Engine:
             ]
 
     async def _worker(self) -> None:
+        # Admission before selection: a worker first reserves room in the byte budget, then
+        # takes the most urgent unit queued *at that moment*. Taking a unit first and waiting for
+        # room after would let prefetch units that were popped early hold the budget while a
+        # load's units queue behind them (a priority inversion that made first fills 8x slower).
+        reserve = self._unit_bytes
+        while True:
+            async with self._budget:
+                await self._budget.wait_for(
+                    lambda: self._inflight_bytes == 0
+                    or self._inflight_bytes + reserve <= self._inflight_budget
+                )
+                self._inflight_bytes += reserve
+            try:
+                unit = await self._next_unit()
+                await self._execute(unit)
+            finally:
+                async with self._budget:
+                    self._inflight_bytes -= reserve
+                    self._budget.notify_all()
+
+    async def _next_unit(self) -> _Unit:
         while True:
             priority, _, unit = await self._queue.get()
             fill = unit.fill
             if fill.cancelled or fill.error is not None or unit.priority != priority:
                 continue  # skipped: fill gone, or a stale entry of a re-prioritised unit
             unit.priority = -1  # taken: any other queue entry for this unit is now stale
-            async with self._budget:
-                await self._budget.wait_for(
-                    lambda: self._inflight_bytes == 0
-                    or self._inflight_bytes + unit.decoded_bytes <= self._inflight_budget
-                )
-                self._inflight_bytes += unit.decoded_bytes
-            self._units_in_flight += 1
-            self._peak_units_in_flight = max(self._peak_units_in_flight, self._units_in_flight)
-            fill.units_in_flight += 1
-            try:
-                await self._run_unit(unit)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # surfaces from the load that needs this fill
-                log.debug("read %d:%d of stream %d minipoch %d failed", unit.start, unit.stop,
-                          fill.stream, fill.minipoch, exc_info=True)
-                fill.fail(exc)
-            finally:
-                fill.units_in_flight -= 1
-                self._units_in_flight -= 1
-                async with self._budget:
-                    self._inflight_bytes -= unit.decoded_bytes
-                    self._budget.notify_all()
+            return unit
+
+    async def _execute(self, unit: _Unit) -> None:
+        fill = unit.fill
+        self._units_in_flight += 1
+        self._peak_units_in_flight = max(self._peak_units_in_flight, self._units_in_flight)
+        fill.units_in_flight += 1
+        try:
+            await self._run_unit(unit)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # surfaces from the load that needs this fill
+            log.debug("read %d:%d of stream %d minipoch %d failed", unit.start, unit.stop,
+                      fill.stream, fill.minipoch, exc_info=True)
+            fill.fail(exc)
+        finally:
+            fill.units_in_flight -= 1
+            self._units_in_flight -= 1
 
     async def _run_unit(self, unit: _Unit) -> None:
         fill = unit.fill

@@ -13,6 +13,7 @@ iterator has prefetched returns those same arrays.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import functools
@@ -35,6 +36,7 @@ from .config import EngineOptions, FlatTokensParams, HuggingFaceDataParams, Toke
 from .engine import Engine
 from .errors import ConfigError, LoaderClosedError
 from .format import SPLITS
+from .permutation import warm_up as warm_up_permutation
 from .plan import ShufflePlan
 from .source import StoreWrapper, TokenSource, ZarrTokenSource
 
@@ -120,7 +122,7 @@ class ShufflingLoader:
         self._injected_source = source
         self._lock = threading.Lock()
         self._closed = False
-        self._build_s: list[float] = []
+        self._build_s: collections.deque[float] = collections.deque(maxlen=1 << 16)  # recent builds
         self._runner = LoopThread(name="asyncflat", cpu_threads=options.decode_threads)
         self._pid = os.getpid()
         try:
@@ -157,6 +159,10 @@ class ShufflingLoader:
             params, self.token_batch_params,
             token_count=source.token_count, sequence_count=source.sequence_count,
         )
+        # Pay the one-time permutation compile and the global block shuffle here, at start-up,
+        # not inside the first load().
+        warm_up_permutation(max(plan.seqs_per_buffer, plan.read_block_count))
+        plan.block_order
         streams = np.unique(self._host_rows // plan.rows_per_stream_step).tolist()
         needed = 2 * len(streams) * plan.buffer_bytes
         if self.options.max_buffer_bytes is not None and needed > self.options.max_buffer_bytes:
@@ -435,6 +441,9 @@ class BatchIterator(Iterator[tuple[int, TokenBatch]]):
         if depth and start < self._stop_step:
             self._prefetch = _DevicePrefetch(loader, start, self._stop_step, depth)
             self._finalizer = weakref.finalize(self, self._prefetch.stop)
+            # Not at interpreter exit: joining a thread blocked in a load could wait a whole
+            # load; the thread is a daemon and the loop's own exit hook cancels its load.
+            self._finalizer.atexit = False
 
     def __iter__(self) -> "BatchIterator":
         return self

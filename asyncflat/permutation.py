@@ -76,6 +76,13 @@ def permutation(seed: int, n: int) -> np.ndarray:
     return result
 
 
+def warm_up(n: int) -> None:
+    """Compile the kernel now if permutations of ``n`` items need it (~1 s once per process,
+    holding the GIL), so that it does not happen inside a first fill."""
+    if n >= _SMALL_N:
+        _get_kernel()
+
+
 def _as_int(name: str, value: Any) -> int:
     if isinstance(value, bool):
         raise ConfigError(f"permutation: {name} must be an integer, got bool {value!r}")

@@ -1,0 +1,361 @@
+"""Lifecycle: close() leaves nothing behind, exit and Ctrl-C never hang, fork and threads are safe.
+
+* after ``close()`` no library thread is alive and no file descriptor leaks, over several cycles;
+* a dropped loader stops its thread; a load blocked in another thread when ``close()`` is called
+  raises LoaderClosedError promptly;
+* an interpreter exiting with open loaders (one of them blocked on slow storage) exits at once;
+* SIGINT during a blocking ``load()`` raises KeyboardInterrupt in about the wait slice, and the
+  loader is still usable afterwards;
+* a process forked after a loader started can build and use its own loader (the parent's refuses
+  to run there), and the parent's keeps working;
+* loaders used from several threads at once give the oracle's batches.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import queue
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+
+import asyncflat
+from asyncflat import (
+    EngineOptions,
+    FlatTokensParams,
+    LoaderClosedError,
+    ShufflingLoader,
+    TokenBatchParams,
+)
+from asyncflat.faults import FaultyStore
+from conftest import random_sequences
+from reference_impl import ReferenceLoader, load_split_arrays
+
+pytestmark = pytest.mark.timeout(180)
+
+REPO = str(Path(__file__).resolve().parents[1])
+SINGLE = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+BATCH = TokenBatchParams(len=16, batch=8)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = str(tmp_path_factory.mktemp("lifecycle") / "data.zarr")
+    seqs = random_sequences(7, 400, max_len=80)
+    asyncflat.write_flat_tokens(path, {"train": seqs, "validation": seqs[:100]}, chunk_tokens=1024)
+    return path
+
+
+def params(path: str, seed: int = 0, packing: bool = True, streams: int = 2) -> FlatTokensParams:
+    return FlatTokensParams(path, streams, 2, 4, seed, packing)
+
+
+def oracle(path: str, p: FlatTokensParams, batch: TokenBatchParams = BATCH, split: str = "train") -> ReferenceLoader:
+    tokens, starts = load_split_arrays(path, split)
+    return ReferenceLoader(tokens, starts, seq_len=batch.len, batch=batch.batch, streams=p.streams,
+                           read_blocks_per_shuffle_buffer=p.read_blocks_per_shuffle_buffer,
+                           sequences_per_read_block=p.sequences_per_read_block, seed=p.seed,
+                           sequence_packing=p.sequence_packing)
+
+
+def library_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("asyncflat")]
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def wait_until(predicate: Any, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def run_script(script: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, "-W", "error", "-c", textwrap.dedent(script), *args],
+                          timeout=timeout, capture_output=True, text=True, env=env)
+
+
+# -- close() --------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+def test_close_leaves_no_thread_and_no_file_descriptor(dataset: str) -> None:
+    def cycle(seed: int) -> None:
+        options = EngineOptions(prefetch_to_device=2)
+        with ShufflingLoader("train", params(dataset, seed), BATCH, SINGLE, options=options) as loader:
+            for step in (0, 5, 1):
+                loader.load(step)
+            iterator = loader.iter(3)  # a device-prefetch thread, left running until close()
+            next(iterator)
+            assert library_threads()
+            loader.stats()
+
+    cycle(0)  # warm-up: jax, zarr and numcodecs open what they keep for the process
+    gc.collect()
+    fds, threads = open_fds(), threading.active_count()
+    for seed in range(1, 6):
+        cycle(seed)
+        assert library_threads() == [], library_threads()
+    gc.collect()
+    assert open_fds() == fds, sorted(os.listdir("/proc/self/fd"))
+    assert threading.active_count() == threads
+
+
+def test_a_dropped_loader_stops_its_thread(dataset: str) -> None:
+    loader = ShufflingLoader("train", params(dataset), BATCH, SINGLE)
+    loader.load(0)
+    assert library_threads()
+    del loader
+    gc.collect()
+    assert wait_until(lambda: not library_threads(), 10), library_threads()
+
+
+def test_close_wakes_a_load_blocked_in_another_thread(dataset: str) -> None:
+    stores: list[FaultyStore] = []
+
+    def slow(store: Any) -> FaultyStore:
+        stores.append(FaultyStore(store, latency_s=30, fault_keys="train/encoded_tokens/c/*"))
+        return stores[-1]
+
+    loader = ShufflingLoader("train", params(dataset), BATCH, SINGLE, store_wrapper=slow)
+    outcome: "queue.Queue[BaseException | str]" = queue.Queue()
+
+    def blocked() -> None:
+        try:
+            loader.load(2)
+            outcome.put("returned")
+        except BaseException as exc:  # noqa: BLE001 - the test inspects what arrived
+            outcome.put(exc)
+
+    thread = threading.Thread(target=blocked)
+    thread.start()
+    assert wait_until(lambda: stores and stores[0].counts.delayed > 0, 10)
+    t0 = time.monotonic()
+    loader.close()
+    result = outcome.get(timeout=10)
+    assert time.monotonic() - t0 < 5
+    assert isinstance(result, LoaderClosedError), repr(result)
+    thread.join(5)
+    assert not library_threads()
+    for call in (lambda: loader.load(0), lambda: loader.iter(), loader.stats):
+        with pytest.raises(LoaderClosedError, match="closed"):
+            call()
+
+
+# -- process exit, Ctrl-C, fork -------------------------------------------------------------------
+
+
+def test_interpreter_exit_with_open_loaders_does_not_hang(dataset: str) -> None:
+    script = """
+        import sys, time, jax
+        from asyncflat import EngineOptions, FlatTokensParams, ShufflingLoader, TokenBatchParams
+        from asyncflat.faults import FaultyStore
+        path = sys.argv[1]
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        batch = TokenBatchParams(len=16, batch=8)
+        idle = ShufflingLoader("train", FlatTokensParams(path, 2, 2, 4, 0, True), batch, one)
+        idle.load(0)
+        slow = ShufflingLoader(
+            "train", FlatTokensParams(path, 2, 2, 4, 1, True), batch, one,
+            options=EngineOptions(prefetch_to_device=2),
+            store_wrapper=lambda s: FaultyStore(s, latency_s=60, fault_keys="train/encoded_tokens/c/*"))
+        it = slow.iter(0)  # its prefetch thread is now blocked in a load waiting 60 s for data
+        time.sleep(0.5)
+        print("bye", time.time(), flush=True)
+    """
+    result = run_script(script, dataset, timeout=90)
+    exited = time.time()
+    assert result.returncode == 0 and result.stdout.startswith("bye "), result.stderr
+    assert exited - float(result.stdout.split()[1]) < 10  # from the last line to process exit
+
+
+def test_ctrl_c_during_a_blocking_load_returns_promptly(dataset: str) -> None:
+    script = """
+        import sys, time, jax
+        from asyncflat import FlatTokensParams, ShufflingLoader, TokenBatchParams
+        from asyncflat.faults import FaultyStore
+        stores = []
+        def slow(store):
+            stores.append(FaultyStore(store, latency_s=4, fault_keys="train/encoded_tokens/c/*"))
+            return stores[-1]
+        loader = ShufflingLoader("train", FlatTokensParams(sys.argv[1], 2, 2, 4, 0, True),
+                                 TokenBatchParams(len=16, batch=8),
+                                 jax.sharding.SingleDeviceSharding(jax.devices()[0]), store_wrapper=slow)
+        print("blocking", flush=True)
+        try:
+            loader.load(3)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+        stores[0].configure(latency_s=0)
+        # Still usable: the interrupted load was cancelled; its fill goes on (reads already
+        # sleeping finish within 4 s) and serves this load.
+        loader.load(4)
+        stores[0].configure(latency_s=60)
+        print("blocking again", flush=True)
+        loader.load(loader.step_count - 1)  # the second SIGINT is not caught: the process exits
+        print("unreachable", flush=True)
+    """
+    env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}
+    lines: "queue.Queue[tuple[str, float]]" = queue.Queue()
+    with subprocess.Popen([sys.executable, "-W", "error", "-c", textwrap.dedent(script), dataset],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as child:
+
+        def read() -> None:
+            assert child.stdout is not None
+            for line in child.stdout:
+                lines.put((line.strip(), time.monotonic()))
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        try:
+            assert lines.get(timeout=90)[0] == "blocking"
+            time.sleep(0.5)  # well inside load(): its reads sleep for 4 s
+            sent = time.monotonic()
+            child.send_signal(signal.SIGINT)
+            line, at = lines.get(timeout=10)
+            assert line == "interrupted" and at - sent < 2.0, (line, at - sent)
+            assert lines.get(timeout=30)[0] == "blocking again"
+            time.sleep(0.5)
+            sent = time.monotonic()
+            child.send_signal(signal.SIGINT)
+            child.wait(timeout=10)
+            assert time.monotonic() - sent < 3.0
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+            reader.join(5)
+        assert child.stderr is not None
+        stderr = child.stderr.read()
+    assert "KeyboardInterrupt" in stderr, stderr
+    assert child.returncode in (-signal.SIGINT, 130, 1), child.returncode
+
+
+def test_a_forked_process_builds_its_own_loader(dataset: str) -> None:
+    """JAX itself cannot run in a child forked after it started (its thread pools do not survive
+    fork: a jax array built there deadlocks, with or without asyncflat). So the child checks the
+    rows its own engine serves, which is asyncflat's part; a child that needs jax arrays must be
+    started with the "spawn" method (docs/reliability.md)."""
+    script = """
+        import multiprocessing, sys, threading, warnings
+        # JAX warns that fork and its threads do not mix; that is the point of this test.
+        warnings.filterwarnings("ignore", message=r"os\\.fork\\(\\) was called", category=RuntimeWarning)
+        warnings.filterwarnings("ignore", message=r".*use of fork\\(\\) may lead to deadlocks",
+                                category=DeprecationWarning)
+        import jax, numpy as np
+        from asyncflat import FlatTokensParams, LoaderClosedError, ShufflingLoader, TokenBatchParams
+        path = sys.argv[1]
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        batch = TokenBatchParams(len=16, batch=8)
+        params = FlatTokensParams(path, 2, 2, 4, 0, True)
+        parent = ShufflingLoader("train", params, batch, one)
+        expected = {step: np.asarray(parent.load(step).targets) for step in (0, 9, 3)}
+
+        def child(results):
+            try:
+                try:
+                    parent.load(0)
+                    results.put("the parent's loader ran in the child")
+                    return
+                except LoaderClosedError:
+                    pass
+                own = ShufflingLoader("train", params, batch, one)
+                for step, targets in expected.items():
+                    rows = own._rows(step)  # the engine's rows (jax cannot run in this child)
+                    if not np.array_equal(rows >> 1, targets):
+                        results.put(f"step {step} differs")
+                        return
+                own.close()
+                left = [t.name for t in threading.enumerate() if t.name.startswith("asyncflat")]
+                results.put("ok" if not left else f"threads left: {left}")
+            except BaseException as exc:
+                results.put(repr(exc))
+
+        ctx = multiprocessing.get_context("fork")
+        results = ctx.Queue()
+        process = ctx.Process(target=child, args=(results,))
+        process.start()
+        print(results.get(timeout=60), flush=True)
+        process.join(30)
+        print("exit", process.exitcode, flush=True)
+        for step, targets in expected.items():  # the parent's loader is unaffected
+            assert np.array_equal(np.asarray(parent.load(step).targets), targets)
+        parent.close()
+        print("parent ok", flush=True)
+    """
+    result = run_script(script, dataset, timeout=150)
+    assert result.stdout.split("\n")[:3] == ["ok", "exit 0", "parent ok"], (result.stdout, result.stderr)
+    assert result.returncode == 0, result.stderr
+
+
+# -- threads --------------------------------------------------------------------------------------
+
+
+def test_two_loaders_iterated_from_two_threads_at_once(dataset: str) -> None:
+    jobs = [
+        ("train", params(dataset, seed=1, packing=True), TokenBatchParams(len=16, batch=8)),
+        ("validation", params(dataset, seed=2, packing=False, streams=1), TokenBatchParams(len=32, batch=4)),
+    ]
+    errors: list[BaseException] = []
+    counts = [0, 0]
+    start = threading.Barrier(len(jobs))
+
+    def work(index: int) -> None:
+        split, p, batch = jobs[index]
+        expected = oracle(dataset, p, batch, split)
+        try:
+            with ShufflingLoader(split, p, batch, SINGLE, options=EngineOptions(prefetch_to_device=1)) as loader:
+                start.wait(10)
+                for step, got in loader.iter():
+                    targets, starts = expected.batch(step)
+                    np.testing.assert_array_equal(np.asarray(got.targets), targets, err_msg=f"{split} {step}")
+                    np.testing.assert_array_equal(np.asarray(got.is_seq_start), starts)
+                    counts[index] += 1
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert all(c > 10 for c in counts), counts
+    assert not library_threads()
+
+
+def test_one_loader_shared_by_threads_gives_each_the_right_batch(dataset: str) -> None:
+    p = params(dataset, seed=4)
+    expected = oracle(dataset, p)
+    errors: list[BaseException] = []
+    with ShufflingLoader("train", p, BATCH, SINGLE) as loader:
+        def work(steps: list[int]) -> None:
+            try:
+                for step in steps:
+                    np.testing.assert_array_equal(np.asarray(loader.load(step).targets), expected.batch(step)[0])
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        order = np.random.default_rng(0).permutation(loader.step_count).tolist()
+        threads = [threading.Thread(target=work, args=(order[i::3],)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    assert not errors, errors
