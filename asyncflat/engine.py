@@ -152,6 +152,12 @@ class Engine:
         # Prefetch fills decode on all but one CPU thread, leaving a core to the trainer; a fill
         # that a load is waiting for (urgent) uses them all.
         self._background_decodes = asyncio.Semaphore(max(1, options.decode_threads - 1))
+        # A prefetch fill nobody waits for yet runs one unit at a time on a local store (reads
+        # are CPU copies there), so it takes at most about one core from the trainer; behind a
+        # network its reads still overlap, since latency, not CPU, bounds them.
+        self._background = asyncio.Condition()
+        self._background_active = 0
+        self._background_limit = options.max_concurrent_reads if getattr(source, "remote", False) else 1
         self._fill_records: list[dict[str, Any]] = []
         self._buffer_allocations = 0
         self._units_in_flight = 0
@@ -445,7 +451,10 @@ class Engine:
     # -- waiting ------------------------------------------------------------------------------
 
     async def _wait_ready(self, fill: _Fill, step: int, buffer_rows: np.ndarray) -> None:
-        fill.urgent = True  # a load waits on it: decode on every thread from now on
+        if not fill.urgent:
+            fill.urgent = True  # a load waits on it: full speed from now on
+            async with self._background:
+                self._background.notify_all()
         if self.options.prefetch:
             slots = np.unique(buffer_rows // self.plan.sequences_per_read_block)
         else:  # the reference's behaviour: a load waits for the whole buffer
@@ -520,6 +529,12 @@ class Engine:
 
     async def _execute(self, unit: _Unit) -> None:
         fill = unit.fill
+        background = fill.reason == "prefetch" and not fill.urgent
+        if background:
+            async with self._background:
+                await self._background.wait_for(
+                    lambda: fill.urgent or self._background_active < self._background_limit)
+                self._background_active += 1
         self._units_in_flight += 1
         self._peak_units_in_flight = max(self._peak_units_in_flight, self._units_in_flight)
         fill.units_in_flight += 1
@@ -534,6 +549,10 @@ class Engine:
         finally:
             fill.units_in_flight -= 1
             self._units_in_flight -= 1
+            if background:
+                async with self._background:
+                    self._background_active -= 1
+                    self._background.notify_all()
 
     async def _run_unit(self, unit: _Unit) -> None:
         fill = unit.fill

@@ -301,6 +301,31 @@ def test_a_permanent_fault_fails_only_the_loads_that_need_it(stores: dict[str, s
         assert wrap.store.counts.permanent >= 3
 
 
+def test_reads_of_a_failed_fill_never_land_in_another_fills_buffer(stores: dict[str, str]) -> None:
+    """Regression: a failed fill was dropped while some of its reads were still in flight;
+    they then wrote into the buffer, which a fill of another minipoch had meanwhile taken, and
+    that fill served wrong rows. Jittered latency keeps reads in flight when fills fail; every
+    load that does not raise must be right."""
+    path, chunk, bad = stores["v3"], 512, 5
+    rng = np.random.default_rng(3)
+    failures = 0
+    for trial in range(8):
+        packing = trial % 2 == 0
+        expected = oracle(path, packing)
+        wrap = Wrap(permanent_keys=[f"train/encoded_tokens/c/{bad}"], latency_jitter_s=0.02, seed=trial,
+                    fault_keys="train/encoded_tokens/c/*")
+        options = EngineOptions(load_timeout_s=30, retry=FAST_RETRY)
+        with ShufflingLoader("train", params(path, packing), BATCH, SINGLE, options=options, store_wrapper=wrap) as loader:
+            for step in rng.integers(0, expected.step_count, 25).tolist():
+                try:
+                    batch = loader.load(step)
+                except StorageError:
+                    failures += 1
+                    continue
+                assert_step(batch, expected, step)
+    assert failures > 10
+
+
 @pytest.mark.parametrize("error", [TransientStorageError, ConnectionResetError])
 def test_retries_exhausted_raise_within_the_policy_bounds(stores: dict[str, str], error: type) -> None:
     path = stores["v3"]
