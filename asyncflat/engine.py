@@ -6,15 +6,23 @@ When a stream starts serving minipoch m, the fill of m+1 starts into the other b
 boundary costs nothing when the fill finishes in time.
 
 A fill is cut into *read units*. With sequence packing a unit is the part of one zarr chunk that
-the fill's blocks cover: each chunk is fetched and decoded once per fill even when several blocks
-share it, and the unit's pieces are copied straight into their block slots of the buffer.
-Without packing a unit is one block (seq_starts, then the tokens, truncated/padded to ``len``).
+the fill's blocks cover: each chunk object is fetched once per fill even when several blocks
+share it, and each block's piece is decoded straight into its slot of the buffer (for Blosc,
+only the items it uses; see ``_blosc.py``). Codecs we cannot decode ourselves (sharding,
+filters) go through zarr, one decode per chunk, and are copied into the slots. Without packing
+a unit is one block (seq_starts, then the tokens, truncated/padded to ``len``).
 Units wait in one priority queue shared by all fills, keyed by the first step that needs them
 (:meth:`ShufflePlan.block_deadlines`), and a fixed set of workers pulls from it: that bounds the
 reads in flight (a sliding window) and makes every fill demand-first, so a load waits only for
 the blocks its own rows live in and the next step's blocks always go first.
 
-The in-buffer shuffle is never materialised: a gather reads buffer row ``perm[position]``.
+The in-buffer shuffle is never materialised: a gather reads buffer row ``perm[position]``. A
+load whose buffers are complete (the steady state) is served from the caller's thread
+(:meth:`Engine.try_gather`), without a round trip to the loop.
+
+Fills compete with the trainer for the CPU. A prefetch that no load waits for yet runs one
+unit at a time on a local store and decodes on all but one thread; once a load waits for it,
+it gets everything.
 
 Failure model: a unit that fails (after the store's retries) fails its fill; the load that needs
 that fill raises the error (with the array, range and cause), the fill is dropped, and a later
@@ -101,9 +109,10 @@ class _Fill:
 
 
 class Engine:
-    """Serves rows of any step for the streams of this host; runs entirely on one event loop.
+    """Serves rows of any step for the streams of this host; runs on one event loop.
 
-    Create with :meth:`create` from a coroutine on the loop; call :meth:`gather` likewise.
+    Construct it and call :meth:`gather`/:meth:`aclose` on that loop (its asyncio objects bind
+    there); only :meth:`try_gather` may be called from other threads.
     """
 
     def __init__(

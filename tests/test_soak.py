@@ -61,7 +61,8 @@ def test_epochs_with_faults_random_access_and_resumes(tmp_path: Path) -> None:
             assert time.monotonic() - started < BUDGET_S, f"soak over budget in epoch {epoch} at step {step}"
             stores: list[FaultyStore] = []
 
-            def wrap(store: object, seed: int = int(rng.integers(1 << 30))) -> FaultyStore:
+            def wrap(store: object, seed: int = int(rng.integers(1 << 30)),
+                     stores: list[FaultyStore] = stores) -> FaultyStore:
                 stores.append(FaultyStore(store, transient_rate=0.15, max_transient_per_request=3,  # type: ignore[arg-type]
                                           latency_s=0.0005, latency_jitter_s=0.003, seed=seed))
                 return stores[-1]
