@@ -40,6 +40,22 @@ _ids = itertools.count()
 _live: "weakref.WeakSet[LoopThread]" = weakref.WeakSet()
 
 
+def _lower_priority(nice: int) -> None:
+    """Raise this thread's nice value by ``nice`` (Linux: threads are scheduled as tasks).
+
+    The engine's work is background work: when the trainer's thread (or jax's) wants a core,
+    the scheduler should give it one. When a load waits for data the trainer is idle anyway, so
+    fills lose nothing then. Best effort: elsewhere this is a no-op.
+    """
+    if nice <= 0 or not hasattr(os, "setpriority") or not hasattr(threading, "get_native_id"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError:  # pragma: no cover - not permitted here
+        log.debug("could not lower the priority of %s", threading.current_thread().name)
+
+
 def _new_event_loop() -> asyncio.AbstractEventLoop:
     try:
         import uvloop
@@ -51,9 +67,10 @@ def _new_event_loop() -> asyncio.AbstractEventLoop:
 class LoopThread:
     """An event loop on a private daemon thread, plus a small pool for CPU work off the loop."""
 
-    def __init__(self, *, name: str = "asyncflat", cpu_threads: int = 2) -> None:
+    def __init__(self, *, name: str = "asyncflat", cpu_threads: int = 2, nice: int = 0) -> None:
         self._name = f"{name}-loop-{next(_ids)}"
         self._cpu_threads = cpu_threads
+        self._nice = nice
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -82,13 +99,15 @@ class LoopThread:
     def _start(self) -> None:
         loop = _new_event_loop()
         self._executor = concurrent.futures.ThreadPoolExecutor(
-            self._cpu_threads, thread_name_prefix=f"{self._name}-cpu"
+            self._cpu_threads, thread_name_prefix=f"{self._name}-cpu",
+            initializer=_lower_priority, initargs=(self._nice,),
         )
         # zarr's codecs decode via asyncio.to_thread, i.e. on the loop's default executor.
         loop.set_default_executor(self._executor)
         started = threading.Event()
 
         def main() -> None:
+            _lower_priority(self._nice)
             asyncio.set_event_loop(loop)
             loop.call_soon(started.set)
             loop.run_forever()

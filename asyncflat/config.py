@@ -145,6 +145,9 @@ class EngineOptions:
     * ``max_buffer_bytes``: refuse, at construction, a configuration whose shuffle buffers on this
       host would need more memory than this (None: no budget).
     * ``prefetch_to_device``: how many upcoming steps ``iter()`` keeps built as jax arrays.
+    * ``engine_niceness``: how much lower than the trainer's the scheduling priority of the
+      engine's threads is (Linux ``nice``; 0 keeps it equal). Fills then take only the CPU the
+      trainer leaves, and a load that waits for data leaves the trainer idle anyway.
     """
 
     prefetch: bool = True
@@ -154,6 +157,7 @@ class EngineOptions:
     max_buffer_bytes: Optional[int] = None
     max_inflight_bytes: Optional[int] = None
     prefetch_to_device: int = 1
+    engine_niceness: int = 10
     retry: RetryPolicy = dataclasses.field(default_factory=RetryPolicy)
 
     def __post_init__(self) -> None:
@@ -166,6 +170,7 @@ class EngineOptions:
         if self.max_inflight_bytes is not None:
             _int_field(self, "max_inflight_bytes", minimum=1)
         _int_field(self, "prefetch_to_device", minimum=0)
+        _int_field(self, "engine_niceness", minimum=0)
         if not isinstance(self.retry, RetryPolicy):
             raise ConfigError(
                 f"EngineOptions.retry must be a RetryPolicy, got {type(self.retry).__name__}"

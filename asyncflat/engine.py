@@ -126,6 +126,7 @@ class Engine:
         self.source = source
         self.streams = tuple(sorted(set(int(s) for s in streams)))
         self.options = options
+        self._loop: asyncio.AbstractEventLoop | None = None  # set by the first gather
         self._buffers: dict[int, list[np.ndarray | None]] = {s: [None, None] for s in self.streams}
         self._fills: dict[int, dict[int, _Fill]] = {s: {} for s in self.streams}
         self._queue: asyncio.PriorityQueue[tuple[int, int, _Unit]] = asyncio.PriorityQueue()
@@ -196,6 +197,7 @@ class Engine:
         if self._closed:
             raise LoaderClosedError("the engine is closed")
         self.plan.check_step(step)
+        self._loop = asyncio.get_running_loop()
         self._start_workers()
         t0 = time.perf_counter()
         async with self._gather_lock:
@@ -223,9 +225,10 @@ class Engine:
     def try_gather(self, step: int, batch_indices: np.ndarray) -> np.ndarray | None:
         """:meth:`gather` from the caller's thread, when nothing needs the loop; else None.
 
-        The steady state (every row already in a finished buffer, the next minipoch already
-        filling) needs no scheduling, so it skips the round trip to the loop thread. The first
-        step of a minipoch, a missing block or an error returns None: use :meth:`gather`.
+        The steady state (every row already in a finished buffer) skips the round trip to the
+        loop thread; at the first step of a minipoch the prefetch of the next one is handed to
+        the loop without waiting for it. A missing block or an error returns None: use
+        :meth:`gather`, which waits.
         """
         if self._closed:
             raise LoaderClosedError("the engine is closed")
@@ -240,13 +243,20 @@ class Engine:
                 if fill is None or not fill.done or fill.error is not None:
                     return None
                 fills.append(fill)
-            if self.options.prefetch and self._prefetches_due(groups):
-                return None
             out = np.empty((len(loc.batch_index), self.plan.seq_len), np.uint32)
             for fill, rows in zip(fills, groups.values()):
                 np.take(fill.buffer, fill.perm[loc.position[rows]], axis=0, out=out[rows])
+            if self.options.prefetch and self._prefetches_due(groups) and self._loop is not None:
+                # Fire and forget: the loop re-checks, so a request sent twice starts one fill.
+                self._loop.call_soon_threadsafe(self._start_prefetches, groups)
         self._record_step(step, time.perf_counter() - t0)
         return out
+
+    def _start_prefetches(self, groups: dict[tuple[int, int], slice]) -> None:
+        if self._closed:
+            return
+        with self._lock:
+            self._prefetch_after(groups)
 
     async def aclose(self) -> None:
         """Cancel every fill and worker, drop the buffers. Idempotent."""

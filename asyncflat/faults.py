@@ -47,10 +47,9 @@ from typing import Any, Union
 
 from zarr.abc.store import ByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype
-from zarr.storage import WrapperStore
 
 from .errors import ConfigError, TransientStorageError
-from .source import describe_range
+from .source import PerKeyWrapperStore, describe_range
 
 __all__ = ["FaultCounts", "FaultyStore"]
 
@@ -142,7 +141,7 @@ def _validated(changes: dict[str, Any], base: _Settings | None) -> _Settings:
     return _Settings(**values)
 
 
-class FaultyStore(WrapperStore[Store]):
+class FaultyStore(PerKeyWrapperStore):
     """A zarr store wrapper that injects latency, transient/permanent errors and corruption.
 
     See the module docstring for what each argument does. Reads only: writes, listing and
@@ -237,12 +236,6 @@ class FaultyStore(WrapperStore[Store]):
             buffer = self._corrupt(buffer, prototype, settings.corrupt_mode, key, where, attempt)
         return buffer
 
-    async def get_partial_values(
-        self,
-        prototype: BufferPrototype,
-        key_ranges: Iterable[tuple[str, ByteRequest | None]],
-    ) -> list[Buffer | None]:
-        return list(await asyncio.gather(*(self.get(k, prototype, r) for k, r in key_ranges)))
 
     # -- helpers ------------------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ from jax.sharding import Sharding
 from .config import HuggingFaceDataParams, TokenBatchParams
 from .convert import ConvertReport, Tokenizer, convert_documents, load_tokenizer
 from .errors import ConfigError, LoaderClosedError, StepOutOfRangeError
-from .loader import TokenBatch, default_sharding
+from .loader import TokenBatch, check_batch_sharding, default_sharding
 
 __all__ = ["HuggingFaceDataLoader", "convert_hf_dataset", "open_hf_dataset"]
 
@@ -167,12 +167,7 @@ class HuggingFaceDataLoader:
         self.max_token_id = self.tokenizer.vocab_size - 1
         self.sharding = default_sharding() if sharding is None else sharding
         self._shape = (token_batch_params.batch, token_batch_params.len)
-        try:
-            self.sharding.shard_shape(self._shape)
-        except Exception as exc:
-            raise ConfigError(
-                f"sharding {self.sharding} cannot shard a batch of shape {self._shape}: {exc}"
-            ) from exc
+        check_batch_sharding(self.sharding, self._shape)
         splits = open_hf_dataset(config.path, config.name)
         if split not in splits:
             raise ConfigError(f"{config.path}: no split {split!r} (splits: {', '.join(splits)})")

@@ -77,6 +77,16 @@ def default_sharding() -> Sharding:
     return NamedSharding(mesh, PartitionSpec("batch", None))
 
 
+def check_batch_sharding(sharding: Sharding, shape: tuple[int, int]) -> None:
+    """Raise ConfigError unless ``sharding`` can shard a (batch, len) array on this process."""
+    try:
+        sharding.shard_shape(shape)
+    except Exception as exc:
+        raise ConfigError(f"sharding {sharding} cannot shard a batch of shape {shape}: {exc}") from exc
+    if not sharding.addressable_devices_indices_map(shape):
+        raise ConfigError(f"sharding {sharding} has no device in this process")
+
+
 def _host_batch_indices(sharding: Sharding, shape: tuple[int, int]) -> np.ndarray:
     """Batch rows any addressable shard of ``sharding`` holds, sorted (this host's rows)."""
     rows: set[int] = set()
@@ -111,7 +121,7 @@ class ShufflingLoader:
         self.options = options
         self.sharding = default_sharding() if sharding is None else sharding
         self._shape = (token_batch_params.batch, token_batch_params.len)
-        self._check_sharding()
+        check_batch_sharding(self.sharding, self._shape)
         self._host_rows = _host_batch_indices(self.sharding, self._shape)
         self._row_of_batch_index = np.full(token_batch_params.batch, -1, np.int64)
         self._row_of_batch_index[self._host_rows] = np.arange(len(self._host_rows))
@@ -123,7 +133,8 @@ class ShufflingLoader:
         self._lock = threading.Lock()
         self._closed = False
         self._build_s: collections.deque[float] = collections.deque(maxlen=1 << 16)  # recent builds
-        self._runner = LoopThread(name="asyncflat", cpu_threads=options.decode_threads)
+        self._runner = LoopThread(name="asyncflat", cpu_threads=options.decode_threads,
+                                  nice=options.engine_niceness)
         self._pid = os.getpid()
         try:
             self._engine = self._runner.run(self._open_engine())
@@ -133,18 +144,6 @@ class ShufflingLoader:
         self.plan: ShufflePlan = self._engine.plan
 
     # -- construction -------------------------------------------------------------------------
-
-    def _check_sharding(self) -> None:
-        try:
-            self.sharding.shard_shape(self._shape)
-        except Exception as exc:
-            raise ConfigError(
-                f"sharding {self.sharding} cannot shard a batch of shape {self._shape}: {exc}"
-            ) from exc
-        if len(self.sharding.device_set) and not self.sharding.is_fully_addressable:
-            return  # multi-process: rows are split by the addressable shards
-        if not self.sharding.addressable_devices_indices_map(self._shape):
-            raise ConfigError(f"sharding {self.sharding} has no device in this process")
 
     async def _open_engine(self) -> Engine:
         params = self.params

@@ -228,10 +228,11 @@ class ShufflePlan:
         base_q = minipoch * self.seqs_per_buffer
         first_pos = max(0, from_step * bips - base_q)
         positions = np.arange(first_pos, self.served_rows(minipoch), dtype=np.int64)
-        deadlines = np.full(len(perm) // spb, NEVER, dtype=np.int64)
-        # Positions are increasing, so the first occurrence of a slot is its earliest step.
-        slots, first = np.unique(perm[positions] // spb, return_index=True)
-        deadlines[slots] = (base_q + positions[first]) // bips
+        first_position = np.full(len(perm) // spb, NEVER, dtype=np.int64)
+        np.minimum.at(first_position, perm[positions] // spb, positions)
+        read = first_position != NEVER
+        deadlines = first_position  # reused: steps where read, NEVER elsewhere
+        deadlines[read] = (base_q + first_position[read]) // bips
         return deadlines
 
     # -- validation helpers -------------------------------------------------------------------

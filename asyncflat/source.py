@@ -213,7 +213,22 @@ def _range_length(byte_range: ByteRequest | None) -> int | None:
     return None
 
 
-class _GuardedStore(WrapperStore[Store]):
+class PerKeyWrapperStore(WrapperStore[Store]):
+    """A store wrapper whose batched reads go through its own ``get``, one key at a time.
+
+    zarr reads sharded arrays with ``get_partial_values``; routing it through ``get`` means a
+    wrapper's checks (limits, retries, fault injection) apply to every read.
+    """
+
+    async def get_partial_values(
+        self,
+        prototype: BufferPrototype,
+        key_ranges: Iterable[tuple[str, ByteRequest | None]],
+    ) -> list[Buffer | None]:
+        return list(await asyncio.gather(*(self.get(k, prototype, r) for k, r in key_ranges)))
+
+
+class _GuardedStore(PerKeyWrapperStore):
     """Bounded, retried, counted, strict access to the objects of a store."""
 
     def __init__(
@@ -330,12 +345,6 @@ class _GuardedStore(WrapperStore[Store]):
         self._io.bytes_read += len(buffer)
         return buffer
 
-    async def get_partial_values(
-        self,
-        prototype: BufferPrototype,
-        key_ranges: Iterable[tuple[str, ByteRequest | None]],
-    ) -> list[Buffer | None]:
-        return list(await asyncio.gather(*(self.get(k, prototype, r) for k, r in key_ranges)))
 
 
 # -- filesystems ------------------------------------------------------------------------------

@@ -170,3 +170,19 @@ def test_interpreter_exit_with_a_busy_loop_does_not_hang() -> None:
                             env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert result.returncode == 0 and result.stdout.strip() == "bye", result.stderr
     assert time.monotonic() - t0 < 60
+
+
+def test_engine_threads_run_at_a_lower_priority_than_the_caller() -> None:
+    runner = LoopThread(name="nice", cpu_threads=1, nice=5)
+    try:
+        async def priorities() -> tuple[int, int]:
+            loop_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+            pool_nice = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+            return loop_nice, pool_nice
+
+        mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        assert runner.run(priorities()) == (min(19, mine + 5), min(19, mine + 5))
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # caller untouched
+    finally:
+        runner.close()
