@@ -40,18 +40,24 @@ _ids = itertools.count()
 _live: "weakref.WeakSet[LoopThread]" = weakref.WeakSet()
 
 
-def _lower_priority(nice: int) -> None:
-    """Raise this thread's nice value by ``nice`` (Linux: threads are scheduled as tasks).
+def _niceness_target(nice: int) -> int | None:
+    """The nice value ``nice`` steps below the calling thread's, or None where unsupported."""
+    if nice <= 0 or not hasattr(os, "getpriority"):
+        return None
+    return min(19, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + nice)
+
+
+def _lower_priority(target: int | None) -> None:
+    """Give this thread the nice value ``target`` (Linux schedules threads as tasks).
 
     The engine's work is background work: when the trainer's thread (or jax's) wants a core,
     the scheduler should give it one. When a load waits for data the trainer is idle anyway, so
     fills lose nothing then. Best effort: elsewhere this is a no-op.
     """
-    if nice <= 0 or not hasattr(os, "setpriority") or not hasattr(threading, "get_native_id"):
+    if target is None:
         return
     try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), target)
     except OSError:  # pragma: no cover - not permitted here
         log.debug("could not lower the priority of %s", threading.current_thread().name)
 
@@ -98,16 +104,19 @@ class LoopThread:
 
     def _start(self) -> None:
         loop = _new_event_loop()
+        # Relative to the thread starting the loop (the trainer's); threads inherit their
+        # creator's nice value, so the pool's threads get the same absolute value, not more.
+        target = _niceness_target(self._nice)
         self._executor = concurrent.futures.ThreadPoolExecutor(
             self._cpu_threads, thread_name_prefix=f"{self._name}-cpu",
-            initializer=_lower_priority, initargs=(self._nice,),
+            initializer=_lower_priority, initargs=(target,),
         )
         # zarr's codecs decode via asyncio.to_thread, i.e. on the loop's default executor.
         loop.set_default_executor(self._executor)
         started = threading.Event()
 
         def main() -> None:
-            _lower_priority(self._nice)
+            _lower_priority(target)
             asyncio.set_event_loop(loop)
             loop.call_soon(started.set)
             loop.run_forever()
