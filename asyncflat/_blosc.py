@@ -19,7 +19,7 @@ import logging
 
 import numpy as np
 
-__all__ = ["AVAILABLE", "BloscError", "decode_into"]
+__all__ = ["AVAILABLE", "BloscError", "FrameLayout", "decode_into"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,65 @@ def _bind() -> tuple | None:
 _FUNCS = _bind()
 AVAILABLE = _FUNCS is not None
 _HEADER = 16
+_MEMCPYED = 0x2  # header flag: items stored uncompressed right after the header
+
+
+class FrameLayout:
+    """Where the items of a Blosc frame live, from its header and block-offset table.
+
+    A c-blosc frame is a 16-byte header, then (unless stored uncompressed) one int32 offset per
+    internal block, then the compressed blocks in order. Knowing that, a reader fetches just the
+    compressed blocks that hold a range of items (plus these two small parts) instead of the
+    whole object: what a resumed step needs for the handful of rows it reads.
+    """
+
+    def __init__(self, header: bytes) -> None:
+        if len(header) < _HEADER:
+            raise BloscError(f"{len(header)} bytes cannot hold a Blosc header")
+        flags, self.typesize = header[2], header[3]
+        self.nbytes, self.blocksize, self.cbytes = (
+            int.from_bytes(header[i:i + 4], "little") for i in (4, 8, 12))
+        if not self.typesize or not self.blocksize or self.cbytes < _HEADER:
+            raise BloscError("inconsistent Blosc header")
+        self.memcpyed = bool(flags & _MEMCPYED)
+        self.nblocks = -(-self.nbytes // self.blocksize)
+        self.header = bytes(header[:_HEADER])
+        self.offsets: np.ndarray | None = None  # int32 block offsets, once read
+
+    @property
+    def offsets_range(self) -> tuple[int, int]:
+        """Byte range of the block-offset table (empty for an uncompressed frame)."""
+        return _HEADER, _HEADER + (0 if self.memcpyed else 4 * self.nblocks)
+
+    def items_range(self, first_item: int, n: int) -> tuple[int, int]:
+        """Byte range of the frame holding items ``[first_item, first_item + n)``."""
+        lo, hi = first_item * self.typesize, (first_item + n) * self.typesize
+        if hi > self.nbytes:
+            raise BloscError(f"items up to byte {hi} requested, the frame decodes to {self.nbytes}")
+        if self.memcpyed:
+            return _HEADER + lo, _HEADER + hi
+        assert self.offsets is not None, "read offsets_range first"
+        first, last = lo // self.blocksize, (hi - 1) // self.blocksize
+        end = int(self.offsets[last + 1]) if last + 1 < self.nblocks else self.cbytes
+        start = int(self.offsets[first])
+        if not _HEADER <= start <= end <= self.cbytes:
+            raise BloscError("block offsets point outside the frame")
+        return start, end
+
+    def sparse_frame(self, parts: list[tuple[int, bytes]]) -> np.ndarray:
+        """A frame-sized buffer holding only ``parts`` ((offset, bytes)) and the header/table.
+
+        Pages never written are never touched, by us or by ``blosc_getitem``, which reads only
+        the header, the table and the blocks it decodes.
+        """
+        frame = np.empty(self.cbytes, np.uint8)
+        frame[:_HEADER] = np.frombuffer(self.header, np.uint8)
+        if self.offsets is not None:
+            lo, hi = self.offsets_range
+            frame[lo:hi] = self.offsets.view(np.uint8)
+        for offset, data in parts:
+            frame[offset:offset + len(data)] = np.frombuffer(data, np.uint8)
+        return frame
 
 
 def decode_into(frame: np.ndarray, first_item: int, out: np.ndarray) -> None:

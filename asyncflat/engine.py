@@ -170,6 +170,11 @@ class Engine:
         self._background_limit = options.max_concurrent_reads if getattr(source, "remote", False) else 1
         self._fill_records: list[dict[str, Any]] = []
         self._buffer_allocations = 0
+        self._rows_read_directly = 0  # rows served before their block arrived (_serve_early)
+        # Cleared while a load reads its rows one by one: fills take no new unit meanwhile.
+        self._rows_first = asyncio.Event()
+        self._rows_first.set()
+        self._row_reads: set[asyncio.Future[Any]] = set()
         self._units_in_flight = 0
         self._peak_units_in_flight = 0
         self._decoded_bytes = 0
@@ -214,6 +219,9 @@ class Engine:
             for (stream, minipoch), rows in groups.items():
                 fill = self._fills[stream][minipoch]
                 buffer_rows = fill.perm[loc.position[rows]]
+                if not fill.done and self._direct and self.options.prefetch:
+                    await self._serve_early(fill, step, buffer_rows, out[rows])
+                    continue
                 if not fill.done:
                     await self._wait_ready(fill, step, buffer_rows)
                 elif fill.error is not None:
@@ -267,7 +275,7 @@ class Engine:
             for fill in fills.values():
                 fill.cancelled = True
                 fill.fail(LoaderClosedError("the engine was closed"))
-        pending = [*self._workers, *self._chunks.values()]
+        pending = [*self._workers, *self._chunks.values(), *self._row_reads]
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
@@ -301,6 +309,7 @@ class Engine:
             "fills": list(self._fill_records),
             "active_fills": active,
             "buffer_allocations": self._buffer_allocations,
+            "rows_read_directly": self._rows_read_directly,
             "units_in_flight": self._units_in_flight,
             "peak_units_in_flight": self._peak_units_in_flight,
             "bytes_read": io.bytes_read,
@@ -469,11 +478,58 @@ class Engine:
 
     # -- waiting ------------------------------------------------------------------------------
 
-    async def _wait_ready(self, fill: _Fill, step: int, buffer_rows: np.ndarray) -> None:
+    async def _serve_early(self, fill: _Fill, step: int, buffer_rows: np.ndarray, out: np.ndarray) -> None:
+        """Rows of a fill still in progress: those in finished blocks from the buffer, the others
+        read one by one from storage (only the bytes that hold them) while the fill goes on.
+
+        A step's rows are scattered over most of a buffer's blocks (the in-buffer permutation),
+        so waiting for whole blocks after a resume or behind a late fill would cost most of a
+        fill; a few rows cost a few small reads.
+        """
+        if fill.error is not None:
+            self._raise_fill_error(fill, step)
+        await self._make_urgent(fill)
+        spb = self.plan.sequences_per_read_block
+        ready = np.fromiter((event.is_set() for event in fill.ready), bool, len(fill.ready))
+        have = ready[buffer_rows // spb]
+        out[have] = fill.buffer[buffer_rows[have]]
+        missing = np.flatnonzero(~have)
+        self._rows_first.clear()
+        reads = asyncio.gather(*(self._read_row(fill, int(buffer_rows[i]), out[i]) for i in missing))
+        self._row_reads.add(reads)
+        try:
+            await reads
+        except asyncio.CancelledError:
+            if self._closed:  # aclose() cancelled the reads: the load learns why
+                raise LoaderClosedError("the engine was closed") from None
+            raise
+        except Exception as exc:
+            self._raise_with_context(exc, f"step {step}: reading rows of stream {fill.stream} "
+                                          f"minipoch {fill.minipoch} failed")
+        finally:
+            self._row_reads.discard(reads)
+            self._rows_first.set()
+        self._rows_read_directly += len(missing)
+
+    async def _read_row(self, fill: _Fill, buffer_row: int, out: np.ndarray) -> None:
+        spb, seq_len, chunk = self.plan.sequences_per_read_block, self.plan.seq_len, self.source.token_chunk
+        slot, row = divmod(buffer_row, spb)
+        start = (int(fill.blocks[slot]) * spb + row) * seq_len  # packed: row r is tokens r*len...
+        done = 0
+        while done < seq_len:  # a row may cross a chunk boundary
+            chunk_id, offset = divmod(start + done, chunk)
+            n = min(seq_len - done, chunk - offset)
+            await self.source.read_items(chunk_id, offset, out[done:done + n])
+            done += n
+
+    async def _make_urgent(self, fill: _Fill) -> None:
         if not fill.urgent:
             fill.urgent = True  # a load waits on it: full speed from now on
             async with self._background:
                 self._background.notify_all()
+
+    async def _wait_ready(self, fill: _Fill, step: int, buffer_rows: np.ndarray) -> None:
+        await self._make_urgent(fill)
         if self.options.prefetch:
             slots = np.unique(buffer_rows // self.plan.sequences_per_read_block)
         else:  # the reference's behaviour: a load waits for the whole buffer
@@ -502,7 +558,12 @@ class Engine:
             if self._fills[fill.stream].get(fill.minipoch) is fill:
                 # the next load retries this minipoch
                 self._retire(self._fills[fill.stream].pop(fill.minipoch))
-        message = f"step {step}: filling stream {fill.stream} minipoch {fill.minipoch} failed: {exc}"
+        self._raise_with_context(exc, f"step {step}: filling stream {fill.stream} minipoch {fill.minipoch} failed")
+
+    @staticmethod
+    def _raise_with_context(exc: BaseException, context: str) -> None:
+        """Re-raise ``exc`` (same library class, else StorageError) with ``context`` prefixed."""
+        message = f"{context}: {exc}"
         if isinstance(exc, AsyncflatError):
             raise type(exc)(message) from exc
         raise StorageError(message) from exc
@@ -530,6 +591,7 @@ class Engine:
                 )
                 self._inflight_bytes += reserve
             try:
+                await self._rows_first.wait()
                 unit = await self._next_unit()
                 await self._execute(unit)
             finally:

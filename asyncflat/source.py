@@ -457,6 +457,9 @@ class ZarrTokenSource:
         self._suffix_cache: collections.OrderedDict[Any, Any] | None = None
         #: "blosc" or "raw" when chunk objects can be decoded directly (see read_frame).
         self.raw_codec = _raw_codec(arrays.encoded_tokens)
+        #: Blosc frame layouts (header + block table) of chunks read row by row
+        self._layouts: collections.OrderedDict[str, asyncio.Future[_blosc.FrameLayout]] = collections.OrderedDict()
+        self._layout_prefix = 16  # bytes to read for a frame's header (+ table, once known)
 
     @classmethod
     async def open(
@@ -495,6 +498,66 @@ class ZarrTokenSource:
         return await self._read(self._arrays.seq_starts, "seq_starts", start, stop)
 
     # -- direct chunk access (the fast path; see asyncflat/_blosc.py) --------------------------
+
+    def _chunk_key(self, chunk_id: int) -> str:
+        array = self._arrays.encoded_tokens
+        return f"{array.store_path.path}/{array.metadata.encode_chunk_key((chunk_id,))}"
+
+    async def _read_range(self, key: str, lo: int, hi: int) -> bytes:
+        store = self._arrays.encoded_tokens.store_path.store
+        buffer = await store.get(key, default_buffer_prototype(), RangeByteRequest(lo, hi))
+        assert buffer is not None  # the guarded store raises for a missing chunk
+        return buffer.to_bytes()
+
+    async def read_items(self, chunk_id: int, first_item: int, out: np.ndarray) -> None:
+        """Chunk-relative items ``[first_item, first_item + len(out))`` into ``out``, fetching
+        only the bytes that hold them: a ranged read for an uncompressed chunk; for Blosc, the
+        frame's header and block table (cached per chunk) and the compressed blocks in range.
+
+        This is how a load that arrives before its blocks (a resume, a late fill) gets its few
+        rows without waiting for whole blocks.
+        """
+        key = self._chunk_key(chunk_id)
+        start = chunk_id * self.token_chunk + first_item
+        where = f"{self.name} encoded_tokens[{start}:{start + len(out)}]"
+        try:
+            if self.raw_codec == "raw":
+                data = await self._read_range(key, first_item * 4, (first_item + len(out)) * 4)
+                out[:] = np.frombuffer(data, "<u4")
+                return
+            layout = await self._frame_layout(key)
+            lo, hi = layout.items_range(first_item, len(out))
+            frame = Frame(layout.sparse_frame([(lo, await self._read_range(key, lo, hi))]), 0, key)
+        except _blosc.BloscError as exc:
+            raise CorruptChunkError(f"{where}: chunk object {key}: {exc}") from exc
+        except AsyncflatError as exc:  # name the token range, as _read does
+            raise type(exc)(f"{where}: {exc}") from exc
+        await asyncio.get_running_loop().run_in_executor(None, self.decode_into, frame, first_item, out)
+
+    async def _frame_layout(self, key: str) -> _blosc.FrameLayout:
+        """The header and block table of chunk object ``key``: read once, shared by every row
+        read of that chunk (concurrent ones included), failures forgotten."""
+        future = self._layouts.get(key)
+        if future is None or (future.done() and (future.cancelled() or future.exception())):
+            future = asyncio.ensure_future(self._read_layout(key))
+            self._layouts[key] = future
+            while len(self._layouts) > _SUFFIX_CACHE_ENTRIES:
+                self._layouts.popitem(last=False)
+        return await asyncio.shield(future)
+
+    async def _read_layout(self, key: str) -> _blosc.FrameLayout:
+        # Chunks of one array share a Blosc block size, so after the first frame the header
+        # and the block table come in one request (checked against what the header says).
+        prefix = await self._read_range(key, 0, self._layout_prefix)
+        layout = _blosc.FrameLayout(prefix)
+        lo, hi = layout.offsets_range
+        if hi > len(prefix):
+            prefix += await self._read_range(key, len(prefix), hi)
+        if hi > lo:
+            layout.offsets = np.frombuffer(prefix[lo:hi], "<i4").copy()
+        if layout.nbytes == self.token_chunk * 4:
+            self._layout_prefix = hi
+        return layout
 
     async def read_frame(self, chunk_id: int, items: tuple[int, int] | None = None) -> Frame:
         """The stored bytes of ``encoded_tokens`` chunk ``chunk_id``, bypassing zarr's decoder.
@@ -551,6 +614,9 @@ class ZarrTokenSource:
 
     async def aclose(self) -> None:
         """Close the store and its filesystem's HTTP sessions (idempotent; on the engine loop)."""
+        for pending in self._layouts.values():
+            pending.cancel()
+        self._layouts.clear()
         store, self._store = self._store, None
         if store is not None:
             await _close_store(store)

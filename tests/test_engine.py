@@ -315,3 +315,50 @@ def test_try_gather_serves_finished_buffers_without_the_loop() -> None:
             engine.try_gather(1, ALL)
 
     run(main)
+
+
+class DirectFakeSource(FakeSource):
+    """A source the engine decodes itself (like an uncompressed zarr store): whole-chunk reads
+    are slow here, row-sized reads (read_items) are fast."""
+
+    raw_codec = "raw"
+
+    def __init__(self, *args: Any, chunk_latency_s: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.chunk_latency_s = chunk_latency_s
+        self.item_reads = 0
+
+    async def read_frame(self, chunk_id: int, items: tuple[int, int] | None = None) -> Any:
+        from asyncflat.source import Frame
+
+        lo, hi = items if items is not None else (0, self.token_chunk)
+        await asyncio.sleep(self.chunk_latency_s)
+        start = chunk_id * self.token_chunk
+        self.reads.append((start + lo, start + hi))
+        return Frame(self.tokens[start + lo:start + hi].view(np.uint8).copy(), lo, f"c/{chunk_id}")
+
+    def decode_into(self, frame: Any, first_item: int, out: np.ndarray) -> None:
+        offset = first_item - frame.first_item
+        out[:] = frame.data.view("<u4")[offset:offset + len(out)]
+
+    async def read_items(self, chunk_id: int, first_item: int, out: np.ndarray) -> None:
+        self.item_reads += 1
+        start = chunk_id * self.token_chunk + first_item
+        out[:] = self.tokens[start:start + len(out)]
+
+
+def test_a_load_ahead_of_its_blocks_reads_just_its_rows() -> None:
+    source = DirectFakeSource(*make_data(rows=4096), chunk=SEQ_LEN * 16, chunk_latency_s=30)
+    engine = make(source, streams=1, rbpsb=32, spb=16, batch=8)
+    oracle = oracle_for(engine, source)
+    step = engine.plan.first_step(1) + 5
+
+    async def main() -> None:
+        batch = await asyncio.wait_for(engine.gather(step, ALL), 5)  # the blocks take 30 s
+        np.testing.assert_array_equal(batch, oracle.encoded_batch(step))
+        assert source.item_reads == 8 and not source.reads  # one read per row, no whole chunk
+        assert engine.stats()["rows_read_directly"] == 8
+        assert {f["minipoch"] for f in engine.stats()["active_fills"]} == {1, 2}  # fills go on
+        await engine.aclose()
+
+    run(main)

@@ -216,3 +216,18 @@ def test_two_loaders_in_one_process_do_not_interfere(datasets: dict[str, str]) -
         for step in range(0, min(l1.step_count, l2.step_count), 7):
             _assert_batch(l1.load(step), o1, step)
             _assert_batch(l2.load(step), o2, step)
+
+
+@pytest.mark.parametrize("store", ["v3", "v2_seqax"])
+def test_a_resume_reads_its_rows_from_partial_blosc_frames(datasets: dict[str, str], store: str) -> None:
+    """A fresh loader asked for a step mid-minipoch serves it before its blocks arrive, from
+    row-sized reads decoded out of the Blosc frames (header, block table, the blocks in range)."""
+    params = FlatTokensParams(datasets[store], 2, 4, 16, seed=9, sequence_packing=True)
+    batch_params = TokenBatchParams(len=32, batch=16)
+    oracle = _oracle(datasets[store], params, batch_params)
+    with ShufflingLoader("train", params, batch_params) as loader:
+        step = loader.plan.first_step(2) + 1
+        _assert_batch(loader.load(step), oracle, step)
+        assert loader.stats()["rows_read_directly"] > 0
+        for later in range(step + 1, step + 6):
+            _assert_batch(loader.load(later), oracle, later)
