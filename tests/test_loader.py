@@ -231,3 +231,24 @@ def test_a_resume_reads_its_rows_from_partial_blosc_frames(datasets: dict[str, s
         assert loader.stats()["rows_read_directly"] > 0
         for later in range(step + 1, step + 6):
             _assert_batch(loader.load(later), oracle, later)
+
+
+def test_a_row_read_from_a_missing_local_chunk_is_a_clear_error(tmp_path) -> None:
+    """Row reads of a plain local store bypass the store layer (pread on the loop thread); a
+    lost chunk file must still be an AsyncflatError naming the array and range, not zeros."""
+    import os
+
+    from asyncflat import CorruptChunkError
+
+    path = str(tmp_path / "lost.zarr")
+    asyncflat.write_flat_tokens(path, {"train": random_sequences(4, 400)}, chunk_tokens=2048)
+    params = FlatTokensParams(path, 1, 4, 16, seed=0, sequence_packing=True)
+    batch_params = TokenBatchParams(len=32, batch=8)
+    with ShufflingLoader("train", params, batch_params) as loader:
+        step = loader.plan.first_step(1) + 1
+        chunk = 2048
+        lost = {int(b) * 16 * 32 // chunk for b in loader.plan.buffer_blocks(0, 1)}
+        for chunk_id in lost:
+            os.remove(os.path.join(path, "train", "encoded_tokens", "c", str(chunk_id)))
+        with pytest.raises(CorruptChunkError, match=r"encoded_tokens\[\d+:\d+\].*missing"):
+            loader.load(step)
