@@ -10,6 +10,7 @@ import sys
 import textwrap
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -72,15 +73,22 @@ def test_blocking_call_from_the_loop_thread_is_refused(runner: LoopThread) -> No
         runner.run(reenter())
 
 
-def test_timeout_cancels_the_coroutine(runner: LoopThread) -> None:
+def _sleeper(seconds: float) -> tuple[threading.Event, Any]:
+    """A coroutine function sleeping ``seconds``, and an event set when it is cancelled."""
     cancelled = threading.Event()
 
     async def slow() -> None:
         try:
-            await asyncio.sleep(30)
+            await asyncio.sleep(seconds)
         except asyncio.CancelledError:
             cancelled.set()
             raise
+
+    return cancelled, slow
+
+
+def test_timeout_cancels_the_coroutine(runner: LoopThread) -> None:
+    cancelled, slow = _sleeper(30)
 
     t0 = time.monotonic()
     with pytest.raises(LoadTimeoutError):
@@ -90,14 +98,7 @@ def test_timeout_cancels_the_coroutine(runner: LoopThread) -> None:
 
 
 def test_ctrl_c_returns_control_promptly(runner: LoopThread) -> None:
-    cancelled = threading.Event()
-
-    async def slow() -> None:
-        try:
-            await asyncio.sleep(30)
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
+    cancelled, slow = _sleeper(30)
 
     threading.Timer(0.3, _thread.interrupt_main).start()
     t0 = time.monotonic()
