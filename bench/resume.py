@@ -46,12 +46,17 @@ def first_batch_s(path: str, streams: int, prefetch: bool, step: int | None = No
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=DESIGN_TOKENS)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     path = ensure_dataset("seqax", args.tokens)
     figures: dict = {"bench": "resume", "tokens": args.tokens}
-    first_batch_s(path, 1, True)  # warm-up: imports, jit, numba, page cache
+    # Warm-up: imports, jit, numba, page cache, and this VM's first touch of the memory the
+    # buffers will use (~0.7 s per 256 MiB the first time a guest page is used; see
+    # docs/benchmarks.md), which would otherwise land in whichever run comes first.
+    for streams in (1, 8):
+        for prefetch in (True, False):
+            first_batch_s(path, streams, prefetch)
     for streams in (1, 8):
         resume, fill = [], []
         for _ in range(args.repeats):
