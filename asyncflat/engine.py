@@ -87,7 +87,7 @@ class _Fill:
     error: BaseException | None = None
     cancelled: bool = False
     blocks_done: int = 0
-    units_in_flight: int = 0
+    units: list[_Unit] = dataclasses.field(default_factory=list)  # all of the fill's reads
     #: decodes writing into ``buffer`` right now; ``drained`` is set when there are none
     writers: int = 0
     drained: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
@@ -437,6 +437,7 @@ class Engine:
         )
         fill.drained.set()
         units = self._units_packed(fill) if plan.sequence_packing else self._units_unpacked(fill)
+        fill.units = units
         for unit in units:
             for slot, *_ in unit.pieces:
                 fill.pending[slot] += 1
@@ -544,10 +545,11 @@ class Engine:
 
     def _bump(self, fill: _Fill, slot: int, step: int) -> None:
         fill.deadlines[slot] = step
-        # Units already queued keep their old priority; re-queue the slot's pending units at the
-        # new one (the stale queue entries are skipped once their pieces are done).
-        for priority, order, unit in list(self._queue._queue):  # type: ignore[attr-defined]
-            if unit.fill is fill and any(p[0] == slot for p in unit.pieces) and priority > step:
+        # Re-queue the slot's units not taken yet at the new priority; their old queue entries
+        # no longer match ``unit.priority`` and are skipped. A taken unit has priority -1, so
+        # it is never queued (and run) twice.
+        for unit in fill.units:
+            if unit.priority > step and any(p[0] == slot for p in unit.pieces):
                 unit.priority = step
                 self._queue.put_nowait((step, next(self._order), unit))
 
@@ -618,7 +620,6 @@ class Engine:
                 self._background_active += 1
         self._units_in_flight += 1
         self._peak_units_in_flight = max(self._peak_units_in_flight, self._units_in_flight)
-        fill.units_in_flight += 1
         try:
             await self._run_unit(unit)
         except asyncio.CancelledError:
@@ -628,7 +629,6 @@ class Engine:
                       fill.stream, fill.minipoch, exc_info=True)
             fill.fail(exc)
         finally:
-            fill.units_in_flight -= 1
             self._units_in_flight -= 1
             if background:
                 async with self._background:
