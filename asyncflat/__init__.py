@@ -7,15 +7,21 @@ so a restart resumes by step number alone. asyncflat shuffles the next hand whil
 one is dealt, so the trainer never waits at a round boundary.
 """
 
-from .config import EngineOptions, FlatTokensParams, HuggingFaceDataParams, RetryPolicy, TokenBatchParams
+from .config import (
+    EngineOptions,
+    FlatTokensParams,
+    HuggingFaceDataParams,
+    RetryPolicy,
+    TokenBatchParams,
+)
 from .errors import (
     ArgumentTypeError,
     AsyncflatError,
     ConfigError,
     CorruptChunkError,
     DatasetFormatError,
-    LoadTimeoutError,
     LoaderClosedError,
+    LoadTimeoutError,
     LoopReentryError,
     StepOutOfRangeError,
     StorageError,

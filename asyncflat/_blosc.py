@@ -71,7 +71,8 @@ class FrameLayout:
             raise BloscError(f"{len(header)} bytes cannot hold a Blosc header")
         flags, self.typesize = header[2], header[3]
         self.nbytes, self.blocksize, self.cbytes = (
-            int.from_bytes(header[i:i + 4], "little") for i in (4, 8, 12))
+            int.from_bytes(header[i : i + 4], "little") for i in (4, 8, 12)
+        )
         if not self.typesize or not self.blocksize or self.cbytes < _HEADER:
             raise BloscError("inconsistent Blosc header")
         self.memcpyed = bool(flags & _MEMCPYED)
@@ -111,7 +112,7 @@ class FrameLayout:
             lo, hi = self.offsets_range
             frame[lo:hi] = self.offsets.view(np.uint8)
         for offset, data in parts:
-            frame[offset:offset + len(data)] = np.frombuffer(data, np.uint8)
+            frame[offset : offset + len(data)] = np.frombuffer(data, np.uint8)
         return frame
 
 

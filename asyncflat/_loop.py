@@ -37,7 +37,7 @@ T = TypeVar("T")
 _WAIT_SLICE_S = 0.2  # how often a blocked caller wakes to let signals (Ctrl-C) through
 _JOIN_TIMEOUT_S = 10.0
 _ids = itertools.count()
-_live: "weakref.WeakSet[LoopThread]" = weakref.WeakSet()
+_live: weakref.WeakSet[LoopThread] = weakref.WeakSet()
 
 
 def _niceness_target(nice: int) -> int | None:
@@ -108,8 +108,10 @@ class LoopThread:
         # creator's nice value, so the pool's threads get the same absolute value, not more.
         target = _niceness_target(self._nice)
         self._executor = concurrent.futures.ThreadPoolExecutor(
-            self._cpu_threads, thread_name_prefix=f"{self._name}-cpu",
-            initializer=_lower_priority, initargs=(target,),
+            self._cpu_threads,
+            thread_name_prefix=f"{self._name}-cpu",
+            initializer=_lower_priority,
+            initargs=(target,),
         )
         # zarr's codecs decode via asyncio.to_thread, i.e. on the loop's default executor.
         loop.set_default_executor(self._executor)
@@ -206,7 +208,7 @@ class LoopThread:
             future.cancel()
             raise
 
-    def run_in_thread(self, fn: Any, *args: Any) -> "asyncio.Future[Any]":
+    def run_in_thread(self, fn: Any, *args: Any) -> asyncio.Future[Any]:
         """From inside the loop: run CPU-bound ``fn(*args)`` on the pool, awaitable."""
         return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 

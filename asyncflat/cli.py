@@ -28,7 +28,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from .errors import AsyncflatError, ConfigError
 
@@ -50,7 +50,7 @@ def _bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _ms(seconds: Optional[float]) -> str:
+def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.2f} ms"
 
 
@@ -95,7 +95,7 @@ def _synthetic_dataset(
     with FlatTokensWriter(path, chunk_tokens=chunk_tokens) as writer:
         for split, part in (("validation", lengths[:validation]), ("train", lengths[validation:])):
             for lo in range(0, len(part), 4096):  # bounded memory: a few M tokens per append
-                group = part[lo:lo + 4096]
+                group = part[lo : lo + 4096]
                 ids = np.searchsorted(cdf, rng.random(int(group.sum()))).astype(np.uint32) + 1
                 writer.append(split, np.split(ids, np.cumsum(group)[:-1]))
 
@@ -116,9 +116,11 @@ def _train_step_fn(kind: str, step_s: float) -> Any:
     import jax.numpy as jnp
 
     if kind == "sleep":
+
         def sleep_step(batch: Any) -> None:
             jax.block_until_ready(batch)
             time.sleep(step_s)
+
         return sleep_step
 
     weights = jnp.ones((256, 256), jnp.float32) / 256
@@ -136,6 +138,7 @@ def _train_step_fn(kind: str, step_s: float) -> Any:
         matmul(batch.targets).block_until_ready()
         while time.perf_counter() < deadline:
             matmul(batch.targets).block_until_ready()
+
     return matmul_step
 
 
@@ -157,20 +160,28 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if not path.exists():
             t0 = time.perf_counter()
             _synthetic_dataset(path, args.tokens, args.seed, chunk_tokens=spb * args.len)
-            log.info("wrote %d synthetic tokens to %s in %.1f s", args.tokens, path,
-                     time.perf_counter() - t0)
+            log.info(
+                "wrote %d synthetic tokens to %s in %.1f s",
+                args.tokens,
+                path,
+                time.perf_counter() - t0,
+            )
         else:
             log.info("using the existing dataset at %s", path)
         params = FlatTokensParams(
-            filespec=str(path), streams=args.streams,
+            filespec=str(path),
+            streams=args.streams,
             read_blocks_per_shuffle_buffer=args.read_blocks_per_buffer,
-            sequences_per_read_block=spb, seed=args.seed, sequence_packing=not args.no_packing,
+            sequences_per_read_block=spb,
+            seed=args.seed,
+            sequence_packing=not args.no_packing,
         )
         batch_params = TokenBatchParams(len=args.len, batch=args.batch)
         options = EngineOptions(prefetch=not args.no_prefetch)
         train_step = _train_step_fn(args.step, args.step_ms / 1e3)
-        with ShufflingLoader("train", params, batch_params, _demo_sharding(args.batch),
-                             options=options) as loader:
+        with ShufflingLoader(
+            "train", params, batch_params, _demo_sharding(args.batch), options=options
+        ) as loader:
             plan = loader.plan
             steps = plan.step_count if args.steps is None else min(args.steps, plan.step_count)
             latencies = np.zeros(steps)
@@ -219,23 +230,37 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(result)
         return 0
-    print(f"asyncflat demo: {steps} steps of {args.batch} x {args.len} tokens, "
-          f"{boundaries} minipoch boundaries crossed, prefetch {'on' if result['prefetch'] else 'off'}")
-    print(f"  throughput        {result['tokens_per_s'] / 1e6:.2f} M tokens/s "
-          f"({wall:.2f} s, simulated step {args.step_ms:g} ms, {args.step})")
-    print(f"  load() latency    median {_ms(result['load_median_s'])}, p99 {_ms(result['load_p99_s'])}, "
-          f"worst {_ms(result['load_max_s'])} (step {result['load_max_step']})")
-    print(f"                    worst after the first step {_ms(result['load_max_after_first_s'])} "
-          f"(step {result['load_max_after_first_step']})")
-    print(f"  fills             {result['fills']} ({result['fills_prefetch']} prefetch, "
-          f"{result['fills_demand']} on demand), median {_ms(result['fill_median_s'])}, "
-          f"worst {_ms(result['fill_max_s'])}, "
-          f"{(result['fill_median_bytes_per_s'] or 0) / 1e9:.2f} GB/s useful")
-    print(f"  engine waits      median {_ms(result['engine_wait_median_s'])}, "
-          f"worst {_ms(result['engine_wait_max_s'])}")
+    print(
+        f"asyncflat demo: {steps} steps of {args.batch} x {args.len} tokens, "
+        f"{boundaries} minipoch boundaries crossed, prefetch {'on' if result['prefetch'] else 'off'}"
+    )
+    print(
+        f"  throughput        {result['tokens_per_s'] / 1e6:.2f} M tokens/s "
+        f"({wall:.2f} s, simulated step {args.step_ms:g} ms, {args.step})"
+    )
+    print(
+        f"  load() latency    median {_ms(result['load_median_s'])}, p99 {_ms(result['load_p99_s'])}, "
+        f"worst {_ms(result['load_max_s'])} (step {result['load_max_step']})"
+    )
+    print(
+        f"                    worst after the first step {_ms(result['load_max_after_first_s'])} "
+        f"(step {result['load_max_after_first_step']})"
+    )
+    print(
+        f"  fills             {result['fills']} ({result['fills_prefetch']} prefetch, "
+        f"{result['fills_demand']} on demand), median {_ms(result['fill_median_s'])}, "
+        f"worst {_ms(result['fill_max_s'])}, "
+        f"{(result['fill_median_bytes_per_s'] or 0) / 1e9:.2f} GB/s useful"
+    )
+    print(
+        f"  engine waits      median {_ms(result['engine_wait_median_s'])}, "
+        f"worst {_ms(result['engine_wait_max_s'])}"
+    )
     amp = result["read_amplification"]
-    print(f"  read              {_bytes(result['bytes_read'])} from storage, read amplification "
-          f"{'-' if amp is None else f'{amp:.2f}'}, {result['buffer_allocations']} buffers allocated")
+    print(
+        f"  read              {_bytes(result['bytes_read'])} from storage, read amplification "
+        f"{'-' if amp is None else f'{amp:.2f}'}, {result['buffer_allocations']} buffers allocated"
+    )
     return 0
 
 
@@ -246,36 +271,53 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def _print_summary(summary: Any) -> None:
     s = summary
-    print(f"{s.split}: {s.token_count:,} tokens, {s.sequence_count:,} sequences, "
-          f"max_token_id {s.max_token_id:,} (zarr format {s.zarr_format})")
+    print(
+        f"{s.split}: {s.token_count:,} tokens, {s.sequence_count:,} sequences, "
+        f"max_token_id {s.max_token_id:,} (zarr format {s.zarr_format})"
+    )
     if s.lengths is not None:
         ls = s.lengths
-        print(f"  sequence lengths: min {ls.min:,}, median {ls.median:,}, p90 {ls.p90:,}, "
-              f"max {ls.max:,}, mean {ls.mean:,.1f}")
+        print(
+            f"  sequence lengths: min {ls.min:,}, median {ls.median:,}, p90 {ls.p90:,}, "
+            f"max {ls.max:,}, mean {ls.mean:,.1f}"
+        )
         buckets = [f"[{1 << k},{1 << (k + 1)}) {n:,}" for k, n in enumerate(ls.log2_histogram) if n]
         print(f"  length histogram: {' | '.join(buckets)}")
     shards = f", shards of {s.shard_tokens:,}" if s.shard_tokens else ""
-    ratio = (f"{s.tokens_nbytes / s.tokens_nbytes_stored:.2f}x"
-             if s.tokens_nbytes and s.tokens_nbytes_stored else "-")
-    print(f"  encoded_tokens: chunks of {s.chunk_tokens:,} tokens{shards}, "
-          f"{' + '.join(s.token_codecs) or 'uncompressed'}; {_bytes(s.tokens_nbytes)} -> "
-          f"{_bytes(s.tokens_nbytes_stored)} stored ({ratio})")
-    codecs = ' + '.join(s.seq_starts_codecs) or 'uncompressed'
-    print(f"  seq_starts: chunks of {s.seq_starts_chunk:,}, {codecs}; "
-          f"{_bytes(s.seq_starts_nbytes)} -> {_bytes(s.seq_starts_nbytes_stored)} stored")
+    ratio = (
+        f"{s.tokens_nbytes / s.tokens_nbytes_stored:.2f}x"
+        if s.tokens_nbytes and s.tokens_nbytes_stored
+        else "-"
+    )
+    print(
+        f"  encoded_tokens: chunks of {s.chunk_tokens:,} tokens{shards}, "
+        f"{' + '.join(s.token_codecs) or 'uncompressed'}; {_bytes(s.tokens_nbytes)} -> "
+        f"{_bytes(s.tokens_nbytes_stored)} stored ({ratio})"
+    )
+    codecs = " + ".join(s.seq_starts_codecs) or "uncompressed"
+    print(
+        f"  seq_starts: chunks of {s.seq_starts_chunk:,}, {codecs}; "
+        f"{_bytes(s.seq_starts_nbytes)} -> {_bytes(s.seq_starts_nbytes_stored)} stored"
+    )
 
 
 def _print_figures(f: Any, args: argparse.Namespace, spb: int) -> None:
     packing = "no packing" if args.no_packing else "packing"
-    print(f"  loader (len {args.len}, batch {args.batch}, streams {args.streams}, "
-          f"{args.read_blocks_per_buffer} blocks x {spb} sequences per buffer, "
-          f"{packing}):")
-    print(f"    steps {f.step_count:,}, minipochs {f.minipoch_count:,}, read blocks "
-          f"{f.read_block_count:,}, rows used {f.rows_used:,} of {f.seq_count:,}")
+    print(
+        f"  loader (len {args.len}, batch {args.batch}, streams {args.streams}, "
+        f"{args.read_blocks_per_buffer} blocks x {spb} sequences per buffer, "
+        f"{packing}):"
+    )
+    print(
+        f"    steps {f.step_count:,}, minipochs {f.minipoch_count:,}, read blocks "
+        f"{f.read_block_count:,}, rows used {f.rows_used:,} of {f.seq_count:,}"
+    )
     amp = "-" if f.read_amplification is None else f"{f.read_amplification:.2f}"
-    print(f"    shuffle buffer {_bytes(f.buffer_bytes)}; per host ({f.hosts} hosts) "
-          f"{_bytes(f.buffer_bytes_per_host)} (2 x {f.streams_per_host} streams); "
-          f"read amplification {amp} (chunk tokens decoded per token used)")
+    print(
+        f"    shuffle buffer {_bytes(f.buffer_bytes)}; per host ({f.hosts} hosts) "
+        f"{_bytes(f.buffer_bytes_per_host)} (2 x {f.streams_per_host} streams); "
+        f"read amplification {amp} (chunk tokens decoded per token used)"
+    )
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -292,16 +334,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if not args.json:
         print(args.path)
     for split in splits:
-        summary = describe_split(args.path, split, scan_lengths=not args.no_lengths,
-                                 progress=not args.no_progress)
+        summary = describe_split(
+            args.path, split, scan_lengths=not args.no_lengths, progress=not args.no_progress
+        )
         entry: dict[str, Any] = {"summary": summary.to_dict()}
         if not args.json:
             _print_summary(summary)
         if None not in loader_args and summary.sequence_count:
             params = FlatTokensParams(
-                filespec=args.path, streams=args.streams,
+                filespec=args.path,
+                streams=args.streams,
                 read_blocks_per_shuffle_buffer=args.read_blocks_per_buffer,
-                sequences_per_read_block=spb, seed=args.seed,
+                sequences_per_read_block=spb,
+                seed=args.seed,
                 sequence_packing=not args.no_packing,
             )
             try:
@@ -319,8 +364,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             result = verify_split(args.path, split, progress=not args.no_progress)
             entry["verify"] = result.to_dict()
             if not args.json:
-                print(f"  verify: ok ({result.token_count:,} tokens and {result.sequence_count + 1:,} "
-                      f"offsets checked in {result.seconds:.2f} s)")
+                print(
+                    f"  verify: ok ({result.token_count:,} tokens and {result.sequence_count + 1:,} "
+                    f"offsets checked in {result.seconds:.2f} s)"
+                )
         report["splits"][split] = entry
     if args.json:
         _print_json(report)
@@ -336,20 +383,28 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if bool(args.inputs) == bool(args.hf_dataset):
         raise ConfigError("give either input files/directories or --hf-dataset PATH (not both)")
     options = dict(
-        tokenizer=args.tokenizer, validation_fraction=args.validation_fraction, seed=args.seed,
-        workers=args.workers, zarr_format=args.format, chunk_tokens=args.chunk_tokens,
-        shard_tokens=args.shard_tokens, overwrite=args.overwrite, progress=not args.no_progress,
+        tokenizer=args.tokenizer,
+        validation_fraction=args.validation_fraction,
+        seed=args.seed,
+        workers=args.workers,
+        zarr_format=args.format,
+        chunk_tokens=args.chunk_tokens,
+        shard_tokens=args.shard_tokens,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
     )
     if args.hf_dataset:
         from .hf import convert_hf_dataset
 
-        report = convert_hf_dataset(args.hf_dataset, args.output, name=args.hf_name,
-                                    text_field=args.text_field, **options)
+        report = convert_hf_dataset(
+            args.hf_dataset, args.output, name=args.hf_name, text_field=args.text_field, **options
+        )
     else:
         from .convert import convert_files
 
-        report = convert_files(args.inputs, args.output, text_field=args.text_field,
-                               txt_mode=args.txt_mode, **options)
+        report = convert_files(
+            args.inputs, args.output, text_field=args.text_field, txt_mode=args.txt_mode, **options
+        )
     if args.json:
         _print_json(report.to_dict())
         return 0
@@ -357,8 +412,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
     print(f"  documents {report.documents:,} ({report.empty_documents:,} empty, skipped)")
     for split in report.sequences:
         print(f"  {split}: {report.sequences[split]:,} sequences, {report.tokens[split]:,} tokens")
-    print(f"  max token id {report.max_token_id:,}; {report.seconds:.1f} s, "
-          f"{report.tokens_per_s / 1e6:.2f} M tokens/s")
+    print(
+        f"  max token id {report.max_token_id:,}; {report.seconds:.1f} s, "
+        f"{report.tokens_per_s / 1e6:.2f} M tokens/s"
+    )
     return 0
 
 
@@ -367,15 +424,18 @@ def cmd_convert(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def find_bench_dir(explicit: Optional[str] = None) -> Path:
+def find_bench_dir(explicit: str | None = None) -> Path:
     """``--bench-dir``, else ``$ASYNCFLAT_BENCH_DIR``, else ``bench/`` of the source checkout
     this package was imported from, else ``./bench``."""
     if explicit:
         if not Path(explicit).is_dir():
             raise ConfigError(f"--bench-dir {explicit} is not a directory")
         return Path(explicit)
-    candidates = [os.environ.get("ASYNCFLAT_BENCH_DIR"),
-                  Path(__file__).resolve().parent.parent / "bench", Path.cwd() / "bench"]
+    candidates = [
+        os.environ.get("ASYNCFLAT_BENCH_DIR"),
+        Path(__file__).resolve().parent.parent / "bench",
+        Path.cwd() / "bench",
+    ]
     for candidate in candidates:
         if candidate and Path(candidate).is_dir():
             return Path(candidate)
@@ -415,8 +475,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     failed = []
     for name in names:
         log.info("running %s", scripts[name])
-        with subprocess.Popen([sys.executable, str(scripts[name])], cwd=bench_dir.parent,
-                              stdout=subprocess.PIPE, text=True) as proc:
+        with subprocess.Popen(
+            [sys.executable, str(scripts[name])],
+            cwd=bench_dir.parent,
+            stdout=subprocess.PIPE,
+            text=True,
+        ) as proc:
             assert proc.stdout is not None
             for line in proc.stdout:
                 line = line.rstrip("\n")
@@ -443,97 +507,171 @@ def build_parser() -> argparse.ArgumentParser:
         prog="asyncflat",
         description="Tools for flat-tokens datasets and the asyncflat loader.",
     )
-    parser.add_argument("-v", "--verbose", action="count", default=0,
-                        help="log more (-v: info, -vv: debug) to stderr")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
+        help="log more (-v: info, -vv: debug) to stderr",
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = commands.add_parser(
-        "demo", help="train on a synthetic dataset with a simulated step and report the figures",
+        "demo",
+        help="train on a synthetic dataset with a simulated step and report the figures",
         description="Write a synthetic Zipf-token dataset (or reuse --path), run a ShufflingLoader "
-                    "over it with a simulated train step, and print throughput, load() latency and "
-                    "the engine's fill figures.",
+        "over it with a simulated train step, and print throughput, load() latency and "
+        "the engine's fill figures.",
     )
-    demo.add_argument("--path", help="dataset location: reused if it exists, else written there "
-                                     "(default: a temporary directory, removed afterwards)")
-    demo.add_argument("--tokens", type=_positive, default=1 << 24,
-                      help="synthetic dataset size in tokens (default 16M)")
+    demo.add_argument(
+        "--path",
+        help="dataset location: reused if it exists, else written there "
+        "(default: a temporary directory, removed afterwards)",
+    )
+    demo.add_argument(
+        "--tokens",
+        type=_positive,
+        default=1 << 24,
+        help="synthetic dataset size in tokens (default 16M)",
+    )
     demo.add_argument("--steps", type=_positive, help="stop after this many steps (default: all)")
-    demo.add_argument("--step-ms", type=_non_negative_float, default=5.0,
-                      help="simulated train step time in ms (default 5)")
-    demo.add_argument("--step", choices=("sleep", "matmul"), default="sleep",
-                      help="simulate the step by sleeping or by busy jitted matmuls (default sleep)")
+    demo.add_argument(
+        "--step-ms",
+        type=_non_negative_float,
+        default=5.0,
+        help="simulated train step time in ms (default 5)",
+    )
+    demo.add_argument(
+        "--step",
+        choices=("sleep", "matmul"),
+        default="sleep",
+        help="simulate the step by sleeping or by busy jitted matmuls (default sleep)",
+    )
     demo.add_argument("--len", type=_positive, default=1024, help="sequence length (default 1024)")
     demo.add_argument("--batch", type=_positive, default=32, help="batch size (default 32)")
     demo.add_argument("--streams", type=_positive, default=1, help="streams (default 1)")
-    demo.add_argument("--read-blocks-per-buffer", type=_positive, default=32,
-                      help="read blocks per shuffle buffer (default 32)")
-    demo.add_argument("--sequences-per-block", type=_positive, default=64,
-                      help="sequences per read block (default 64; chunks are written to match)")
+    demo.add_argument(
+        "--read-blocks-per-buffer",
+        type=_positive,
+        default=32,
+        help="read blocks per shuffle buffer (default 32)",
+    )
+    demo.add_argument(
+        "--sequences-per-block",
+        type=_positive,
+        default=64,
+        help="sequences per read block (default 64; chunks are written to match)",
+    )
     demo.add_argument("--seed", type=int, default=0, help="data and shuffle seed (default 0)")
-    demo.add_argument("--no-packing", action="store_true", help="one document per row, truncated/padded")
-    demo.add_argument("--no-prefetch", action="store_true",
-                      help="do not fill the next buffer in the background (the reference's behaviour)")
+    demo.add_argument(
+        "--no-packing", action="store_true", help="one document per row, truncated/padded"
+    )
+    demo.add_argument(
+        "--no-prefetch",
+        action="store_true",
+        help="do not fill the next buffer in the background (the reference's behaviour)",
+    )
     demo.add_argument("--json", action="store_true", help="print the figures as JSON")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.set_defaults(func=cmd_demo)
 
     insp = commands.add_parser(
-        "inspect", help="describe a dataset (and what loader parameters cost); --verify scans it",
+        "inspect",
+        help="describe a dataset (and what loader parameters cost); --verify scans it",
         description="Describe a flat-tokens dataset: sizes, sequence lengths, storage layout and "
-                    "compression. With --len and --batch, also the loader's steps, minipochs, "
-                    "buffer memory and read amplification. --verify reads every chunk and checks "
-                    "every invariant, exiting with status 1 on the first violation.",
+        "compression. With --len and --batch, also the loader's steps, minipochs, "
+        "buffer memory and read amplification. --verify reads every chunk and checks "
+        "every invariant, exiting with status 1 on the first violation.",
     )
     insp.add_argument("path", help="dataset path or fsspec URL")
     insp.add_argument("--split", choices=("train", "validation"), help="only this split")
     insp.add_argument("--len", type=_positive, help="loader sequence length")
     insp.add_argument("--batch", type=_positive, help="loader batch size")
     insp.add_argument("--streams", type=_positive, default=1, help="streams (default 1)")
-    insp.add_argument("--read-blocks-per-buffer", type=_positive, default=64,
-                      help="read blocks per shuffle buffer (default 64)")
-    insp.add_argument("--sequences-per-block", type=_positive,
-                      help="sequences per read block (default: 1M tokens / len)")
+    insp.add_argument(
+        "--read-blocks-per-buffer",
+        type=_positive,
+        default=64,
+        help="read blocks per shuffle buffer (default 64)",
+    )
+    insp.add_argument(
+        "--sequences-per-block",
+        type=_positive,
+        help="sequences per read block (default: 1M tokens / len)",
+    )
     insp.add_argument("--seed", type=int, default=0, help="shuffle seed (default 0)")
     insp.add_argument("--no-packing", action="store_true", help="loader without sequence packing")
-    insp.add_argument("--hosts", type=_positive, default=1,
-                      help="hosts sharing the batch, for memory per host (default 1)")
-    insp.add_argument("--no-lengths", action="store_true",
-                      help="skip the seq_starts scan (no length statistics)")
+    insp.add_argument(
+        "--hosts",
+        type=_positive,
+        default=1,
+        help="hosts sharing the batch, for memory per host (default 1)",
+    )
+    insp.add_argument(
+        "--no-lengths", action="store_true", help="skip the seq_starts scan (no length statistics)"
+    )
     insp.add_argument("--verify", action="store_true", help="full scan of every invariant")
     insp.add_argument("--json", action="store_true", help="print everything as JSON")
     insp.add_argument("--no-progress", action="store_true", help="no progress bars")
     insp.set_defaults(func=cmd_inspect)
 
     conv = commands.add_parser(
-        "convert", help="tokenize text files or a local Hugging Face dataset into flat-tokens",
+        "convert",
+        help="tokenize text files or a local Hugging Face dataset into flat-tokens",
         description="Tokenize documents into a new flat-tokens dataset. Inputs: .txt (a document "
-                    "per line, or per file with --txt-mode file), .jsonl (--text-field), .parquet "
-                    "(--text-field column), .gz of txt/jsonl, or directories of them; or "
-                    "--hf-dataset PATH. The dataset appears at --output only when complete.",
+        "per line, or per file with --txt-mode file), .jsonl (--text-field), .parquet "
+        "(--text-field column), .gz of txt/jsonl, or directories of them; or "
+        "--hf-dataset PATH. The dataset appears at --output only when complete.",
     )
     conv.add_argument("inputs", nargs="*", help="input files or directories, in order")
     conv.add_argument("-o", "--output", required=True, help="new dataset directory")
-    conv.add_argument("--tokenizer", default="bytes",
-                      help="'bytes' (UTF-8 byte + 1), PATH to tokenizer.json (or its directory), "
-                           "or tiktoken:NAME (cached encodings only) (default bytes)")
-    conv.add_argument("--text-field", default="text",
-                      help="JSON field / column of the text (default text)")
-    conv.add_argument("--txt-mode", choices=("line", "file"), default="line",
-                      help=".txt inputs: a document per line or per file (default line)")
-    conv.add_argument("--hf-dataset", metavar="PATH",
-                      help="a local datasets dataset: a save_to_disk directory, a directory of "
-                           "data files, or one data file")
+    conv.add_argument(
+        "--tokenizer",
+        default="bytes",
+        help="'bytes' (UTF-8 byte + 1), PATH to tokenizer.json (or its directory), "
+        "or tiktoken:NAME (cached encodings only) (default bytes)",
+    )
+    conv.add_argument(
+        "--text-field", default="text", help="JSON field / column of the text (default text)"
+    )
+    conv.add_argument(
+        "--txt-mode",
+        choices=("line", "file"),
+        default="line",
+        help=".txt inputs: a document per line or per file (default line)",
+    )
+    conv.add_argument(
+        "--hf-dataset",
+        metavar="PATH",
+        help="a local datasets dataset: a save_to_disk directory, a directory of "
+        "data files, or one data file",
+    )
     conv.add_argument("--hf-name", help="the dataset configuration name, for --hf-dataset")
-    conv.add_argument("--validation-fraction", type=float, default=0.01,
-                      help="fraction of documents for validation, chosen by a hash of the "
-                           "document index (default 0.01)")
-    conv.add_argument("--seed", type=int, default=0, help="seed of the validation choice (default 0)")
-    conv.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 16),
-                      help="tokenizer processes; 1 tokenizes in-process (default: the CPU count, "
-                           "at most 16)")
-    conv.add_argument("--format", type=int, choices=(2, 3), default=3, help="zarr format (default 3)")
-    conv.add_argument("--chunk-tokens", type=_positive, default=1 << 20,
-                      help="tokens per chunk; match the loader's read block (default 1048576)")
+    conv.add_argument(
+        "--validation-fraction",
+        type=float,
+        default=0.01,
+        help="fraction of documents for validation, chosen by a hash of the "
+        "document index (default 0.01)",
+    )
+    conv.add_argument(
+        "--seed", type=int, default=0, help="seed of the validation choice (default 0)"
+    )
+    conv.add_argument(
+        "--workers",
+        type=int,
+        default=min(os.cpu_count() or 1, 16),
+        help="tokenizer processes; 1 tokenizes in-process (default: the CPU count, at most 16)",
+    )
+    conv.add_argument(
+        "--format", type=int, choices=(2, 3), default=3, help="zarr format (default 3)"
+    )
+    conv.add_argument(
+        "--chunk-tokens",
+        type=_positive,
+        default=1 << 20,
+        help="tokens per chunk; match the loader's read block (default 1048576)",
+    )
     conv.add_argument("--shard-tokens", type=_positive, help="tokens per shard (zarr 3)")
     conv.add_argument("--overwrite", action="store_true", help="replace an existing dataset")
     conv.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -541,14 +679,17 @@ def build_parser() -> argparse.ArgumentParser:
     conv.set_defaults(func=cmd_convert)
 
     bench = commands.add_parser(
-        "bench", help="run the benchmark scripts of a source checkout and print their JSON lines",
+        "bench",
+        help="run the benchmark scripts of a source checkout and print their JSON lines",
         description="Run bench/NAME.py (all of them when no NAME is given) with this Python, each "
-                    "in a subprocess from the checkout's root; JSON lines go to stdout, anything "
-                    "else the scripts print to stderr.",
+        "in a subprocess from the checkout's root; JSON lines go to stdout, anything "
+        "else the scripts print to stderr.",
     )
     bench.add_argument("names", nargs="*", metavar="NAME", help="benchmarks to run (default: all)")
     bench.add_argument("--list", action="store_true", help="list the benchmarks and exit")
-    bench.add_argument("--bench-dir", help="the bench/ directory (default: found from the checkout)")
+    bench.add_argument(
+        "--bench-dir", help="the bench/ directory (default: found from the checkout)"
+    )
     bench.set_defaults(func=cmd_bench)
     return parser
 
@@ -560,7 +701,7 @@ def _configure_logging(verbose: int) -> None:
         logging.getLogger("asyncflat").setLevel(level)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); return the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)

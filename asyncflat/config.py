@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any
 
 from .errors import ConfigError
 
@@ -92,7 +92,7 @@ class FlatTokensParams:
     sequences_per_read_block: int
     seed: int
     sequence_packing: bool
-    storage_options: Optional[Mapping[str, Any]] = dataclasses.field(
+    storage_options: Mapping[str, Any] | None = dataclasses.field(
         default=None, compare=False, hash=False
     )
 
@@ -153,9 +153,9 @@ class EngineOptions:
     prefetch: bool = True
     max_concurrent_reads: int = 16
     decode_threads: int = 2
-    load_timeout_s: Optional[float] = None
-    max_buffer_bytes: Optional[int] = None
-    max_inflight_bytes: Optional[int] = None
+    load_timeout_s: float | None = None
+    max_buffer_bytes: int | None = None
+    max_inflight_bytes: int | None = None
     prefetch_to_device: int = 1
     engine_niceness: int = 10
     retry: RetryPolicy = dataclasses.field(default_factory=RetryPolicy)
@@ -185,7 +185,7 @@ class HuggingFaceDataParams:
     tokenizer: str
     num_workers: int
     sequences_packed_per_batch: int
-    name: Optional[str] = None
+    name: str | None = None
 
     def __post_init__(self) -> None:
         _int_field(self, "num_workers", minimum=0)

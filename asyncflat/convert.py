@@ -34,7 +34,7 @@ import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -157,7 +157,9 @@ class TiktokenTokenizer:
         self.vocab_size = int(self._encoding.n_vocab)
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-        return [np.asarray(ids, np.uint32) for ids in self._encoding.encode_ordinary_batch(list(texts))]
+        return [
+            np.asarray(ids, np.uint32) for ids in self._encoding.encode_ordinary_batch(list(texts))
+        ]
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
@@ -182,7 +184,7 @@ def load_tokenizer(spec: str) -> Tokenizer:
 # --------------------------------------------------------------------------------------------
 
 
-def _suffix(path: Path) -> Optional[str]:
+def _suffix(path: Path) -> str | None:
     name = path.name.lower()
     return next((s for s in _SUFFIXES if name.endswith(s)), None)
 
@@ -217,7 +219,9 @@ def _text_value(value: Any, where: str, text_field: str) -> str:
     if value is None:
         return ""  # a null text is an empty document (skipped)
     if not isinstance(value, str):
-        raise ConfigError(f"{where}: field {text_field!r} is {type(value).__name__}, expected a string")
+        raise ConfigError(
+            f"{where}: field {text_field!r} is {type(value).__name__}, expected a string"
+        )
     return value
 
 
@@ -297,7 +301,7 @@ def validation_mask(indices: np.ndarray, fraction: float, seed: int) -> np.ndarr
 # Tokenization, in worker processes
 # --------------------------------------------------------------------------------------------
 
-_worker_tokenizer: Optional[Tokenizer] = None
+_worker_tokenizer: Tokenizer | None = None
 
 
 def _init_worker(spec: str) -> None:
@@ -382,7 +386,7 @@ def _batched(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
 
 
 def convert_documents(
-    documents: Iterable[tuple[Optional[str], str]],
+    documents: Iterable[tuple[str | None, str]],
     output: str | os.PathLike[str],
     *,
     tokenizer: str | Tokenizer = "bytes",
@@ -391,7 +395,7 @@ def convert_documents(
     workers: int = 1,
     zarr_format: int = 3,
     chunk_tokens: int = 1 << 20,
-    shard_tokens: Optional[int] = None,
+    shard_tokens: int | None = None,
     overwrite: bool = False,
     progress: bool = False,
 ) -> ConvertReport:
@@ -407,7 +411,8 @@ def convert_documents(
     if not tok.zero_reserved:
         log.warning(
             "tokenizer %s uses id 0 for an ordinary token; flat-tokens loaders pad non-packed rows "
-            "with id 0, so padding will look like that token", tok.spec,
+            "with id 0, so padding will look like that token",
+            tok.spec,
         )
     validation_mask(np.zeros(0), validation_fraction, seed)  # validate the fraction up front
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
@@ -417,7 +422,7 @@ def convert_documents(
     sequences = dict.fromkeys(SPLITS, 0)
     tokens = dict.fromkeys(SPLITS, 0)
     max_id = 0
-    batch_splits: collections.deque[list[Optional[str]]] = collections.deque()
+    batch_splits: collections.deque[list[str | None]] = collections.deque()
 
     def texts_only() -> Iterator[list[str]]:
         # Batches go to the workers as bare texts; their splits wait here, in order.
@@ -431,8 +436,13 @@ def convert_documents(
 
     bar = tqdm(unit=" docs", desc="convert", disable=not progress, dynamic_ncols=True)
     try:
-        with FlatTokensWriter(output, zarr_format=zarr_format, chunk_tokens=chunk_tokens,
-                              shard_tokens=shard_tokens, overwrite=overwrite) as writer:
+        with FlatTokensWriter(
+            output,
+            zarr_format=zarr_format,
+            chunk_tokens=chunk_tokens,
+            shard_tokens=shard_tokens,
+            overwrite=overwrite,
+        ) as writer:
             for ids, lengths in _tokenized_batches(tok, texts_only(), workers):
                 splits = batch_splits.popleft()
                 first = counts["documents"]
@@ -458,13 +468,23 @@ def convert_documents(
     finally:
         bar.close()
     report = ConvertReport(
-        output=os.path.abspath(os.fspath(output)), tokenizer=tok.spec,
-        documents=counts["documents"], empty_documents=counts["empty"], sequences=sequences,
-        tokens=tokens, max_token_id=max_id, seconds=time.perf_counter() - t0,
+        output=os.path.abspath(os.fspath(output)),
+        tokenizer=tok.spec,
+        documents=counts["documents"],
+        empty_documents=counts["empty"],
+        sequences=sequences,
+        tokens=tokens,
+        max_token_id=max_id,
+        seconds=time.perf_counter() - t0,
     )
-    log.info("converted %d documents (%d empty, skipped) to %s: %s tokens, %.0f tokens/s",
-             report.documents, report.empty_documents, report.output, report.tokens,
-             report.tokens_per_s)
+    log.info(
+        "converted %d documents (%d empty, skipped) to %s: %s tokens, %.0f tokens/s",
+        report.documents,
+        report.empty_documents,
+        report.output,
+        report.tokens,
+        report.tokens_per_s,
+    )
     return report
 
 
@@ -478,7 +498,7 @@ def convert_texts(
     workers: int = 1,
     zarr_format: int = 3,
     chunk_tokens: int = 1 << 20,
-    shard_tokens: Optional[int] = None,
+    shard_tokens: int | None = None,
     overwrite: bool = False,
     progress: bool = False,
 ) -> ConvertReport:
@@ -494,10 +514,17 @@ def convert_texts(
     Nothing appears at ``output`` unless the whole conversion succeeds.
     """
     return convert_documents(
-        ((None, text) for text in texts), output, tokenizer=tokenizer,
-        validation_fraction=validation_fraction, seed=seed, workers=workers,
-        zarr_format=zarr_format, chunk_tokens=chunk_tokens, shard_tokens=shard_tokens,
-        overwrite=overwrite, progress=progress,
+        ((None, text) for text in texts),
+        output,
+        tokenizer=tokenizer,
+        validation_fraction=validation_fraction,
+        seed=seed,
+        workers=workers,
+        zarr_format=zarr_format,
+        chunk_tokens=chunk_tokens,
+        shard_tokens=shard_tokens,
+        overwrite=overwrite,
+        progress=progress,
     )
 
 
@@ -512,6 +539,6 @@ def convert_files(
     """Convert ``.txt`` / ``.jsonl`` / ``.parquet`` files (see :func:`iter_documents`); the other
     keyword arguments are those of :func:`convert_texts`."""
     _expand(inputs)  # fail on a missing or unsupported input before creating anything
-    return convert_texts(iter_documents(inputs, text_field=text_field, txt_mode=txt_mode), output,
-                         **options)
-
+    return convert_texts(
+        iter_documents(inputs, text_field=text_field, txt_mode=txt_mode), output, **options
+    )

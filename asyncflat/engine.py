@@ -59,7 +59,7 @@ _STEP_HISTORY = 1 << 16  # per-step wait records kept for stats()
 class _Unit:
     """One read: ``[start, stop)`` of an array, copied as ``pieces`` into block slots."""
 
-    fill: "_Fill"
+    fill: _Fill
     priority: int
     start: int
     stop: int
@@ -144,10 +144,15 @@ class Engine:
         self._inflight_bytes = 0
         self._inflight_budget = self._default_inflight_budget()
         # decoded bytes of the largest unit: what a worker reserves before taking one
-        self._unit_bytes = 4 * (source.token_chunk if plan.sequence_packing
-                                else plan.sequences_per_read_block * plan.seq_len)
+        self._unit_bytes = 4 * (
+            source.token_chunk
+            if plan.sequence_packing
+            else plan.sequences_per_read_block * plan.seq_len
+        )
         # decoded chunks: reads in flight, then a few recent ones (see _read_in_chunk)
-        self._chunks: collections.OrderedDict[int, asyncio.Future[np.ndarray]] = collections.OrderedDict()
+        self._chunks: collections.OrderedDict[int, asyncio.Future[np.ndarray]] = (
+            collections.OrderedDict()
+        )
         self._chunks_cached = 2
         # Decode chunk objects ourselves, straight into the buffers (partial Blosc decodes),
         # when the source can hand them out; otherwise zarr decodes and we copy.
@@ -167,7 +172,9 @@ class Engine:
         # network its reads still overlap, since latency, not CPU, bounds them.
         self._background = asyncio.Condition()
         self._background_active = 0
-        self._background_limit = options.max_concurrent_reads if getattr(source, "remote", False) else 1
+        self._background_limit = (
+            options.max_concurrent_reads if getattr(source, "remote", False) else 1
+        )
         self._fill_records: list[dict[str, Any]] = []
         self._buffer_allocations = 0
         self._rows_read_directly = 0  # rows served before their block arrived (_serve_early)
@@ -190,7 +197,10 @@ class Engine:
             return self.options.max_inflight_bytes
         chunk_bytes = self.source.token_chunk * 4
         window = self.options.max_concurrent_reads if getattr(self.source, "remote", False) else 4
-        return max(self.plan.buffer_bytes // 8, min(self.options.max_concurrent_reads, window) * chunk_bytes)
+        return max(
+            self.plan.buffer_bytes // 8,
+            min(self.options.max_concurrent_reads, window) * chunk_bytes,
+        )
 
     # -- public -------------------------------------------------------------------------------
 
@@ -211,8 +221,10 @@ class Engine:
             loc = self.plan.locate(step, batch_indices)
             groups = self._groups(loc)
             with self._lock:
-                for (stream, minipoch) in groups:
-                    self._ensure_fill(stream, minipoch, step, keep={m for s, m in groups if s == stream})
+                for stream, minipoch in groups:
+                    self._ensure_fill(
+                        stream, minipoch, step, keep={m for s, m in groups if s == stream}
+                    )
                 if self.options.prefetch:
                     self._prefetch_after(groups)
             out = np.empty((len(loc.batch_index), self.plan.seq_len), np.uint32)
@@ -296,11 +308,16 @@ class Engine:
         for fills in self._fills.values():
             for fill in fills.values():
                 if not fill.done and fill.error is None:
-                    active.append({
-                        "stream": fill.stream, "minipoch": fill.minipoch, "reason": fill.reason,
-                        "blocks_done": fill.blocks_done, "blocks": len(fill.blocks),
-                        "must_finish_by_step": self.plan.first_step(fill.minipoch),
-                    })
+                    active.append(
+                        {
+                            "stream": fill.stream,
+                            "minipoch": fill.minipoch,
+                            "reason": fill.reason,
+                            "blocks_done": fill.blocks_done,
+                            "blocks": len(fill.blocks),
+                            "must_finish_by_step": self.plan.first_step(fill.minipoch),
+                        }
+                    )
         return {
             "steps_loaded": self._waits_recorded,
             "step_waits_s": list(zip(steps.tolist(), waits.tolist())),
@@ -315,7 +332,9 @@ class Engine:
             "bytes_read": io.bytes_read,
             "bytes_decoded": self._decoded_bytes,
             "bytes_useful": self._useful_bytes,
-            "read_amplification": self._decoded_bytes / self._useful_bytes if self._useful_bytes else None,
+            "read_amplification": self._decoded_bytes / self._useful_bytes
+            if self._useful_bytes
+            else None,
             "requests": io.requests,
             "retries": io.retries,
             "peak_requests_in_flight": io.peak_in_flight,
@@ -339,28 +358,37 @@ class Engine:
         for lo, hi in zip(edges[:-1], edges[1:]):
             stream, minipoch = divmod(int(keys[lo]), self.plan.minipoch_count)
             if stream not in self._fills:
-                raise ValueError(f"batch index {int(loc.batch_index[lo])} belongs to stream {stream}, "
-                                 f"which this engine does not serve (it serves {list(self.streams)})")
+                raise ValueError(
+                    f"batch index {int(loc.batch_index[lo])} belongs to stream {stream}, "
+                    f"which this engine does not serve (it serves {list(self.streams)})"
+                )
             if (stream, minipoch) in groups:
                 raise ValueError("batch_indices must be sorted")
             groups[(stream, minipoch)] = slice(lo, hi)
         return groups
 
-    def _prefetches_due(self, groups: dict[tuple[int, int], slice]) -> list[tuple[int, int, set[int]]]:
+    def _prefetches_due(
+        self, groups: dict[tuple[int, int], slice]
+    ) -> list[tuple[int, int, set[int]]]:
         """(stream, next minipoch, minipochs this step reads) for each prefetch not started yet."""
         due = []
         for stream in {s for s, _ in groups}:
             needed = {m for s, m in groups if s == stream}
             nxt = max(needed) + 1
-            if (nxt < self.plan.minipoch_count and self.plan.served_rows(nxt) > 0
-                    and nxt not in self._fills[stream]
-                    and len(needed) < 2):  # a step reading two minipochs occupies both buffers
+            if (
+                nxt < self.plan.minipoch_count
+                and self.plan.served_rows(nxt) > 0
+                and nxt not in self._fills[stream]
+                and len(needed) < 2
+            ):  # a step reading two minipochs occupies both buffers
                 due.append((stream, nxt, needed))
         return due
 
     def _prefetch_after(self, groups: dict[tuple[int, int], slice]) -> None:
         for stream, nxt, needed in self._prefetches_due(groups):
-            self._ensure_fill(stream, nxt, self.plan.first_step(nxt), keep=needed, reason="prefetch")
+            self._ensure_fill(
+                stream, nxt, self.plan.first_step(nxt), keep=needed, reason="prefetch"
+            )
 
     def _ensure_fill(
         self, stream: int, minipoch: int, from_step: int, *, keep: set[int], reason: str = "demand"
@@ -393,8 +421,13 @@ class Engine:
         self._retire(fill)
         del self._fills[fill.stream][fill.minipoch]
         if not fill.done:
-            log.debug("cancelled fill stream %d minipoch %d (%d/%d blocks)",
-                      fill.stream, fill.minipoch, fill.blocks_done, len(fill.blocks))
+            log.debug(
+                "cancelled fill stream %d minipoch %d (%d/%d blocks)",
+                fill.stream,
+                fill.minipoch,
+                fill.blocks_done,
+                len(fill.blocks),
+            )
             self._record_fill(fill, cancelled=True)
         fill.fail(LoaderClosedError("fill cancelled"))
 
@@ -423,17 +456,26 @@ class Engine:
             self._buffer_allocations += 1
         return buffer
 
-    def _start_fill(self, stream: int, minipoch: int, index: int, from_step: int, reason: str) -> _Fill:
+    def _start_fill(
+        self, stream: int, minipoch: int, index: int, from_step: int, reason: str
+    ) -> _Fill:
         plan = self.plan
         rows = plan.rows_in_buffer(minipoch)
         perm = plan.row_permutation(stream, minipoch)
         blocks = plan.buffer_blocks(stream, minipoch)
         deadlines = plan.block_deadlines(perm, minipoch, from_step)
         fill = _Fill(
-            stream=stream, minipoch=minipoch, buffer_index=index,
-            buffer=self._buffer(stream, index)[:rows], perm=perm, blocks=blocks,
-            deadlines=deadlines, reason=reason, pending=np.zeros(len(blocks), np.int64),
-            ready=[asyncio.Event() for _ in blocks], started=time.perf_counter(),
+            stream=stream,
+            minipoch=minipoch,
+            buffer_index=index,
+            buffer=self._buffer(stream, index)[:rows],
+            perm=perm,
+            blocks=blocks,
+            deadlines=deadlines,
+            reason=reason,
+            pending=np.zeros(len(blocks), np.int64),
+            ready=[asyncio.Event() for _ in blocks],
+            started=time.perf_counter(),
         )
         fill.drained.set()
         units = self._units_packed(fill) if plan.sequence_packing else self._units_unpacked(fill)
@@ -442,8 +484,15 @@ class Engine:
             for slot, *_ in unit.pieces:
                 fill.pending[slot] += 1
             self._queue.put_nowait((unit.priority, next(self._order), unit))
-        log.debug("%s fill of stream %d minipoch %d from step %d: %d blocks, %d reads",
-                  reason, stream, minipoch, from_step, len(blocks), len(units))
+        log.debug(
+            "%s fill of stream %d minipoch %d from step %d: %d blocks, %d reads",
+            reason,
+            stream,
+            minipoch,
+            from_step,
+            len(blocks),
+            len(units),
+        )
         return fill
 
     def _units_packed(self, fill: _Fill) -> list[_Unit]:
@@ -470,8 +519,14 @@ class Engine:
     def _units_unpacked(self, fill: _Fill) -> list[_Unit]:
         spb, seq_len = self.plan.sequences_per_read_block, self.plan.seq_len
         units = [
-            _Unit(fill, int(fill.deadlines[slot]), block * spb, (block + 1) * spb,
-                  [(slot, 0, 0, spb * seq_len)], spb * seq_len * 4)
+            _Unit(
+                fill,
+                int(fill.deadlines[slot]),
+                block * spb,
+                (block + 1) * spb,
+                [(slot, 0, 0, spb * seq_len)],
+                spb * seq_len * 4,
+            )
             for slot, block in enumerate(fill.blocks.tolist())
         ]
         units.sort(key=lambda u: (u.priority, u.start))
@@ -479,7 +534,9 @@ class Engine:
 
     # -- waiting ------------------------------------------------------------------------------
 
-    async def _serve_early(self, fill: _Fill, step: int, buffer_rows: np.ndarray, out: np.ndarray) -> None:
+    async def _serve_early(
+        self, fill: _Fill, step: int, buffer_rows: np.ndarray, out: np.ndarray
+    ) -> None:
         """Rows of a fill still in progress: those in finished blocks from the buffer, the others
         read one by one from storage (only the bytes that hold them) while the fill goes on.
 
@@ -496,7 +553,9 @@ class Engine:
         out[have] = fill.buffer[buffer_rows[have]]
         missing = np.flatnonzero(~have)
         self._rows_first.clear()
-        reads = asyncio.gather(*(self._read_row(fill, int(buffer_rows[i]), out[i]) for i in missing))
+        reads = asyncio.gather(
+            *(self._read_row(fill, int(buffer_rows[i]), out[i]) for i in missing)
+        )
         self._row_reads.add(reads)
         try:
             await reads
@@ -505,22 +564,29 @@ class Engine:
                 raise LoaderClosedError("the engine was closed") from None
             raise
         except Exception as exc:
-            self._raise_with_context(exc, f"step {step}: reading rows of stream {fill.stream} "
-                                          f"minipoch {fill.minipoch} failed")
+            self._raise_with_context(
+                exc,
+                f"step {step}: reading rows of stream {fill.stream} "
+                f"minipoch {fill.minipoch} failed",
+            )
         finally:
             self._row_reads.discard(reads)
             self._rows_first.set()
         self._rows_read_directly += len(missing)
 
     async def _read_row(self, fill: _Fill, buffer_row: int, out: np.ndarray) -> None:
-        spb, seq_len, chunk = self.plan.sequences_per_read_block, self.plan.seq_len, self.source.token_chunk
+        spb, seq_len, chunk = (
+            self.plan.sequences_per_read_block,
+            self.plan.seq_len,
+            self.source.token_chunk,
+        )
         slot, row = divmod(buffer_row, spb)
         start = (int(fill.blocks[slot]) * spb + row) * seq_len  # packed: row r is tokens r*len...
         done = 0
         while done < seq_len:  # a row may cross a chunk boundary
             chunk_id, offset = divmod(start + done, chunk)
             n = min(seq_len - done, chunk - offset)
-            await self.source.read_items(chunk_id, offset, out[done:done + n])
+            await self.source.read_items(chunk_id, offset, out[done : done + n])
             done += n
 
     async def _make_urgent(self, fill: _Fill) -> None:
@@ -560,7 +626,9 @@ class Engine:
             if self._fills[fill.stream].get(fill.minipoch) is fill:
                 # the next load retries this minipoch
                 self._retire(self._fills[fill.stream].pop(fill.minipoch))
-        self._raise_with_context(exc, f"step {step}: filling stream {fill.stream} minipoch {fill.minipoch} failed")
+        self._raise_with_context(
+            exc, f"step {step}: filling stream {fill.stream} minipoch {fill.minipoch} failed"
+        )
 
     @staticmethod
     def _raise_with_context(exc: BaseException, context: str) -> None:
@@ -588,8 +656,10 @@ class Engine:
         while True:
             async with self._budget:
                 await self._budget.wait_for(
-                    lambda: self._inflight_bytes == 0
-                    or self._inflight_bytes + reserve <= self._inflight_budget
+                    lambda: (
+                        self._inflight_bytes == 0
+                        or self._inflight_bytes + reserve <= self._inflight_budget
+                    )
                 )
                 self._inflight_bytes += reserve
             try:
@@ -616,7 +686,8 @@ class Engine:
         if background:
             async with self._background:
                 await self._background.wait_for(
-                    lambda: fill.urgent or self._background_active < self._background_limit)
+                    lambda: fill.urgent or self._background_active < self._background_limit
+                )
                 self._background_active += 1
         self._units_in_flight += 1
         self._peak_units_in_flight = max(self._peak_units_in_flight, self._units_in_flight)
@@ -625,8 +696,14 @@ class Engine:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # surfaces from the load that needs this fill
-            log.debug("read %d:%d of stream %d minipoch %d failed", unit.start, unit.stop,
-                      fill.stream, fill.minipoch, exc_info=True)
+            log.debug(
+                "read %d:%d of stream %d minipoch %d failed",
+                unit.start,
+                unit.stop,
+                fill.stream,
+                fill.minipoch,
+                exc_info=True,
+            )
             fill.fail(exc)
         finally:
             self._units_in_flight -= 1
@@ -650,7 +727,7 @@ class Engine:
             # Copies happen on the loop thread, so "not cancelled" cannot change mid-copy.
             for slot, offset, src, length in unit.pieces:
                 dst = slot * slot_tokens + offset
-                flat[dst:dst + length] = data.reshape(-1)[src:src + length]
+                flat[dst : dst + length] = data.reshape(-1)[src : src + length]
         if fill.cancelled:
             return
         for slot, offset, src, length in unit.pieces:
@@ -686,21 +763,32 @@ class Engine:
         if fill.cancelled:
             return
         flat, slot_tokens = fill.buffer.reshape(-1), self._slot_tokens
-        targets = [(unit.start - lo + src, flat[slot * slot_tokens + offset:][:length])
-                   for slot, offset, src, length in unit.pieces]
+        targets = [
+            (unit.start - lo + src, flat[slot * slot_tokens + offset :][:length])
+            for slot, offset, src, length in unit.pieces
+        ]
         fill.writers += 1
         fill.drained.clear()
         try:
             if fill.reason == "prefetch" and not fill.urgent:
                 async with self._background_decodes:
-                    await asyncio.get_running_loop().run_in_executor(None, self._decode_targets, frame, targets)
+                    await asyncio.get_running_loop().run_in_executor(
+                        None, self._decode_targets, frame, targets
+                    )
             else:
-                await asyncio.get_running_loop().run_in_executor(None, self._decode_targets, frame, targets)
+                await asyncio.get_running_loop().run_in_executor(
+                    None, self._decode_targets, frame, targets
+                )
         except AsyncflatError:
             # Bad bytes must not stay cached for the fills that come after: fetch them afresh.
             cached = self._chunks.get(chunk_id)
-            if cached is not None and cached.done() and not cached.cancelled() and \
-                    cached.exception() is None and cached.result() is frame:
+            if (
+                cached is not None
+                and cached.done()
+                and not cached.cancelled()
+                and cached.exception() is None
+                and cached.result() is frame
+            ):
                 del self._chunks[chunk_id]
             raise
         finally:
@@ -713,7 +801,7 @@ class Engine:
         for first_item, out in targets:
             self.source.decode_into(frame, first_item, out)
 
-    def _shared_chunk(self, chunk_id: int, read: Any, decoded_bytes: int) -> "asyncio.Future[Any]":
+    def _shared_chunk(self, chunk_id: int, read: Any, decoded_bytes: int) -> asyncio.Future[Any]:
         """One read per chunk for everyone who needs it; the last few results stay cached.
 
         Fills of different streams (and consecutive fills) often need the same chunk at about
@@ -737,8 +825,10 @@ class Engine:
         chunk = self.source.token_chunk
         chunk_id = start // chunk
         lo, hi = chunk_id * chunk, min((chunk_id + 1) * chunk, self.plan.token_count)
-        data = await self._shared_chunk(chunk_id, lambda: self.source.read_tokens(lo, hi), (hi - lo) * 4)
-        return data[start - lo:stop - lo]
+        data = await self._shared_chunk(
+            chunk_id, lambda: self.source.read_tokens(lo, hi), (hi - lo) * 4
+        )
+        return data[start - lo : stop - lo]
 
     async def _read_unpacked_block(self, first_seq: int, end_seq: int) -> np.ndarray:
         """Sequences [first_seq, end_seq) truncated to len and padded with 1 (token 0, start)."""
@@ -764,8 +854,11 @@ class Engine:
         now = time.perf_counter()
         if self._last_step is not None and step > self._last_step[0]:
             per_step = (now - self._last_step[1]) / (step - self._last_step[0])
-            self._step_interval = per_step if self._step_interval is None else (
-                0.8 * self._step_interval + 0.2 * per_step)
+            self._step_interval = (
+                per_step
+                if self._step_interval is None
+                else (0.8 * self._step_interval + 0.2 * per_step)
+            )
         self._last_step = (step, now)
         slot = self._waits_recorded % _STEP_HISTORY
         self._wait_steps[slot], self._wait_s[slot] = step, wait
@@ -774,14 +867,21 @@ class Engine:
     def _record_fill(self, fill: _Fill, *, cancelled: bool = False) -> None:
         end = fill.finished or time.perf_counter()
         duration = end - fill.started
-        self._fill_records.append({
-            "stream": fill.stream, "minipoch": fill.minipoch, "reason": fill.reason,
-            "blocks": len(fill.blocks), "blocks_done": fill.blocks_done, "cancelled": cancelled,
-            "duration_s": duration, "useful_bytes": fill.useful_bytes,
-            "throughput_bytes_per_s": fill.useful_bytes / duration if duration > 0 else None,
-            "must_finish_by_step": self.plan.first_step(fill.minipoch),
-            "finished_at_step": self._last_step[0] if self._last_step else None,
-        })
+        self._fill_records.append(
+            {
+                "stream": fill.stream,
+                "minipoch": fill.minipoch,
+                "reason": fill.reason,
+                "blocks": len(fill.blocks),
+                "blocks_done": fill.blocks_done,
+                "cancelled": cancelled,
+                "duration_s": duration,
+                "useful_bytes": fill.useful_bytes,
+                "throughput_bytes_per_s": fill.useful_bytes / duration if duration > 0 else None,
+                "must_finish_by_step": self.plan.first_step(fill.minipoch),
+                "finished_at_step": self._last_step[0] if self._last_step else None,
+            }
+        )
 
     def _check_late(self, fill: _Fill) -> None:
         """Warn once when a prefetch is predicted to finish after the step that needs it."""
@@ -800,8 +900,13 @@ class Engine:
                 "fill of stream %d minipoch %d is predicted to finish %.2f s after step %d needs "
                 "it (%d/%d blocks after %.2f s); expect a stall there. Faster storage, more "
                 "max_concurrent_reads or a smaller buffer would help.",
-                fill.stream, fill.minipoch, predicted_end - needed_at, deadline_step,
-                fill.blocks_done, len(fill.blocks), elapsed,
+                fill.stream,
+                fill.minipoch,
+                predicted_end - needed_at,
+                deadline_step,
+                fill.blocks_done,
+                len(fill.blocks),
+                elapsed,
             )
 
 
@@ -826,7 +931,9 @@ def _check_seq_starts(name: str, raw: np.ndarray, first: int, token_count: int) 
         )
 
 
-def _pad_rows(tokens: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, seq_len: int) -> np.ndarray:
+def _pad_rows(
+    tokens: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, seq_len: int
+) -> np.ndarray:
     """Rows ``tokens[offsets[i] : offsets[i] + lengths[i]]``, padded with 1 to ``seq_len``."""
     cols = np.arange(seq_len)
     mask = cols[None, :] < lengths[:, None]

@@ -106,8 +106,11 @@ def _globs(name: str, value: Globs) -> tuple[str, ...]:
 
 
 def _number(name: str, value: Any, *, upper: float | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or (
-        upper is not None and value > upper
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not value >= 0
+        or (upper is not None and value > upper)
     ):
         bound = f"in [0, {upper}]" if upper is not None else ">= 0"
         raise ConfigError(f"FaultyStore.{name} must be a number {bound}, got {value!r}")
@@ -126,14 +129,18 @@ def _validated(changes: dict[str, Any], base: _Settings | None) -> _Settings:
     values["corrupt_rate"] = _number("corrupt_rate", values["corrupt_rate"], upper=1.0)
     cap = values["max_transient_per_request"]
     if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
-        raise ConfigError(f"FaultyStore.max_transient_per_request must be None or an int >= 0, got {cap!r}")
+        raise ConfigError(
+            f"FaultyStore.max_transient_per_request must be None or an int >= 0, got {cap!r}"
+        )
     if values["corrupt_mode"] not in _CORRUPT_MODES:
         raise ConfigError(
             f"FaultyStore.corrupt_mode must be one of {_CORRUPT_MODES}, got {values['corrupt_mode']!r}"
         )
     for name in ("transient_error", "permanent_error"):
         if not callable(values[name]):
-            raise ConfigError(f"FaultyStore.{name} must be an exception class or factory, got {values[name]!r}")
+            raise ConfigError(
+                f"FaultyStore.{name} must be an exception class or factory, got {values[name]!r}"
+            )
     values["permanent_keys"] = _globs("permanent_keys", values["permanent_keys"])
     values["fault_keys"] = _globs("fault_keys", values["fault_keys"])
     if isinstance(values["seed"], bool) or not isinstance(values["seed"], int):
@@ -167,17 +174,27 @@ class FaultyStore(PerKeyWrapperStore):
     ) -> None:
         super().__init__(store)
         if _shared is None:
-            _shared = _Shared(_validated(dict(
-                latency_s=latency_s, latency_jitter_s=latency_jitter_s,
-                transient_rate=transient_rate, transient_error=transient_error,
-                max_transient_per_request=max_transient_per_request,
-                permanent_keys=permanent_keys, permanent_error=permanent_error,
-                corrupt_rate=corrupt_rate, corrupt_mode=corrupt_mode, fault_keys=fault_keys,
-                seed=seed,
-            ), None))
+            _shared = _Shared(
+                _validated(
+                    dict(
+                        latency_s=latency_s,
+                        latency_jitter_s=latency_jitter_s,
+                        transient_rate=transient_rate,
+                        transient_error=transient_error,
+                        max_transient_per_request=max_transient_per_request,
+                        permanent_keys=permanent_keys,
+                        permanent_error=permanent_error,
+                        corrupt_rate=corrupt_rate,
+                        corrupt_mode=corrupt_mode,
+                        fault_keys=fault_keys,
+                        seed=seed,
+                    ),
+                    None,
+                )
+            )
         self._shared = _shared
 
-    def _with_store(self, store: Store) -> "FaultyStore":
+    def _with_store(self, store: Store) -> FaultyStore:
         return FaultyStore(store, _shared=self._shared)
 
     @property
@@ -216,7 +233,10 @@ class FaultyStore(PerKeyWrapperStore):
             jitter = settings.latency_jitter_s * self._uniform("latency", key, where, attempt)
             await asyncio.sleep(settings.latency_s + jitter)
 
-        if settings.transient_rate and self._uniform("transient", key, where, attempt) < settings.transient_rate:
+        if (
+            settings.transient_rate
+            and self._uniform("transient", key, where, attempt) < settings.transient_rate
+        ):
             cap = settings.max_transient_per_request
             if cap is None or shared.transient_run[request] < cap:
                 shared.transient_run[request] += 1
@@ -236,7 +256,6 @@ class FaultyStore(PerKeyWrapperStore):
             buffer = self._corrupt(buffer, prototype, settings.corrupt_mode, key, where, attempt)
         return buffer
 
-
     # -- helpers ------------------------------------------------------------------------------
 
     def _uniform(self, what: str, key: str, where: str, attempt: int) -> float:
@@ -246,7 +265,13 @@ class FaultyStore(PerKeyWrapperStore):
         return int.from_bytes(digest, "little") / 2.0**64
 
     def _corrupt(
-        self, buffer: Buffer, prototype: BufferPrototype, mode: str, key: str, where: str, attempt: int
+        self,
+        buffer: Buffer,
+        prototype: BufferPrototype,
+        mode: str,
+        key: str,
+        where: str,
+        attempt: int,
     ) -> Buffer:
         data = bytearray(buffer.to_bytes())
         if mode == "truncate":

@@ -186,7 +186,9 @@ async def open_split(store: Store, split: str, *, name: str) -> SplitArrays:
         raise ConfigError(f"split must be one of {SPLITS}, got {split!r} (store {name})")
     where = f"{name.rstrip('/')}/{split}"
 
-    root = await _guarded(zarr_async.open_group(store=store, mode="r"), name, "flat-tokens zarr group")
+    root = await _guarded(
+        zarr_async.open_group(store=store, mode="r"), name, "flat-tokens zarr group"
+    )
     group = await _guarded(root.getitem(split), where, "split group")
     if not isinstance(group, zarr.AsyncGroup):
         raise DatasetFormatError(f"{where}: expected a zarr group, found an array")
@@ -216,7 +218,9 @@ async def open_split(store: Store, split: str, *, name: str) -> SplitArrays:
     )
     first, last = ends[0], ends[-1]
     if int(first) != 0:
-        raise DatasetFormatError(f"{where}/seq_starts: expected seq_starts[0] == 0, got {int(first)}")
+        raise DatasetFormatError(
+            f"{where}/seq_starts: expected seq_starts[0] == 0, got {int(first)}"
+        )
     if int(last) != token_count:
         raise DatasetFormatError(
             f"{where}/seq_starts: expected seq_starts[-1] == len(encoded_tokens) == {token_count}, "
@@ -267,7 +271,9 @@ async def _open_array(
 
 def _check_max_token_id(value: Any, where: str) -> int:
     if isinstance(value, bool):
-        raise DatasetFormatError(f"{where}: attribute max_token_id must be an integer, got {value!r}")
+        raise DatasetFormatError(
+            f"{where}: attribute max_token_id must be an integer, got {value!r}"
+        )
     try:
         as_int = operator.index(value)
     except TypeError:

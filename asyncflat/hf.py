@@ -21,7 +21,7 @@ import queue
 import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import numpy as np
@@ -37,8 +37,14 @@ __all__ = ["HuggingFaceDataLoader", "convert_hf_dataset", "open_hf_dataset"]
 log = logging.getLogger(__name__)
 
 #: Builders of ``datasets`` for single data files, by suffix.
-_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text",
-             ".csv": "csv", ".arrow": "arrow"}
+_BUILDERS = {
+    ".json": "json",
+    ".jsonl": "json",
+    ".parquet": "parquet",
+    ".txt": "text",
+    ".csv": "csv",
+    ".arrow": "arrow",
+}
 
 
 def _datasets() -> Any:
@@ -51,7 +57,7 @@ def _datasets() -> Any:
     return datasets
 
 
-def open_hf_dataset(path: str | os.PathLike[str], name: Optional[str] = None) -> dict[str, Any]:
+def open_hf_dataset(path: str | os.PathLike[str], name: str | None = None) -> dict[str, Any]:
     """The splits of a local dataset, by split name (``Dataset`` or streaming ``IterableDataset``).
 
     ``path`` is a ``save_to_disk`` directory (read with ``load_from_disk``), a directory of data
@@ -75,7 +81,9 @@ def open_hf_dataset(path: str | os.PathLike[str], name: Optional[str] = None) ->
             builder = _BUILDERS.get(p.suffix.lower())
             if builder is None:
                 raise ConfigError(f"{path}: unsupported data file type {p.suffix!r}")
-            loaded = datasets.load_dataset(builder, name, data_files={"train": str(p)}, streaming=True)
+            loaded = datasets.load_dataset(
+                builder, name, data_files={"train": str(p)}, streaming=True
+            )
     except ConfigError:
         raise
     except Exception as exc:
@@ -104,7 +112,7 @@ def convert_hf_dataset(
     path: str | os.PathLike[str],
     output: str | os.PathLike[str],
     *,
-    name: Optional[str] = None,
+    name: str | None = None,
     text_field: str = "text",
     **options: Any,
 ) -> ConvertReport:
@@ -123,7 +131,7 @@ def convert_hf_dataset(
         log.info("%s: ignoring splits %s", path, ignored)
     has_validation = "validation" in splits
 
-    def documents() -> Iterator[tuple[Optional[str], str]]:
+    def documents() -> Iterator[tuple[str | None, str]]:
         for text in _iter_texts(splits["train"], text_field, f"{path} [train]"):
             yield ("train" if has_validation else None), text
         if has_validation:
@@ -155,7 +163,7 @@ class HuggingFaceDataLoader:
         split: str,
         config: HuggingFaceDataParams,
         token_batch_params: TokenBatchParams,
-        sharding: Optional[Sharding] = None,
+        sharding: Sharding | None = None,
     ) -> None:
         self.split, self.config, self.token_batch_params = split, config, token_batch_params
         self.tokenizer: Tokenizer = load_tokenizer(config.tokenizer)
@@ -178,15 +186,17 @@ class HuggingFaceDataLoader:
         self._next_step = 0
         self._closed = False
         self._stop = threading.Event()
-        self._queue: Optional[queue.Queue[Any]] = None
-        self._thread: Optional[threading.Thread] = None
+        self._queue: queue.Queue[Any] | None = None
+        self._thread: threading.Thread | None = None
         if config.num_workers > 0:
             # The thread holds the generator, the queue and the event, never the loader itself,
             # so a forgotten loader is still collected (and its __del__ stops the thread).
             self._queue = queue.Queue(maxsize=2 * config.num_workers)
             self._thread = threading.Thread(
-                target=_produce, args=(self._batches, self._queue, self._stop),
-                name="asyncflat-hf", daemon=True,
+                target=_produce,
+                args=(self._batches, self._queue, self._stop),
+                name="asyncflat-hf",
+                daemon=True,
             )
             self._thread.start()
 
@@ -196,7 +206,7 @@ class HuggingFaceDataLoader:
         """Pack token-id sequences into ``(targets, is_seq_start)`` as the reference does."""
         return collate(sequences, self._shape)
 
-    def _next_batch(self) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    def _next_batch(self) -> tuple[np.ndarray, np.ndarray] | None:
         if self._queue is None:
             return next(self._batches, None)
         kind, value = self._queue.get()
@@ -220,8 +230,11 @@ class HuggingFaceDataLoader:
                 "or convert the dataset to flat-tokens"
             )
         if step > self._next_step:
-            log.warning("HuggingFaceDataLoader: reading and discarding %d batches to reach step %d",
-                        step - self._next_step, step)
+            log.warning(
+                "HuggingFaceDataLoader: reading and discarding %d batches to reach step %d",
+                step - self._next_step,
+                step,
+            )
         while True:
             batch = self._next_batch()
             if batch is None:
@@ -235,7 +248,9 @@ class HuggingFaceDataLoader:
         targets, is_start = batch
         return TokenBatch(
             targets=jax.make_array_from_callback(self._shape, self.sharding, lambda i: targets[i]),
-            is_seq_start=jax.make_array_from_callback(self._shape, self.sharding, lambda i: is_start[i]),
+            is_seq_start=jax.make_array_from_callback(
+                self._shape, self.sharding, lambda i: is_start[i]
+            ),
         )
 
     def close(self) -> None:
@@ -246,7 +261,7 @@ class HuggingFaceDataLoader:
             self._thread.join(timeout=10)
             self._thread = None
 
-    def __enter__(self) -> "HuggingFaceDataLoader":
+    def __enter__(self) -> HuggingFaceDataLoader:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -258,7 +273,9 @@ class HuggingFaceDataLoader:
             stop.set()
 
 
-def collate(sequences: Iterable[np.ndarray], shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+def collate(
+    sequences: Iterable[np.ndarray], shape: tuple[int, int]
+) -> tuple[np.ndarray, np.ndarray]:
     """The reference's collate: sequences back to back in ``batch * len`` slots, cut at the end."""
     size = shape[0] * shape[1]
     flat = np.zeros(size, np.uint32)
@@ -288,7 +305,7 @@ def _packed_batches(
         yield collate(tokenizer.encode_batch(group), shape)
 
 
-def _produce(batches: Iterator[Any], out: "queue.Queue[Any]", stop: threading.Event) -> None:
+def _produce(batches: Iterator[Any], out: queue.Queue[Any], stop: threading.Event) -> None:
     def put(item: Any) -> bool:
         while not stop.is_set():
             try:

@@ -21,7 +21,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Mapping
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -85,7 +85,7 @@ class SplitSummary:
     sequence_count: int
     max_token_id: int
     chunk_tokens: int
-    shard_tokens: Optional[int]
+    shard_tokens: int | None
     seq_starts_chunk: int
     token_codecs: list[str]
     seq_starts_codecs: list[str]
@@ -93,10 +93,10 @@ class SplitSummary:
     tokens_nbytes_stored: int
     seq_starts_nbytes: int
     seq_starts_nbytes_stored: int
-    lengths: Optional[LengthStats]
+    lengths: LengthStats | None
 
     @property
-    def compression_ratio(self) -> Optional[float]:
+    def compression_ratio(self) -> float | None:
         """Uncompressed over stored bytes of both arrays (None for an empty split)."""
         stored = self.tokens_nbytes_stored + self.seq_starts_nbytes_stored
         raw = self.tokens_nbytes + self.seq_starts_nbytes
@@ -122,7 +122,7 @@ class LoaderFigures:
     hosts: int
     streams_per_host: int
     buffer_bytes_per_host: int
-    read_amplification: Optional[float]
+    read_amplification: float | None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -137,7 +137,7 @@ class VerifyReport:
     token_count: int
     sequence_count: int
     max_token_id: int
-    observed_max_token_id: Optional[int]
+    observed_max_token_id: int | None
     token_reads: int
     seq_starts_reads: int
     seconds: float
@@ -156,7 +156,7 @@ def describe_split(
     split: str,
     *,
     scan_lengths: bool = True,
-    storage_options: Optional[Mapping[str, Any]] = None,
+    storage_options: Mapping[str, Any] | None = None,
     progress: bool = False,
 ) -> SplitSummary:
     """Describe ``split`` of the dataset at ``filespec`` (a path or fsspec URL).
@@ -174,7 +174,7 @@ def loader_figures(
     batch_params: TokenBatchParams,
     *,
     hosts: int = 1,
-    storage_options: Optional[Mapping[str, Any]] = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> LoaderFigures:
     """Steps, minipochs, buffer memory and read amplification of a loader over ``summary``'s split.
 
@@ -194,7 +194,9 @@ def loader_figures(
         raise ConfigError(f"hosts={hosts} must be >= 1 and divide batch={batch_params.batch}")
     rows = np.arange(batch_params.batch) // plan.rows_per_stream_step
     per_host = batch_params.batch // hosts
-    streams_per_host = max(len(np.unique(rows[h * per_host:(h + 1) * per_host])) for h in range(hosts))
+    streams_per_host = max(
+        len(np.unique(rows[h * per_host : (h + 1) * per_host])) for h in range(hosts)
+    )
     if params.sequence_packing:
         amplification = _packed_amplification(plan, summary.chunk_tokens)
     else:
@@ -219,7 +221,7 @@ def verify_split(
     filespec: str,
     split: str,
     *,
-    storage_options: Optional[Mapping[str, Any]] = None,
+    storage_options: Mapping[str, Any] | None = None,
     progress: bool = False,
 ) -> VerifyReport:
     """Check every invariant of ``split``, reading it all once, chunk by chunk.
@@ -250,7 +252,7 @@ def _run(coro: Any) -> Any:
 
 
 async def _open_arrays(
-    filespec: str, split: str, storage_options: Optional[Mapping[str, Any]]
+    filespec: str, split: str, storage_options: Mapping[str, Any] | None
 ) -> SplitArrays:
     store = _make_store(filespec, storage_options)
     try:
@@ -265,7 +267,7 @@ def _close_arrays(arrays: SplitArrays) -> None:
 
 
 async def _open_source(
-    filespec: str, split: str, storage_options: Optional[Mapping[str, Any]]
+    filespec: str, split: str, storage_options: Mapping[str, Any] | None
 ) -> ZarrTokenSource:
     return await ZarrTokenSource.open(filespec, split, storage_options=storage_options)
 
@@ -278,7 +280,9 @@ def _codec_names(array: Any) -> list[str]:
             shuffle = getattr(codec, "shuffle", None)
             shuffle = getattr(shuffle, "value", shuffle)
             shuffle = {0: "noshuffle", 1: "shuffle", 2: "bitshuffle"}.get(shuffle, shuffle)
-            names.append(f"blosc({getattr(cname, 'value', cname)}, clevel={codec.clevel}, {shuffle})")
+            names.append(
+                f"blosc({getattr(cname, 'value', cname)}, clevel={codec.clevel}, {shuffle})"
+            )
         else:
             config = getattr(codec, "codec_id", None) or type(codec).__name__
             names.append(str(config).lower().removesuffix("codec"))
@@ -289,7 +293,7 @@ async def _describe(
     filespec: str,
     split: str,
     scan_lengths: bool,
-    storage_options: Optional[Mapping[str, Any]],
+    storage_options: Mapping[str, Any] | None,
     progress: bool,
 ) -> SplitSummary:
     arrays = await _open_arrays(filespec, split, storage_options)
@@ -304,7 +308,7 @@ async def _summarise(
     filespec: str,
     split: str,
     scan_lengths: bool,
-    storage_options: Optional[Mapping[str, Any]],
+    storage_options: Mapping[str, Any] | None,
     progress: bool,
 ) -> SplitSummary:
     tokens, starts = arrays.encoded_tokens, arrays.seq_starts
@@ -346,7 +350,7 @@ class _LengthScan:
         self.long: list[np.ndarray] = []
         self.count = 0
         self.total = 0
-        self.previous: Optional[int] = None
+        self.previous: int | None = None
 
     def add(self, window: np.ndarray) -> None:
         """Add the lengths ending in ``window``, the next consecutive entries of seq_starts."""
@@ -372,7 +376,7 @@ class _LengthScan:
         if big.size:
             self.long.append(big)
 
-    def result(self) -> Optional[LengthStats]:
+    def result(self) -> LengthStats | None:
         if not self.count:
             return None
         long = np.sort(np.concatenate(self.long)) if self.long else np.zeros(0, np.int64)
@@ -393,8 +397,13 @@ class _LengthScan:
         if long.size:
             np.add.at(hist, np.log2(long).astype(np.int64), 1)
         return LengthStats(
-            count=self.count, min=lo, median=quantile(0.5), p90=quantile(0.9), max=hi,
-            mean=self.total / self.count, log2_histogram=hist.tolist(),
+            count=self.count,
+            min=lo,
+            median=quantile(0.5),
+            p90=quantile(0.9),
+            max=hi,
+            mean=self.total / self.count,
+            log2_histogram=hist.tolist(),
         )
 
 
@@ -419,18 +428,21 @@ async def _read_checked(
 
 
 async def _seq_start_windows(
-    source: ZarrTokenSource, chunk: int, progress: bool, stop: Optional[int] = None
+    source: ZarrTokenSource, chunk: int, progress: bool, stop: int | None = None
 ) -> AsyncIterator[tuple[int, np.ndarray]]:
     """Yield consecutive windows ``(base, seq_starts[base : base + len(window)])`` (uint64) of the
     first ``stop`` entries (all by default), checking that the entries strictly increase, within
     and across windows, and naming the first index where they do not."""
     entries = source.sequence_count + 1 if stop is None else stop
     window = max(chunk, _STARTS_WINDOW // chunk * chunk)
-    previous: Optional[int] = None
-    with tqdm(total=entries, unit=" offsets", desc="seq_starts", disable=not progress,
-              leave=False) as bar:
+    previous: int | None = None
+    with tqdm(
+        total=entries, unit=" offsets", desc="seq_starts", disable=not progress, leave=False
+    ) as bar:
         for base in range(0, entries, window):
-            data = await _read_checked(source, "seq_starts", base, min(base + window, entries), chunk)
+            data = await _read_checked(
+                source, "seq_starts", base, min(base + window, entries), chunk
+            )
             data = data.astype(np.uint64, copy=False)
             ok = data[1:] > data[:-1]
             bad = None if ok.all() else base + 1 + int(np.argmin(ok))
@@ -449,7 +461,7 @@ async def _seq_start_windows(
 
 
 async def _verify(
-    filespec: str, split: str, storage_options: Optional[Mapping[str, Any]], progress: bool
+    filespec: str, split: str, storage_options: Mapping[str, Any] | None, progress: bool
 ) -> VerifyReport:
     t0 = time.perf_counter()
     arrays = await _open_arrays(filespec, split, storage_options)  # metadata, first and last
@@ -475,9 +487,14 @@ async def _verify(
     finally:
         await source.aclose()
     return VerifyReport(
-        filespec=filespec, split=split, token_count=arrays.token_count,
-        sequence_count=arrays.sequence_count, max_token_id=arrays.max_token_id,
-        observed_max_token_id=observed, token_reads=token_reads, seq_starts_reads=starts_reads,
+        filespec=filespec,
+        split=split,
+        token_count=arrays.token_count,
+        sequence_count=arrays.sequence_count,
+        max_token_id=arrays.max_token_id,
+        observed_max_token_id=observed,
+        token_reads=token_reads,
+        seq_starts_reads=starts_reads,
         seconds=time.perf_counter() - t0,
     )
 
@@ -508,14 +525,20 @@ class _StartCursor:
 
 async def _check_tokens(
     source: ZarrTokenSource, arrays: SplitArrays, starts: _StartCursor, where: str, progress: bool
-) -> tuple[Optional[int], int]:
+) -> tuple[int | None, int]:
     """Token ids against max_token_id and start bits against seq_starts, window by window."""
     chunk = arrays.token_chunk
     window = max(chunk, _TOKEN_WINDOW // chunk * chunk)
-    observed: Optional[int] = None
+    observed: int | None = None
     reads = 0
-    with tqdm(total=arrays.token_count, unit=" tok", unit_scale=True, desc=f"verify {arrays.split}",
-              disable=not progress, leave=False) as bar:
+    with tqdm(
+        total=arrays.token_count,
+        unit=" tok",
+        unit_scale=True,
+        desc=f"verify {arrays.split}",
+        disable=not progress,
+        leave=False,
+    ) as bar:
         for lo in range(0, arrays.token_count, window):
             hi = min(lo + window, arrays.token_count)
             encoded = await _read_checked(source, "encoded_tokens", lo, hi, chunk)
@@ -549,7 +572,7 @@ async def _check_tokens(
     return observed, reads
 
 
-def _packed_amplification(plan: ShufflePlan, chunk: int) -> Optional[float]:
+def _packed_amplification(plan: ShufflePlan, chunk: int) -> float | None:
     """Chunk tokens decoded per block token, when each fill decodes each chunk it touches once."""
     bt = plan.sequences_per_read_block * plan.seq_len
     k = np.arange(plan.read_block_count, dtype=np.int64)
@@ -561,9 +584,10 @@ def _packed_amplification(plan: ShufflePlan, chunk: int) -> Optional[float]:
     # Chunks strictly inside a block belong to that block alone: count them directly. The first
     # and last chunk of a block may be shared with other blocks of the same fill: deduplicate.
     interior = np.maximum(last - first - 1, 0).sum()
-    edges = np.unique(np.concatenate([
-        np.stack([buffer_id, first], axis=1), np.stack([buffer_id, last], axis=1)
-    ]), axis=0)
+    edges = np.unique(
+        np.concatenate([np.stack([buffer_id, first], axis=1), np.stack([buffer_id, last], axis=1)]),
+        axis=0,
+    )
     edge_chunks = edges[:, 1]
     edge_tokens = np.minimum(chunk, plan.token_count - edge_chunks * chunk).sum()
     useful = plan.read_block_count * bt
@@ -571,8 +595,8 @@ def _packed_amplification(plan: ShufflePlan, chunk: int) -> Optional[float]:
 
 
 async def _unpacked_amplification(
-    summary: SplitSummary, plan: ShufflePlan, storage_options: Optional[Mapping[str, Any]]
-) -> Optional[float]:
+    summary: SplitSummary, plan: ShufflePlan, storage_options: Mapping[str, Any] | None
+) -> float | None:
     """Each block is one read of its sequences' token span; every chunk it touches is decoded.
 
     (The engine stops at the last token it keeps, so this slightly overstates long sequences.)
@@ -584,10 +608,10 @@ async def _unpacked_amplification(
     source = await _open_source(summary.filespec, summary.split, storage_options)
     try:
         scan_chunk = int(spb * max(1, _STARTS_WINDOW // spb))  # windows start on block bounds
-        previous: Optional[int] = None
+        previous: int | None = None
         async for base, window in _seq_start_windows(source, scan_chunk, False, stop=used):
             values = window.astype(np.int64)
-            bounds.append(values[(-base) % spb::spb])
+            bounds.append(values[(-base) % spb :: spb])
             if previous is not None:
                 values = np.concatenate([[previous], values])
             kept += int(np.minimum(np.diff(values), seq_len).sum())

@@ -24,7 +24,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
-from typing import Any, Optional, Union
+from typing import Any
 
 import jax
 import numpy as np
@@ -40,7 +40,7 @@ from .permutation import warm_up as warm_up_permutation
 from .plan import ShufflePlan
 from .source import StoreWrapper, TokenSource, ZarrTokenSource
 
-__all__ = ["BatchIterator", "ShufflingLoader", "TokenBatch", "get_loader", "default_sharding"]
+__all__ = ["BatchIterator", "ShufflingLoader", "TokenBatch", "default_sharding", "get_loader"]
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def _decode_impl(encoded: jax.Array) -> TokenBatch:
     return TokenBatch(targets=encoded >> 1, is_seq_start=(encoded & 1) == 1)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _decoder(donate: bool) -> Any:
     # Donation lets XLA reuse the encoded buffer for targets; the CPU backend cannot use donated
     # buffers (and warns), so only donate on accelerators.
@@ -82,7 +82,9 @@ def check_batch_sharding(sharding: Sharding, shape: tuple[int, int]) -> None:
     try:
         sharding.shard_shape(shape)
     except Exception as exc:
-        raise ConfigError(f"sharding {sharding} cannot shard a batch of shape {shape}: {exc}") from exc
+        raise ConfigError(
+            f"sharding {sharding} cannot shard a batch of shape {shape}: {exc}"
+        ) from exc
     if not sharding.addressable_devices_indices_map(shape):
         raise ConfigError(f"sharding {sharding} has no device in this process")
 
@@ -109,11 +111,11 @@ class ShufflingLoader:
         split: str,
         params: FlatTokensParams,
         token_batch_params: TokenBatchParams,
-        sharding: Optional[Sharding] = None,
+        sharding: Sharding | None = None,
         *,
         options: EngineOptions = EngineOptions(),
-        store_wrapper: Optional[StoreWrapper] = None,
-        source: Optional[TokenSource] = None,
+        store_wrapper: StoreWrapper | None = None,
+        source: TokenSource | None = None,
     ) -> None:
         if split not in SPLITS:
             raise ConfigError(f"split must be one of {SPLITS}, got {split!r}")
@@ -133,8 +135,9 @@ class ShufflingLoader:
         self._lock = threading.Lock()
         self._closed = False
         self._build_s: collections.deque[float] = collections.deque(maxlen=1 << 16)  # recent builds
-        self._runner = LoopThread(name="asyncflat", cpu_threads=options.decode_threads,
-                                  nice=options.engine_niceness)
+        self._runner = LoopThread(
+            name="asyncflat", cpu_threads=options.decode_threads, nice=options.engine_niceness
+        )
         self._pid = os.getpid()
         try:
             self._engine = self._runner.run(self._open_engine())
@@ -150,13 +153,18 @@ class ShufflingLoader:
         source = self._injected_source
         if source is None:
             source = await ZarrTokenSource.open(
-                params.filespec, self.split, storage_options=params.storage_options,
+                params.filespec,
+                self.split,
+                storage_options=params.storage_options,
                 max_concurrent_requests=self.options.max_concurrent_reads,
-                retry=self.options.retry, store_wrapper=self._store_wrapper,
+                retry=self.options.retry,
+                store_wrapper=self._store_wrapper,
             )
         plan = ShufflePlan.create(
-            params, self.token_batch_params,
-            token_count=source.token_count, sequence_count=source.sequence_count,
+            params,
+            self.token_batch_params,
+            token_count=source.token_count,
+            sequence_count=source.sequence_count,
         )
         # Pay the one-time permutation compile and the global block shuffle here, at start-up,
         # not inside the first load().
@@ -171,9 +179,15 @@ class ShufflingLoader:
                 f"{self.options.max_buffer_bytes:,}; lower read_blocks_per_shuffle_buffer or "
                 "sequences_per_read_block"
             )
-        log.info("%s/%s: %d steps, %d minipochs, streams %s on this host, %.1f MiB per buffer",
-                 params.filespec, self.split, plan.step_count, plan.minipoch_count, streams,
-                 plan.buffer_bytes / 2**20)
+        log.info(
+            "%s/%s: %d steps, %d minipochs, streams %s on this host, %.1f MiB per buffer",
+            params.filespec,
+            self.split,
+            plan.step_count,
+            plan.minipoch_count,
+            streams,
+            plan.buffer_bytes / 2**20,
+        )
         return Engine(plan, source, streams, self.options)
 
     # -- the reference's API ------------------------------------------------------------------
@@ -199,7 +213,7 @@ class ShufflingLoader:
                 return batch
         return self._load_now(step)
 
-    def iter(self, start_step: int = 0) -> "BatchIterator":
+    def iter(self, start_step: int = 0) -> BatchIterator:
         """An iterator of ``(step, batch)`` from ``start_step`` to the end of the dataset.
 
         With ``EngineOptions.prefetch_to_device = k > 0`` a background thread keeps the next k
@@ -250,7 +264,7 @@ class ShufflingLoader:
                 prefetcher.stop()
             self._runner.close()
 
-    def __enter__(self) -> "ShufflingLoader":
+    def __enter__(self) -> ShufflingLoader:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -291,13 +305,13 @@ class ShufflingLoader:
         self._build_s.append(time.perf_counter() - t0)
         return batch
 
-    def _local_row_selections(self) -> dict[tuple[int, int], Union[slice, np.ndarray]]:
+    def _local_row_selections(self) -> dict[tuple[int, int], slice | np.ndarray]:
         """For each batch range an addressable shard holds: its rows in the gathered array.
 
         Host rows are sorted, so a shard's rows are normally one contiguous range of the
         gathered array and the shard is a view of it (no copy before the transfer).
         """
-        selections: dict[tuple[int, int], Union[slice, np.ndarray]] = {}
+        selections: dict[tuple[int, int], slice | np.ndarray] = {}
         for index in self.sharding.addressable_devices_indices_map(self._shape).values():
             start, stop, _ = index[0].indices(self._shape[0])
             local = self._row_of_batch_index[start:stop]
@@ -319,16 +333,16 @@ class ShufflingLoader:
         encoded = jax.make_array_from_callback(self._shape, self.sharding, shard, dtype=np.uint32)
         return self._decode(encoded)
 
-    def _register(self, prefetcher: "_DevicePrefetch") -> None:
+    def _register(self, prefetcher: _DevicePrefetch) -> None:
         with self._lock:
             self._check_open()
             self._prefetchers.add(prefetcher)
 
-    def _unregister(self, prefetcher: "_DevicePrefetch") -> None:
+    def _unregister(self, prefetcher: _DevicePrefetch) -> None:
         with self._lock:
             self._prefetchers.discard(prefetcher)
 
-    def _live_prefetchers(self) -> list["_DevicePrefetch"]:
+    def _live_prefetchers(self) -> list[_DevicePrefetch]:
         with self._lock:
             return list(self._prefetchers)
 
@@ -353,7 +367,9 @@ class _DevicePrefetch:
         self._built: dict[int, concurrent.futures.Future[TokenBatch]] = {}
         self._stopping = False
         self._thread = threading.Thread(
-            target=self._run, args=(start,), daemon=True,
+            target=self._run,
+            args=(start,),
+            daemon=True,
             name=f"asyncflat-device-prefetch-{next(_prefetch_ids)}",
         )
         loader._register(self)
@@ -390,7 +406,7 @@ class _DevicePrefetch:
             self._built.pop(step, None)
             self._cond.notify_all()
 
-    def lookup(self, step: int) -> Optional[TokenBatch]:
+    def lookup(self, step: int) -> TokenBatch | None:
         """The prefetched batch of ``step`` (waiting if it is being built), else None."""
         with self._cond:
             future = self._built.get(step)
@@ -435,8 +451,8 @@ class BatchIterator(Iterator[tuple[int, TokenBatch]]):
         self._loader = loader
         self._step = start
         self._stop_step = loader.step_count
-        self._prefetch: Optional[_DevicePrefetch] = None
-        self._finalizer: Optional[weakref.finalize] = None
+        self._prefetch: _DevicePrefetch | None = None
+        self._finalizer: weakref.finalize | None = None
         if depth and start < self._stop_step:
             self._prefetch = _DevicePrefetch(loader, start, self._stop_step, depth)
             self._finalizer = weakref.finalize(self, self._prefetch.stop)
@@ -444,7 +460,7 @@ class BatchIterator(Iterator[tuple[int, TokenBatch]]):
             # load; the thread is a daemon and the loop's own exit hook cancels its load.
             self._finalizer.atexit = False
 
-    def __iter__(self) -> "BatchIterator":
+    def __iter__(self) -> BatchIterator:
         return self
 
     def __next__(self) -> tuple[int, TokenBatch]:
@@ -475,7 +491,7 @@ class BatchIterator(Iterator[tuple[int, TokenBatch]]):
         if self._finalizer is not None:
             self._finalizer()
 
-    def __enter__(self) -> "BatchIterator":
+    def __enter__(self) -> BatchIterator:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -485,9 +501,9 @@ class BatchIterator(Iterator[tuple[int, TokenBatch]]):
 @checked
 def get_loader(
     split: str,
-    config: Union[FlatTokensParams, HuggingFaceDataParams],
+    config: FlatTokensParams | HuggingFaceDataParams,
     token_batch_params: TokenBatchParams,
-    sharding: Optional[Sharding] = None,
+    sharding: Sharding | None = None,
 ) -> Any:
     """Build the loader for ``config``, as the reference's ``get_loader`` does."""
     if isinstance(config, FlatTokensParams):

@@ -31,7 +31,8 @@ import logging
 import operator
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 

@@ -41,7 +41,7 @@ from .config import FlatTokensParams, TokenBatchParams
 from .errors import ConfigError, StepOutOfRangeError
 from .permutation import permutation
 
-__all__ = ["NEVER", "ShufflePlan", "RowLocation"]
+__all__ = ["NEVER", "RowLocation", "ShufflePlan"]
 
 #: Deadline of a block that no step at or after the plan's starting step needs.
 NEVER = np.iinfo(np.int64).max
@@ -79,7 +79,7 @@ class ShufflePlan:
         *,
         token_count: int,
         sequence_count: int,
-    ) -> "ShufflePlan":
+    ) -> ShufflePlan:
         """Build and validate the plan for a split with the given sizes."""
         seq_count = token_count // batch_params.len if params.sequence_packing else sequence_count
         return cls(
@@ -184,7 +184,9 @@ class ShufflePlan:
     def served_rows(self, minipoch: int) -> int:
         """Rows of the buffer that some step serves; the tail of the last one may be unused."""
         served_q = self.step_count * self.rows_per_stream_step
-        return max(0, min(self.rows_in_buffer(minipoch), served_q - minipoch * self.seqs_per_buffer))
+        return max(
+            0, min(self.rows_in_buffer(minipoch), served_q - minipoch * self.seqs_per_buffer)
+        )
 
     # -- (step, batch index) -> (stream, minipoch, position) ----------------------------------
 

@@ -25,17 +25,44 @@ T = TypeVar("T")
 _TRANSIENT_HTTP = frozenset({408, 425, 429, 500, 502, 503, 504})
 #: Statuses by which a store says "slow down": the concurrency limit backs off on these.
 _THROTTLE_HTTP = frozenset({429, 503})
-_THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
-                             "TooManyRequests", "TooManyRequestsException", "RequestThrottled"})
+_THROTTLE_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestLimitExceeded",
+        "TooManyRequests",
+        "TooManyRequestsException",
+        "RequestThrottled",
+    }
+)
 _TRANSIENT_ERRNO = frozenset(
-    {errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.EPIPE, errno.ETIMEDOUT,
-     errno.EAGAIN, errno.EHOSTUNREACH, errno.ENETUNREACH}
+    {
+        errno.ECONNRESET,
+        errno.ECONNREFUSED,
+        errno.ECONNABORTED,
+        errno.EPIPE,
+        errno.ETIMEDOUT,
+        errno.EAGAIN,
+        errno.EHOSTUNREACH,
+        errno.ENETUNREACH,
+    }
 )
 # Connection-level failures of aiohttp, botocore and requests (gcsfs raises requests' ProxyError
 # for a 502) that do not all derive from the builtin ConnectionError/TimeoutError.
-_TRANSIENT_NAMES = ("ServerDisconnected", "ClientOSError", "ClientPayloadError", "ConnectionClosed",
-                    "EndpointConnectionError", "ReadTimeout", "ConnectTimeout", "ProxyError",
-                    "ChunkedEncodingError", "ResponseStreamingError", "IncompleteRead")
+_TRANSIENT_NAMES = (
+    "ServerDisconnected",
+    "ClientOSError",
+    "ClientPayloadError",
+    "ConnectionClosed",
+    "EndpointConnectionError",
+    "ReadTimeout",
+    "ConnectTimeout",
+    "ProxyError",
+    "ChunkedEncodingError",
+    "ResponseStreamingError",
+    "IncompleteRead",
+)
 
 
 def _causes(exc: BaseException) -> list[BaseException]:

@@ -55,7 +55,14 @@ from .errors import (
 from .format import SplitArrays, open_split
 from .retry import is_throttle, retrying
 
-__all__ = ["AdaptiveLimiter", "IOCounters", "StoreWrapper", "TokenSource", "ZarrTokenSource", "is_url"]
+__all__ = [
+    "AdaptiveLimiter",
+    "IOCounters",
+    "StoreWrapper",
+    "TokenSource",
+    "ZarrTokenSource",
+    "is_url",
+]
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +248,8 @@ class _GuardedStore(PerKeyWrapperStore):
         limiter: AdaptiveLimiter,
         retry: RetryPolicy,
         io: IOCounters,
-        suffix_cache: collections.OrderedDict[tuple[str, int], asyncio.Future[Buffer | None]] | None = None,
+        suffix_cache: collections.OrderedDict[tuple[str, int], asyncio.Future[Buffer | None]]
+        | None = None,
     ) -> None:
         super().__init__(store)
         self._name, self._limiter, self._retry, self._io = name.rstrip("/"), limiter, retry, io
@@ -251,15 +259,24 @@ class _GuardedStore(PerKeyWrapperStore):
         self.blosc_frames: set[str] = set()
 
     def _with_store(self, store: Store) -> _GuardedStore:
-        copy = _GuardedStore(store, name=self._name, limiter=self._limiter, retry=self._retry,
-                             io=self._io, suffix_cache=self._suffix_cache)
+        copy = _GuardedStore(
+            store,
+            name=self._name,
+            limiter=self._limiter,
+            retry=self._retry,
+            io=self._io,
+            suffix_cache=self._suffix_cache,
+        )
         copy.blosc_frames = self.blosc_frames
         return copy
 
     async def get(
         self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None
     ) -> Buffer | None:
-        if isinstance(byte_range, SuffixByteRequest) and byte_range.suffix <= _SUFFIX_CACHE_MAX_BYTES:
+        if (
+            isinstance(byte_range, SuffixByteRequest)
+            and byte_range.suffix <= _SUFFIX_CACHE_MAX_BYTES
+        ):
             return await self._cached_suffix(key, prototype, byte_range)
         return await self._get(key, prototype, byte_range)
 
@@ -279,8 +296,9 @@ class _GuardedStore(PerKeyWrapperStore):
                 self._suffix_cache.popitem(last=False)
 
             def forget_failure(done: asyncio.Future[Buffer | None]) -> None:
-                if (done.cancelled() or done.exception() is not None) and \
-                        self._suffix_cache.get(cache_key) is done:
+                if (done.cancelled() or done.exception() is not None) and self._suffix_cache.get(
+                    cache_key
+                ) is done:
                     del self._suffix_cache[cache_key]  # the next reader tries afresh
 
             future.add_done_callback(forget_failure)
@@ -343,10 +361,11 @@ class _GuardedStore(PerKeyWrapperStore):
                 # decoded by reading past the end of the object (garbage, or a crash).
                 problem = _blosc_frame_problem(buffer)
                 if problem is not None:
-                    raise CorruptChunkError(f"{describe()}: chunk object is not a whole Blosc frame: {problem}")
+                    raise CorruptChunkError(
+                        f"{describe()}: chunk object is not a whole Blosc frame: {problem}"
+                    )
         self._io.bytes_read += len(buffer)
         return buffer
-
 
 
 # -- filesystems ------------------------------------------------------------------------------
@@ -370,7 +389,8 @@ def _filesystem(url: str, storage_options: Mapping[str, Any] | None) -> tuple[An
         cls = None
     own_retries = None
     if OWN_RETRIES_OPTION in opts and (
-            cls is None or OWN_RETRIES_OPTION not in inspect.signature(cls.__init__).parameters):
+        cls is None or OWN_RETRIES_OPTION not in inspect.signature(cls.__init__).parameters
+    ):
         own_retries = opts.pop(OWN_RETRIES_OPTION)
         if isinstance(own_retries, bool) or not isinstance(own_retries, int) or own_retries < 1:
             raise ConfigError(
@@ -402,8 +422,10 @@ def _set_own_retries(fs: Any, attempts: int) -> None:
         # no option. Rebind this instance's _request to the undecorated coroutine (or re-wrap it).
         raw = getattr(type(fs)._request, "__wrapped__", None)
         if raw is None:
-            log.warning("gcsfs %s: cannot turn off its own retries; attempts may multiply",
-                        getattr(gcsfs, "__version__", "?"))
+            log.warning(
+                "gcsfs %s: cannot turn off its own retries; attempts may multiply",
+                getattr(gcsfs, "__version__", "?"),
+            )
             return
         if attempts > 1:
             from gcsfs.retry import retry_request
@@ -460,7 +482,9 @@ class ZarrTokenSource:
         #: "blosc" or "raw" when chunk objects can be decoded directly (see read_frame).
         self.raw_codec = _raw_codec(arrays.encoded_tokens)
         #: Blosc frame layouts (header + block table) of chunks read row by row
-        self._layouts: collections.OrderedDict[str, asyncio.Future[_blosc.FrameLayout]] = collections.OrderedDict()
+        self._layouts: collections.OrderedDict[str, asyncio.Future[_blosc.FrameLayout]] = (
+            collections.OrderedDict()
+        )
         self._layout_prefix = 16  # bytes to read for a frame's header (+ table, once known)
         self._local_root: str | None = None  # set for plain local stores: small reads pread
 
@@ -480,8 +504,11 @@ class ZarrTokenSource:
         store = raw if store_wrapper is None else store_wrapper(raw)
         io = IOCounters()
         guarded = _GuardedStore(
-            store, name=filespec, limiter=AdaptiveLimiter(max_concurrent_requests, io),
-            retry=retry or RetryPolicy(), io=io
+            store,
+            name=filespec,
+            limiter=AdaptiveLimiter(max_concurrent_requests, io),
+            retry=retry or RetryPolicy(),
+            io=io,
         )
         try:
             arrays = await open_split(guarded, split, name=filespec)
@@ -564,7 +591,9 @@ class ZarrTokenSource:
             raise CorruptChunkError(f"{where}: chunk object {key}: {exc}") from exc
         except AsyncflatError as exc:  # name the token range, as _read does
             raise type(exc)(f"{where}: {exc}") from exc
-        await asyncio.get_running_loop().run_in_executor(None, self.decode_into, frame, first_item, out)
+        await asyncio.get_running_loop().run_in_executor(
+            None, self.decode_into, frame, first_item, out
+        )
 
     async def _frame_layout(self, key: str) -> _blosc.FrameLayout:
         """The header and block table of chunk object ``key``: read once, shared by every row
@@ -622,8 +651,10 @@ class ZarrTokenSource:
                 return
             start = (first_item - frame.first_item) * 4
             if start < 0 or start + out.nbytes > frame.data.nbytes:
-                raise _blosc.BloscError(f"object has {frame.data.nbytes} bytes, needed {start + out.nbytes}")
-            out[:] = frame.data[start:start + out.nbytes].view("<u4")
+                raise _blosc.BloscError(
+                    f"object has {frame.data.nbytes} bytes, needed {start + out.nbytes}"
+                )
+            out[:] = frame.data[start : start + out.nbytes].view("<u4")
         except _blosc.BloscError as exc:
             raise CorruptChunkError(
                 f"{self.name} encoded_tokens: chunk object {frame.key} does not decode: {exc}"
@@ -665,7 +696,7 @@ class Frame:
 
 
 def _raw_codec(array: Any) -> str | None:
-    """"blosc" or "raw" when chunks of ``array`` can be read and decoded without zarr, else None.
+    """ "blosc" or "raw" when chunks of ``array`` can be read and decoded without zarr, else None.
 
     That is a plain chunk grid (no sharding, filters or transposes) of little-endian items whose
     only compressor, if any, is Blosc. Everything else goes through zarr's codec pipeline.

@@ -55,32 +55,60 @@ _BATCH_TOKENS = 1 << 22
 class _SplitWriter:
     """Buffers one split's tokens and offsets and writes them out in whole stored objects."""
 
-    def __init__(self, group: zarr.Group, split: str, *, zarr_format: int, chunk_tokens: int,
-                 shard_tokens: int | None) -> None:
+    def __init__(
+        self,
+        group: zarr.Group,
+        split: str,
+        *,
+        zarr_format: int,
+        chunk_tokens: int,
+        shard_tokens: int | None,
+    ) -> None:
         self.split = split
         self.group = group
         if zarr_format == 2:
             # seqax's exact layout, so seqax (zarr 2.x) can read what we write.
             compressor = Blosc(cname="lz4", clevel=5, shuffle=Blosc.BITSHUFFLE)
             self.tokens = group.create_array(
-                "encoded_tokens", shape=(0,), chunks=(chunk_tokens,), dtype="<u4",
-                fill_value=None, compressors=compressor, filters=None, config=_ARRAY_CONFIG,
+                "encoded_tokens",
+                shape=(0,),
+                chunks=(chunk_tokens,),
+                dtype="<u4",
+                fill_value=None,
+                compressors=compressor,
+                filters=None,
+                config=_ARRAY_CONFIG,
             )
             self.starts = group.create_array(
-                "seq_starts", shape=(0,), chunks=(SEQ_STARTS_CHUNK,), dtype="<u8", fill_value=0,
-                compressors=compressor, filters=[Delta(dtype="<i8", astype="<i8")],
+                "seq_starts",
+                shape=(0,),
+                chunks=(SEQ_STARTS_CHUNK,),
+                dtype="<u8",
+                fill_value=0,
+                compressors=compressor,
+                filters=[Delta(dtype="<i8", astype="<i8")],
                 config=_ARRAY_CONFIG,
             )
         else:
             codec = BloscCodec(cname="lz4", clevel=5, shuffle="bitshuffle")
             self.tokens = group.create_array(
-                "encoded_tokens", shape=(0,), chunks=(chunk_tokens,),
-                shards=(shard_tokens,) if shard_tokens else None, dtype="uint32", fill_value=0,
-                compressors=codec, config=_ARRAY_CONFIG,
+                "encoded_tokens",
+                shape=(0,),
+                chunks=(chunk_tokens,),
+                shards=(shard_tokens,) if shard_tokens else None,
+                dtype="uint32",
+                fill_value=0,
+                compressors=codec,
+                config=_ARRAY_CONFIG,
             )
             self.starts = group.create_array(
-                "seq_starts", shape=(0,), chunks=(SEQ_STARTS_CHUNK,), dtype="uint64",
-                fill_value=0, compressors=codec, config=_ARRAY_CONFIG,
+                "seq_starts",
+                shape=(0,),
+                chunks=(SEQ_STARTS_CHUNK,),
+                dtype="uint64",
+                fill_value=0,
+                compressors=codec,
+                config=_ARRAY_CONFIG,
             )
         # A whole shard is the unit of writing when sharded: writing part of one would make zarr
         # read, modify and rewrite it.
@@ -127,7 +155,7 @@ class _Buffer:
                 data = data[n:]
                 continue
             take = min(self.unit - self.fill, data.size)
-            self.buf[self.fill:self.fill + take] = data[:take]
+            self.buf[self.fill : self.fill + take] = data[:take]
             self.fill += take
             data = data[take:]
             if self.fill == self.unit:
@@ -172,9 +200,15 @@ class FlatTokensWriter:
     A writer is not thread-safe.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, zarr_format: int = 3,
-                 chunk_tokens: int = 1 << 20, shard_tokens: int | None = None,
-                 overwrite: bool = False) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        zarr_format: int = 3,
+        chunk_tokens: int = 1 << 20,
+        shard_tokens: int | None = None,
+        overwrite: bool = False,
+    ) -> None:
         chunk_tokens = _positive_int("chunk_tokens", chunk_tokens)
         if isinstance(zarr_format, bool) or zarr_format not in (2, 3):
             raise ConfigError(f"FlatTokensWriter.zarr_format must be 2 or 3, got {zarr_format!r}")
@@ -211,8 +245,11 @@ class FlatTokensWriter:
             )
             self._splits = {
                 split: _SplitWriter(
-                    root.create_group(split), split, zarr_format=zarr_format,
-                    chunk_tokens=chunk_tokens, shard_tokens=shard_tokens,
+                    root.create_group(split),
+                    split,
+                    zarr_format=zarr_format,
+                    chunk_tokens=chunk_tokens,
+                    shard_tokens=shard_tokens,
                 )
                 for split in SPLITS
             }
@@ -246,8 +283,12 @@ class FlatTokensWriter:
         self._cleanup.detach()
         for writer in self._splits.values():
             logger.info(
-                "wrote %s/%s: %d sequences, %d tokens, max_token_id %d", self.path,
-                writer.split, writer.sequence_count, writer.token_count, writer.max_token_id,
+                "wrote %s/%s: %d sequences, %d tokens, max_token_id %d",
+                self.path,
+                writer.split,
+                writer.sequence_count,
+                writer.token_count,
+                writer.max_token_id,
             )
 
     def abort(self) -> None:
@@ -258,8 +299,12 @@ class FlatTokensWriter:
     def __enter__(self) -> FlatTokensWriter:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         if exc_type is None:
             self.close()
         else:
@@ -295,8 +340,9 @@ class FlatTokensWriter:
                 os.remove(old)
 
 
-def write_flat_tokens(path: str | os.PathLike[str], splits: Mapping[str, Iterable[Any]],
-                      **writer_kwargs: Any) -> None:
+def write_flat_tokens(
+    path: str | os.PathLike[str], splits: Mapping[str, Iterable[Any]], **writer_kwargs: Any
+) -> None:
     """Write a whole dataset in one call: ``splits`` maps split name to its sequences.
 
     The sequences may be a lazy iterable (a generator over a corpus): they are appended in

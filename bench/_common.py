@@ -50,8 +50,10 @@ def ensure_dataset(layout: str, tokens: int = DESIGN_TOKENS) -> str:
     path = bench_dir() / f"{layout}-{tokens}.zarr"
     if path.exists():
         return str(path)
-    kwargs = {"seqax": dict(zarr_format=2, chunk_tokens=SEQAX_CHUNK),
-              "aligned": dict(zarr_format=3, chunk_tokens=BLOCK_TOKENS)}[layout]
+    kwargs = {
+        "seqax": dict(zarr_format=2, chunk_tokens=SEQAX_CHUNK),
+        "aligned": dict(zarr_format=3, chunk_tokens=BLOCK_TOKENS),
+    }[layout]
     t0 = time.perf_counter()
     with FlatTokensWriter(path, **kwargs) as writer:
         for sequences in synthetic_sequences(tokens):

@@ -56,15 +56,21 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("url", nargs="?", help="gs:// or s3:// dataset URL (default: emulator)")
     parser.add_argument("--storage-options", default="{}", help="JSON for the fsspec filesystem")
     parser.add_argument("--latency-ms", type=float, default=25.0, help="proxy round-trip latency")
-    parser.add_argument("--tokens-mib", type=float, default=64.0, help="dataset size (uint32 tokens)")
+    parser.add_argument(
+        "--tokens-mib", type=float, default=64.0, help="dataset size (uint32 tokens)"
+    )
     parser.add_argument("--len", type=int, default=2048)
     parser.add_argument("--spb", type=int, default=128, help="sequences per read block (= chunk)")
     parser.add_argument("--rbpsb", type=int, default=16, help="read blocks per shuffle buffer")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=16, help="max_concurrent_reads")
-    parser.add_argument("--inflight-chunks", type=int, default=None,
-                        help="max_inflight_bytes in decoded chunks (default: --concurrency; "
-                             "0: the engine's default)")
+    parser.add_argument(
+        "--inflight-chunks",
+        type=int,
+        default=None,
+        help="max_inflight_bytes in decoded chunks (default: --concurrency; "
+        "0: the engine's default)",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--step-ms", type=float, default=5.0, help="simulated train step")
     parser.add_argument("--skip-stall", action="store_true")
@@ -120,7 +126,9 @@ def ensure_uploaded(url: str, options: dict[str, Any], tokens: int, chunk_tokens
 # -- (a) the store alone ----------------------------------------------------------------------------
 
 
-def store_rate(url: str, options: dict[str, Any], keys: list[str], concurrency: int) -> tuple[float, int]:
+def store_rate(
+    url: str, options: dict[str, Any], keys: list[str], concurrency: int
+) -> tuple[float, int]:
     """Wire bytes/s of GETting ``keys`` (object paths under the dataset) ``concurrency`` at a time."""
 
     async def run(fs: Any, path: str) -> tuple[float, int]:
@@ -143,8 +151,9 @@ def store_rate(url: str, options: dict[str, Any], keys: list[str], concurrency: 
 def make_params(args: argparse.Namespace, url: str, options: dict[str, Any]) -> Any:
     import asyncflat
 
-    return asyncflat.FlatTokensParams(url, 1, args.rbpsb, args.spb, seed=0, sequence_packing=True,
-                                      storage_options=options)
+    return asyncflat.FlatTokensParams(
+        url, 1, args.rbpsb, args.spb, seed=0, sequence_packing=True, storage_options=options
+    )
 
 
 def engine_options(args: argparse.Namespace, prefetch: bool) -> Any:
@@ -153,8 +162,9 @@ def engine_options(args: argparse.Namespace, prefetch: bool) -> Any:
 
     chunks = args.concurrency if args.inflight_chunks is None else args.inflight_chunks
     inflight = chunks * args.spb * args.len * 4 if chunks else None
-    return asyncflat.EngineOptions(prefetch=prefetch, max_concurrent_reads=args.concurrency,
-                                   max_inflight_bytes=inflight)
+    return asyncflat.EngineOptions(
+        prefetch=prefetch, max_concurrent_reads=args.concurrency, max_inflight_bytes=inflight
+    )
 
 
 def fill_rate(args: argparse.Namespace, url: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -162,27 +172,38 @@ def fill_rate(args: argparse.Namespace, url: str, options: dict[str, Any]) -> di
 
     engine = engine_options(args, prefetch=False)
     batch = asyncflat.TokenBatchParams(len=args.len, batch=args.batch)
-    with asyncflat.ShufflingLoader("train", make_params(args, url, options), batch, options=engine) as loader:
+    with asyncflat.ShufflingLoader(
+        "train", make_params(args, url, options), batch, options=engine
+    ) as loader:
         before = loader.stats()["bytes_read"]
         loader.load(0)  # without prefetch: waits for the whole minipoch-0 buffer
         stats = loader.stats()
         fill = stats["fills"][0]
         wire = stats["bytes_read"] - before
-        return {"wire_Bps": wire / fill["duration_s"], "wire_bytes": wire,
-                "useful_Bps": fill["useful_bytes"] / fill["duration_s"], "seconds": fill["duration_s"],
-                "blocks": loader.plan.buffer_blocks(0, 0).tolist(), "requests": stats["requests"]}
+        return {
+            "wire_Bps": wire / fill["duration_s"],
+            "wire_bytes": wire,
+            "useful_Bps": fill["useful_bytes"] / fill["duration_s"],
+            "seconds": fill["duration_s"],
+            "blocks": loader.plan.buffer_blocks(0, 0).tolist(),
+            "requests": stats["requests"],
+        }
 
 
 # -- (c) stalls -----------------------------------------------------------------------------------------
 
 
-def stall_run(args: argparse.Namespace, url: str, options: dict[str, Any], prefetch: bool) -> dict[str, Any]:
+def stall_run(
+    args: argparse.Namespace, url: str, options: dict[str, Any], prefetch: bool
+) -> dict[str, Any]:
     import asyncflat
 
     engine = engine_options(args, prefetch)
     batch = asyncflat.TokenBatchParams(len=args.len, batch=args.batch)
     latencies = []
-    with asyncflat.ShufflingLoader("train", make_params(args, url, options), batch, options=engine) as loader:
+    with asyncflat.ShufflingLoader(
+        "train", make_params(args, url, options), batch, options=engine
+    ) as loader:
         plan = loader.plan
         for step in range(plan.step_count):
             t0 = time.perf_counter()
@@ -193,15 +214,19 @@ def stall_run(args: argparse.Namespace, url: str, options: dict[str, Any], prefe
         boundaries = [plan.first_step(m) for m in range(1, plan.minipoch_count)]
     steady = np.array(latencies[1:])  # step 0 includes the first fill in both modes
     return {
-        "steps": plan.step_count, "boundaries": len(boundaries),
+        "steps": plan.step_count,
+        "boundaries": len(boundaries),
         "median_ms": round(float(np.median(steady)) * 1e3, 3),
         "p99_ms": round(float(np.percentile(steady, 99)) * 1e3, 3),
         "max_ms": round(float(steady.max()) * 1e3, 3),
         "max_step": int(steady.argmax()) + 1,
-        "max_boundary_ms": round(max(latencies[s] for s in boundaries) * 1e3, 3) if boundaries else None,
+        "max_boundary_ms": round(max(latencies[s] for s in boundaries) * 1e3, 3)
+        if boundaries
+        else None,
         "first_ms": round(latencies[0] * 1e3, 3),
         "max_over_median": round(float(steady.max() / np.median(steady)), 2),
-        "retries": stats["retries"], "throttled": stats["throttled"],
+        "retries": stats["retries"],
+        "throttled": stats["throttled"],
     }
 
 
@@ -212,7 +237,10 @@ def serve(latency_s: float) -> None:
     """Child: run the emulator and the proxy, print their endpoints, stop when stdin closes."""
     from helpers.servers import GcsEmulator, TcpProxy
 
-    with GcsEmulator(bucket="bench") as emulator, TcpProxy(emulator.endpoint, latency_s=latency_s) as proxy:
+    with (
+        GcsEmulator(bucket="bench") as emulator,
+        TcpProxy(emulator.endpoint, latency_s=latency_s) as proxy,
+    ):
         print(json.dumps({"emulator": emulator.endpoint, "proxy": proxy.endpoint}), flush=True)
         sys.stdin.read()
 
@@ -221,7 +249,9 @@ def serve(latency_s: float) -> None:
 def servers(latency_s: float) -> Iterator[dict[str, str]]:
     child = subprocess.Popen(
         [sys.executable, __file__, "--serve", "--latency-ms", str(latency_s * 1e3)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert child.stdout is not None and child.stdin is not None
@@ -247,8 +277,11 @@ def main() -> None:
     # Before gcsfs is imported: its gRPC probe makes every emulator call take 60 s.
     if not args.url:
         os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING,
+        stream=sys.stderr,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
     log.setLevel(logging.INFO)
     # the emulator logs an ERROR for every probe of a missing zarr metadata key
     logging.getLogger("gcp_storage_emulator").setLevel(logging.CRITICAL)
@@ -258,10 +291,18 @@ def main() -> None:
     options = json.loads(args.storage_options)
     tokens = int(args.tokens_mib * 2**20) // 4
     chunk_tokens = args.spb * args.len  # one chunk per read block: the recommended layout
-    figures: dict[str, Any] = {"bench": "cloud", "tokens": tokens, "len": args.len, "spb": args.spb,
-                               "rbpsb": args.rbpsb, "batch": args.batch, "concurrency": args.concurrency,
-                               "inflight_chunks": args.concurrency if args.inflight_chunks is None
-                               else args.inflight_chunks}
+    figures: dict[str, Any] = {
+        "bench": "cloud",
+        "tokens": tokens,
+        "len": args.len,
+        "spb": args.spb,
+        "rbpsb": args.rbpsb,
+        "batch": args.batch,
+        "concurrency": args.concurrency,
+        "inflight_chunks": args.concurrency
+        if args.inflight_chunks is None
+        else args.inflight_chunks,
+    }
 
     with contextlib.ExitStack() as stack:
         if args.url:
@@ -282,23 +323,29 @@ def main() -> None:
         fills, stores = [], []
         for _ in range(args.repeats):  # interleaved, so drifts of the shared machine hit both
             fill = fill_rate(args, url, options)
-            keys = [f"train/encoded_tokens/c/{(b * args.spb * args.len) // chunk_tokens}"
-                    for b in fill["blocks"]]
+            keys = [
+                f"train/encoded_tokens/c/{(b * args.spb * args.len) // chunk_tokens}"
+                for b in fill["blocks"]
+            ]
             rate, _ = store_rate(url, options, sorted(set(keys)), args.concurrency)
             fills.append(fill)
             stores.append(rate)
         fill_wire = statistics.median(f["wire_Bps"] for f in fills)
         store_wire = statistics.median(stores)
-        figures.update({
-            "fill_objects": len(set(keys)),
-            "fill_wire_MB": round(fills[0]["wire_bytes"] / 1e6, 2),
-            "store_wire_MBps": round(store_wire / 1e6, 1),
-            "fill_wire_MBps": round(fill_wire / 1e6, 1),
-            "fill_useful_MBps": round(statistics.median(f["useful_Bps"] for f in fills) / 1e6, 1),
-            "fill_s": round(statistics.median(f["seconds"] for f in fills), 3),
-            "fill_vs_store": round(fill_wire / store_wire, 2),
-            "fill_target": 0.8,
-        })
+        figures.update(
+            {
+                "fill_objects": len(set(keys)),
+                "fill_wire_MB": round(fills[0]["wire_bytes"] / 1e6, 2),
+                "store_wire_MBps": round(store_wire / 1e6, 1),
+                "fill_wire_MBps": round(fill_wire / 1e6, 1),
+                "fill_useful_MBps": round(
+                    statistics.median(f["useful_Bps"] for f in fills) / 1e6, 1
+                ),
+                "fill_s": round(statistics.median(f["seconds"] for f in fills), 3),
+                "fill_vs_store": round(fill_wire / store_wire, 2),
+                "fill_target": 0.8,
+            }
+        )
         if not args.skip_stall:
             figures["stall_prefetch_on"] = stall_run(args, url, options, prefetch=True)
             figures["stall_prefetch_off"] = stall_run(args, url, options, prefetch=False)

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import DESIGN_TOKENS, emit, ensure_dataset  # noqa: E402
+from _common import DESIGN_TOKENS, emit, ensure_dataset
 
 LEN, BATCH, SPB, RBPSB = 2048, 64, 512, 64
 
@@ -39,7 +39,9 @@ def engine_fill_gbps(path: str) -> tuple[float, list]:
 
     params = asyncflat.FlatTokensParams(path, 1, RBPSB, SPB, seed=0, sequence_packing=True)
     options = asyncflat.EngineOptions(prefetch=False)
-    with asyncflat.ShufflingLoader("train", params, asyncflat.TokenBatchParams(LEN, BATCH), options=options) as loader:
+    with asyncflat.ShufflingLoader(
+        "train", params, asyncflat.TokenBatchParams(LEN, BATCH), options=options
+    ) as loader:
         plan = loader.plan
         minipochs = list(range(plan.minipoch_count))
         # Two rounds: the first touches the two buffers' fresh memory (a one-time cost on these
@@ -53,18 +55,24 @@ def engine_fill_gbps(path: str) -> tuple[float, list]:
     return max(f["useful_bytes"] / f["duration_s"] / 1e9 for f in warm), blocks
 
 
-def tensorstore_gbps(path: str, zarr_format: int, block_sets: list[np.ndarray], repeats: int = 3) -> float:
+def tensorstore_gbps(
+    path: str, zarr_format: int, block_sets: list[np.ndarray], repeats: int = 3
+) -> float:
     import tensorstore as ts
 
     driver = "zarr" if zarr_format == 2 else "zarr3"
-    array = ts.open({"driver": driver, "kvstore": {"driver": "file", "path": path + "/train/encoded_tokens"}},
-                    read=True).result()
+    array = ts.open(
+        {"driver": driver, "kvstore": {"driver": "file", "path": path + "/train/encoded_tokens"}},
+        read=True,
+    ).result()
     block_tokens = SPB * LEN
     best = 0.0
     for _ in range(repeats):
         for blocks in block_sets:
             t0 = time.perf_counter()
-            futures = [array[int(b) * block_tokens:(int(b) + 1) * block_tokens].read() for b in blocks]
+            futures = [
+                array[int(b) * block_tokens : (int(b) + 1) * block_tokens].read() for b in blocks
+            ]
             total = sum(f.result().nbytes for f in futures)
             best = max(best, total / (time.perf_counter() - t0) / 1e9)
     return best
@@ -97,12 +105,17 @@ def main() -> None:
         warm_page_cache(path)
         engine, block_sets = engine_fill_gbps(path)
         store = tensorstore_gbps(path, zarr_format, block_sets)
-        figures[layout] = {"engine_gbps": round(engine, 3), "tensorstore_gbps": round(store, 3),
-                           "engine_over_tensorstore": round(engine / store, 2)}
+        figures[layout] = {
+            "engine_gbps": round(engine, 3),
+            "tensorstore_gbps": round(store, 3),
+            "engine_over_tensorstore": round(engine / store, 2),
+        }
         if layout == "aligned":
             blosc_rate = blosc_decode_gbps(path, block_sets)
-            figures[layout].update(blosc_2thread_gbps=round(blosc_rate, 3),
-                                   engine_over_blosc=round(engine / blosc_rate, 2))
+            figures[layout].update(
+                blosc_2thread_gbps=round(blosc_rate, 3),
+                engine_over_blosc=round(engine / blosc_rate, 2),
+            )
     figures["meets_seqax_target"] = figures["seqax"]["engine_over_tensorstore"] >= 1.0
     figures["meets_aligned_target"] = figures["aligned"]["engine_over_blosc"] >= 0.5
     emit(figures)

@@ -36,12 +36,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from _common import emit, ensure_dataset  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
+import jax
+import numpy as np
+from _common import emit, ensure_dataset
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-import asyncflat  # noqa: E402
+import asyncflat
 
 
 def _decode(encoded: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -62,18 +62,22 @@ def builders(sharding: jax.sharding.Sharding, shape: tuple[int, int]) -> dict:
 
     def callback_fancy(rows: np.ndarray) -> jax.Array:
         return jax.make_array_from_callback(
-            shape, sharding, lambda i: rows[row_of[i[0]], i[1]], dtype=np.uint32)
+            shape, sharding, lambda i: rows[row_of[i[0]], i[1]], dtype=np.uint32
+        )
 
     def device_put_batched(rows: np.ndarray) -> jax.Array:
         pieces = [rows[i] for i in indices]
         return jax.make_array_from_single_device_arrays(
-            shape, sharding, jax.device_put(pieces, devices))
+            shape, sharding, jax.device_put(pieces, devices)
+        )
 
     def device_put_loop(rows: np.ndarray) -> jax.Array:
         pieces = [jax.device_put(rows[i], d) for i, d in zip(indices, devices)]
         return jax.make_array_from_single_device_arrays(shape, sharding, pieces)
 
-    return {f.__name__: f for f in (callback_views, callback_fancy, device_put_batched, device_put_loop)}
+    return {
+        f.__name__: f for f in (callback_views, callback_fancy, device_put_batched, device_put_loop)
+    }
 
 
 def time_builds(shape: tuple[int, int], builds: int, sharding: jax.sharding.Sharding) -> dict:
@@ -94,17 +98,20 @@ def time_builds(shape: tuple[int, int], builds: int, sharding: jax.sharding.Shar
             t2 = time.perf_counter()
             dispatch.append(t1 - t0)
             ready.append(t2 - t0)
-        out[name] = {"dispatch_median": _ms(statistics.median(dispatch)),
-                     "ready_median": _ms(statistics.median(ready)),
-                     "ready_p90": _ms(float(np.percentile(ready, 90)))}
+        out[name] = {
+            "dispatch_median": _ms(statistics.median(dispatch)),
+            "ready_median": _ms(statistics.median(ready)),
+            "ready_p90": _ms(float(np.percentile(ready, 90))),
+        }
     return out
 
 
 def time_next(path: str, seq_len: int, batch: int, steps: int, train_s: float, depth: int) -> dict:
     params = asyncflat.FlatTokensParams(path, 1, 2, 512, 0, True)
     options = asyncflat.EngineOptions(prefetch_to_device=depth)
-    with asyncflat.ShufflingLoader("train", params, asyncflat.TokenBatchParams(len=seq_len, batch=batch),
-                                   options=options) as loader:
+    with asyncflat.ShufflingLoader(
+        "train", params, asyncflat.TokenBatchParams(len=seq_len, batch=batch), options=options
+    ) as loader:
         steps = min(steps, loader.step_count)
         iterator = loader.iter(0)
         waits = []
@@ -116,10 +123,14 @@ def time_next(path: str, seq_len: int, batch: int, steps: int, train_s: float, d
         iterator.close()
         stats = loader.stats()
     waits = waits[1:]
-    return {"median": _ms(statistics.median(waits)), "p90": _ms(float(np.percentile(waits, 90))),
-            "max": _ms(max(waits)), "steps": len(waits),
-            "engine_wait_median": _ms(stats["wait_median_s"]),
-            "build_median": _ms(stats["build_median_s"])}
+    return {
+        "median": _ms(statistics.median(waits)),
+        "p90": _ms(float(np.percentile(waits, 90))),
+        "max": _ms(max(waits)),
+        "steps": len(waits),
+        "engine_wait_median": _ms(stats["wait_median_s"]),
+        "build_median": _ms(stats["build_median_s"]),
+    }
 
 
 def _ms(seconds: float) -> float:
@@ -139,16 +150,31 @@ def main() -> None:
     shape = (args.batch, args.len)
     devices = np.array(jax.devices())
     flat = NamedSharding(Mesh(devices, ("batch",)), PartitionSpec("batch", None))
-    replicated = NamedSharding(Mesh(devices.reshape(4, 2), ("batch", "r")), PartitionSpec("batch", None))
+    replicated = NamedSharding(
+        Mesh(devices.reshape(4, 2), ("batch", "r")), PartitionSpec("batch", None)
+    )
     build = time_builds(shape, args.builds, flat)
-    build.update({f"{k}_replicated": v for k, v in time_builds(shape, args.builds, replicated).items()})
+    build.update(
+        {f"{k}_replicated": v for k, v in time_builds(shape, args.builds, replicated).items()}
+    )
     path = ensure_dataset("aligned", args.tokens)
     train_s = args.train_ms / 1e3
-    next_ms = {f"prefetch_{d}": time_next(path, args.len, args.batch, args.steps, train_s, d)
-               for d in (0, 1)}
-    emit({"bench": "handoff", "devices": 8, "batch": args.batch, "len": args.len,
-          "jax": jax.__version__, "build_ms": build, "train_step_ms": args.train_ms,
-          "next_ms": next_ms})
+    next_ms = {
+        f"prefetch_{d}": time_next(path, args.len, args.batch, args.steps, train_s, d)
+        for d in (0, 1)
+    }
+    emit(
+        {
+            "bench": "handoff",
+            "devices": 8,
+            "batch": args.batch,
+            "len": args.len,
+            "jax": jax.__version__,
+            "build_ms": build,
+            "train_step_ms": args.train_ms,
+            "next_ms": next_ms,
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-from asyncflat.permutation import permutation  # noqa: E402
+from asyncflat.permutation import permutation
 
 N = 2**20
 RUNS = 20
@@ -81,17 +81,21 @@ def main() -> None:
     reference(3, N // 2)
     reference_s = time.perf_counter() - started
     median_ms = statistics.median(times_ms)
-    print(json.dumps({
-        "bench": "permutation",
-        "n": N,
-        "median_ms": round(median_ms, 3),
-        "min_ms": round(min(times_ms), 3),
-        "first_call_s": round(first_call_s, 3),
-        "reference_2e19_s": round(reference_s, 3),
-        "gil_free_fraction": round(gil_free_fraction(), 3),
-        "target_ms": TARGET_MS,
-        "meets_target": median_ms <= TARGET_MS,
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "permutation",
+                "n": N,
+                "median_ms": round(median_ms, 3),
+                "min_ms": round(min(times_ms), 3),
+                "first_call_s": round(first_call_s, 3),
+                "reference_2e19_s": round(reference_s, 3),
+                "gil_free_fraction": round(gil_free_fraction(), 3),
+                "target_ms": TARGET_MS,
+                "meets_target": median_ms <= TARGET_MS,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -18,28 +18,47 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import DESIGN_TOKENS, emit, ensure_dataset  # noqa: E402
+from _common import DESIGN_TOKENS, emit, ensure_dataset
 
 LEN, BATCH, SPB, RBPSB = 2048, 64, 512, 64
 
 
-def first_batch_s(path: str, streams: int, prefetch: bool, step: int | None = None) -> tuple[float, int, float]:
+def first_batch_s(
+    path: str, streams: int, prefetch: bool, step: int | None = None
+) -> tuple[float, int, float]:
     import jax
 
     import asyncflat
 
     params = asyncflat.FlatTokensParams(path, streams, RBPSB, SPB, seed=0, sequence_packing=True)
     options = asyncflat.EngineOptions(prefetch=prefetch)
-    with asyncflat.ShufflingLoader("train", params, asyncflat.TokenBatchParams(LEN, BATCH), options=options) as loader:
+    with asyncflat.ShufflingLoader(
+        "train", params, asyncflat.TokenBatchParams(LEN, BATCH), options=options
+    ) as loader:
         plan = loader.plan
         if step is None:
-            step = plan.first_step(min(2, plan.minipoch_count - 1)) + plan.seqs_per_buffer // plan.rows_per_stream_step // 3
+            step = (
+                plan.first_step(min(2, plan.minipoch_count - 1))
+                + plan.seqs_per_buffer // plan.rows_per_stream_step // 3
+            )
         t0 = time.perf_counter()
         jax.block_until_ready(loader.load(step))
         elapsed = time.perf_counter() - t0
-        blocks_needed = sum(len(np.unique(plan.row_permutation(s, m)[plan.locate(step).position[plan.locate(step).stream == s]] // SPB))
-                            for s in range(streams) for m in set(plan.minipochs_of_step(step)))
-        blocks_total = sum(plan.blocks_in_minipoch(m) for m in set(plan.minipochs_of_step(step))) * streams
+        blocks_needed = sum(
+            len(
+                np.unique(
+                    plan.row_permutation(s, m)[
+                        plan.locate(step).position[plan.locate(step).stream == s]
+                    ]
+                    // SPB
+                )
+            )
+            for s in range(streams)
+            for m in set(plan.minipochs_of_step(step))
+        )
+        blocks_total = (
+            sum(plan.blocks_in_minipoch(m) for m in set(plan.minipochs_of_step(step))) * streams
+        )
     return elapsed, step, blocks_needed / blocks_total
 
 
@@ -65,8 +84,11 @@ def main() -> None:
             fill.append(first_batch_s(path, streams, False, step)[0])
         r, f = float(np.median(resume)), float(np.median(fill))
         figures[f"streams_{streams}"] = {
-            "step": step, "first_batch_s": round(r, 4), "whole_fill_s": round(f, 4),
-            "ratio": round(r / f, 3), "blocks_needed_fraction": round(fraction, 3),
+            "step": step,
+            "first_batch_s": round(r, 4),
+            "whole_fill_s": round(f, 4),
+            "ratio": round(r / f, 3),
+            "blocks_needed_fraction": round(fraction, 3),
             "meets_target": r <= f / 8,
         }
     emit(figures)

@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import DESIGN_TOKENS, emit, ensure_dataset, out_dir, peak_rss_bytes, rss_bytes  # noqa: E402
+from _common import DESIGN_TOKENS, emit, ensure_dataset, out_dir, peak_rss_bytes, rss_bytes
 
 
 def child(args: argparse.Namespace) -> None:
@@ -35,12 +35,16 @@ def child(args: argparse.Namespace) -> None:
     import asyncflat
     from asyncflat.loader import _decoder, default_sharding
 
-    params = asyncflat.FlatTokensParams(args.path, args.streams, args.rbpsb, args.spb, seed=0,
-                                        sequence_packing=True)
+    params = asyncflat.FlatTokensParams(
+        args.path, args.streams, args.rbpsb, args.spb, seed=0, sequence_packing=True
+    )
     batch_params = asyncflat.TokenBatchParams(len=args.len, batch=args.batch)
     # jax and the decode function warm up before the baseline RSS is taken
-    jax.block_until_ready(_decoder(False)(jax.device_put(np.zeros((args.batch, args.len), np.uint32),
-                                                         default_sharding())))
+    jax.block_until_ready(
+        _decoder(False)(
+            jax.device_put(np.zeros((args.batch, args.len), np.uint32), default_sharding())
+        )
+    )
     # The permutation kernel's one-time JIT (~130 MiB of LLVM, whatever the buffer size) is
     # measured apart, so that the ratio below is the memory that scales with the buffer.
     rss_jit = rss_bytes()
@@ -65,7 +69,9 @@ def child(args: argparse.Namespace) -> None:
         plan = loader.plan
         peak = peak_rss_bytes()
         # The floor: the same rows gathered from a resident numpy array, wrapped and decoded.
-        rows = np.random.default_rng(0).integers(0, 1 << 30, (plan.seqs_per_buffer, args.len), dtype=np.uint32)
+        rows = np.random.default_rng(0).integers(
+            0, 1 << 30, (plan.seqs_per_buffer, args.len), dtype=np.uint32
+        )
         perm = plan.row_permutation(0, 0)
         sharding = loader.sharding
         decode = _decoder(False)
@@ -78,12 +84,23 @@ def child(args: argparse.Namespace) -> None:
             floor.append(time.perf_counter() - t0)
             time.sleep(args.step_ms / 1000)
             del out
-    print(json.dumps({
-        "jit_rss": rss0 - rss_jit, "latencies": latencies, "floor": floor, "step_s": args.step_ms / 1000, "rss0": rss0, "peak_rss": peak,
-        "buffer_bytes": plan.buffer_bytes, "streams": plan.streams,
-        "minipoch_first_steps": [plan.first_step(m) for m in range(plan.minipoch_count)],
-        "fills": stats["fills"], "read_amplification": stats["read_amplification"],
-    }))
+    print(
+        json.dumps(
+            {
+                "jit_rss": rss0 - rss_jit,
+                "latencies": latencies,
+                "floor": floor,
+                "step_s": args.step_ms / 1000,
+                "rss0": rss0,
+                "peak_rss": peak,
+                "buffer_bytes": plan.buffer_bytes,
+                "streams": plan.streams,
+                "minipoch_first_steps": [plan.first_step(m) for m in range(plan.minipoch_count)],
+                "fills": stats["fills"],
+                "read_amplification": stats["read_amplification"],
+            }
+        )
+    )
 
 
 def summarize(run: dict) -> dict:
@@ -94,12 +111,12 @@ def summarize(run: dict) -> dict:
     # Loads just after each boundary (where the reference stalls for a whole fill), and the
     # steady state: after the first fill has completed (the first steps of a fresh loader wait
     # for the blocks that step 0 did not need: that is start-up, measured by bench/resume.py).
-    boundary = np.concatenate([lat[b:b + 64] for b in run["minipoch_first_steps"][1:]])
+    boundary = np.concatenate([lat[b : b + 64] for b in run["minipoch_first_steps"][1:]])
     wall = np.cumsum(lat + run["step_s"])
     warm = int(np.searchsorted(wall, max(f["duration_s"] for f in fills[:1]))) + 1 if fills else 1
     # From the second minipoch on, both buffers have been touched once: on these VMs the first
     # touch of guest memory stalls the whole VM (~0.7 s per 256 MiB), a one-time start-up cost.
-    second = lat[run["minipoch_first_steps"][1]:]
+    second = lat[run["minipoch_first_steps"][1] :]
     return {
         "max_from_second_minipoch_ms": round(float(second.max()) * 1e3, 3),
         "max_from_second_minipoch_over_median": round(float(second.max()) / median, 2),
@@ -115,7 +132,9 @@ def summarize(run: dict) -> dict:
         "median_over_floor": round(median / float(np.median(run["floor"])), 2),
         "fill_s": [round(f["duration_s"], 3) for f in fills],
         "permutation_jit_mib": round(run["jit_rss"] / 2**20),
-        "peak_rss_over_buffer": round((run["peak_rss"] - run["rss0"]) / (run["buffer_bytes"] * run["streams"]), 2),
+        "peak_rss_over_buffer": round(
+            (run["peak_rss"] - run["rss0"]) / (run["buffer_bytes"] * run["streams"]), 2
+        ),
     }
 
 
@@ -152,8 +171,12 @@ def main() -> None:
     parser.add_argument("--rbpsb", type=int, default=64)
     parser.add_argument("--step-ms", type=float, default=5.0)
     parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--gc-freeze", action=argparse.BooleanOptionalAction, default=True,
-                        help="gc.freeze() after start-up, as trainers do (default: on)")
+    parser.add_argument(
+        "--gc-freeze",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="gc.freeze() after start-up, as trainers do (default: on)",
+    )
     parser.add_argument("--mode", choices=["on", "off"], help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -168,17 +191,26 @@ def main() -> None:
     png = out_dir() / "stall.png"
     plot(runs, str(png))
     on, off = summarize(runs["on"]), summarize(runs["off"])
-    emit({
-        "bench": "stall", "tokens": args.tokens, "layout": args.layout, "step_ms": args.step_ms,
-        "gc_freeze": args.gc_freeze,
-        "steps": len(runs["on"]["latencies"]), "boundaries": len(runs["on"]["minipoch_first_steps"]) - 1,
-        "prefetch_on": on, "prefetch_off": off,
-        "target_max_over_median": 2.0,
-        "meets_max_target": on["max_after_first_fill_over_median"] <= 2.0,
-        "target_median_over_floor": 1.3, "meets_median_target": on["median_over_floor"] <= 1.3,
-        "target_rss_over_buffer": 2.2, "meets_rss_target": on["peak_rss_over_buffer"] <= 2.2,
-        "plot": str(png),
-    })
+    emit(
+        {
+            "bench": "stall",
+            "tokens": args.tokens,
+            "layout": args.layout,
+            "step_ms": args.step_ms,
+            "gc_freeze": args.gc_freeze,
+            "steps": len(runs["on"]["latencies"]),
+            "boundaries": len(runs["on"]["minipoch_first_steps"]) - 1,
+            "prefetch_on": on,
+            "prefetch_off": off,
+            "target_max_over_median": 2.0,
+            "meets_max_target": on["max_after_first_fill_over_median"] <= 2.0,
+            "target_median_over_floor": 1.3,
+            "meets_median_target": on["median_over_floor"] <= 1.3,
+            "target_rss_over_buffer": 2.2,
+            "meets_rss_target": on["peak_rss_over_buffer"] <= 2.2,
+            "plot": str(png),
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -28,15 +28,21 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--process-id", type=int, required=True)
     ap.add_argument("--num-processes", type=int, default=2)
     ap.add_argument("--coordinator", default="127.0.0.1:8476", help="host:port of process 0")
-    ap.add_argument("--local-devices", type=int, default=4,
-                    help="CPU devices per process (0: do not force a CPU device count)")
+    ap.add_argument(
+        "--local-devices",
+        type=int,
+        default=4,
+        help="CPU devices per process (0: do not force a CPU device count)",
+    )
     ap.add_argument("--data", default="/tmp/asyncflat-multihost-demo.zarr")
     ap.add_argument("--streams", type=int, default=8, help="at least the number of processes")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--len", type=int, default=128)
     ap.add_argument("--start-step", type=int, default=0, help="resume from this step")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--timeout", type=int, default=60, help="seconds to wait for the other processes")
+    ap.add_argument(
+        "--timeout", type=int, default=60, help="seconds to wait for the other processes"
+    )
     return ap.parse_args()
 
 
@@ -53,8 +59,10 @@ def main() -> None:
     import asyncflat
 
     jax.distributed.initialize(
-        coordinator_address=args.coordinator, num_processes=args.num_processes,
-        process_id=args.process_id, initialization_timeout=args.timeout,
+        coordinator_address=args.coordinator,
+        num_processes=args.num_processes,
+        process_id=args.process_id,
+        initialization_timeout=args.timeout,
     )
     me = f"[process {jax.process_index()}/{jax.process_count()}]"
     print(f"{me} {jax.local_device_count()} local devices, {jax.device_count()} in all", flush=True)
@@ -62,14 +70,21 @@ def main() -> None:
     if jax.process_index() == 0 and not os.path.exists(args.data):
         rng = np.random.default_rng(0)
         sequences = [rng.integers(0, 32_000, rng.integers(16, 400)) for _ in range(20_000)]
-        asyncflat.write_flat_tokens(args.data, {"train": sequences, "validation": sequences[:100]},
-                                    chunk_tokens=64 * args.len)
+        asyncflat.write_flat_tokens(
+            args.data,
+            {"train": sequences, "validation": sequences[:100]},
+            chunk_tokens=64 * args.len,
+        )
         print(f"{me} wrote {args.data}", flush=True)
     multihost_utils.sync_global_devices("asyncflat-demo-data-written")  # a barrier
 
     params = asyncflat.FlatTokensParams(
-        filespec=args.data, streams=args.streams, read_blocks_per_shuffle_buffer=8,
-        sequences_per_read_block=64, seed=0, sequence_packing=True,
+        filespec=args.data,
+        streams=args.streams,
+        read_blocks_per_shuffle_buffer=8,
+        sequences_per_read_block=64,
+        seed=0,
+        sequence_packing=True,
     )
     batch_params = asyncflat.TokenBatchParams(len=args.len, batch=args.batch)
 

@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 
 
-def random_sequences(seed: int, count: int, *, max_len: int = 300, vocab: int = 1000) -> list[np.ndarray]:
+def random_sequences(
+    seed: int, count: int, *, max_len: int = 300, vocab: int = 1000
+) -> list[np.ndarray]:
     """Ragged token-id sequences with lengths in [1, max_len]."""
     rng = np.random.default_rng(seed)
     return [rng.integers(0, vocab, rng.integers(1, max_len + 1)) for _ in range(count)]

@@ -68,7 +68,9 @@ def settle(loader: asyncflat.ShufflingLoader) -> None:
         if not stats["active_fills"] and stats["units_in_flight"] == 0:
             return
         if time.monotonic() > deadline:
-            raise TimeoutError(f"fills still running after {SETTLE_TIMEOUT_S} s: {stats['active_fills']}")
+            raise TimeoutError(
+                f"fills still running after {SETTLE_TIMEOUT_S} s: {stats['active_fills']}"
+            )
         time.sleep(0.002)
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["slow_permutation", "ReferenceLoader", "load_split_arrays"]
+__all__ = ["ReferenceLoader", "load_split_arrays", "slow_permutation"]
 
 
 def slow_permutation(seed: int, n: int) -> np.ndarray:
@@ -54,9 +54,13 @@ def load_split_arrays(path, split: str) -> tuple[np.ndarray, np.ndarray]:
     encoded_tokens = np.asarray(group["encoded_tokens"][:])
     seq_starts = np.asarray(group["seq_starts"][:])
     if encoded_tokens.dtype != np.uint32 or encoded_tokens.ndim != 1:
-        raise ValueError(f"encoded_tokens must be 1-D uint32, got {encoded_tokens.dtype} {encoded_tokens.shape}")
+        raise ValueError(
+            f"encoded_tokens must be 1-D uint32, got {encoded_tokens.dtype} {encoded_tokens.shape}"
+        )
     if seq_starts.dtype != np.uint64 or seq_starts.ndim != 1:
-        raise ValueError(f"seq_starts must be 1-D uint64, got {seq_starts.dtype} {seq_starts.shape}")
+        raise ValueError(
+            f"seq_starts must be 1-D uint64, got {seq_starts.dtype} {seq_starts.shape}"
+        )
     return encoded_tokens, seq_starts
 
 
@@ -110,7 +114,9 @@ class ReferenceLoader:
         self.step_count = self.read_block_count * self.spb // self.batch_size
         self.seqs_per_buffer = self.rbpsb * self.spb
         blocks_per_minipoch = self.streams * self.rbpsb
-        self.minipoch_count = (self.read_block_count + blocks_per_minipoch - 1) // blocks_per_minipoch
+        self.minipoch_count = (
+            self.read_block_count + blocks_per_minipoch - 1
+        ) // blocks_per_minipoch
         if self.batch_size % self.streams != 0:
             raise ValueError(f"batch {self.batch_size} is not a multiple of streams {self.streams}")
         self.bips = self.batch_size // self.streams

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zarr
+from conftest import random_sequences
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -19,7 +20,6 @@ from asyncflat import FlatTokensParams, ShufflePlan, TokenBatchParams, write_fla
 from asyncflat.cli import main
 from asyncflat.errors import CorruptChunkError, DatasetFormatError
 from asyncflat.inspect import describe_split, loader_figures, verify_split
-from conftest import random_sequences
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -43,17 +43,31 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 
 def test_python_m_asyncflat_help() -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "asyncflat", "--help"], capture_output=True,
-                          text=True, env=env, timeout=120, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncflat", "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stderr
     for command in ("demo", "inspect", "convert", "bench"):
         assert command in proc.stdout
 
 
-@pytest.mark.parametrize("command, option", [
-    ("demo", "--no-prefetch"), ("inspect", "--verify"), ("convert", "--tokenizer"), ("bench", "--list"),
-])
-def test_each_command_has_help(capsys: pytest.CaptureFixture[str], command: str, option: str) -> None:
+@pytest.mark.parametrize(
+    "command, option",
+    [
+        ("demo", "--no-prefetch"),
+        ("inspect", "--verify"),
+        ("convert", "--tokenizer"),
+        ("bench", "--list"),
+    ],
+)
+def test_each_command_has_help(
+    capsys: pytest.CaptureFixture[str], command: str, option: str
+) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main([command, "--help"])
     assert exit_info.value.code == 0
@@ -70,16 +84,32 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_demo_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    common = ["--tokens", "300000", "--len", "64", "--batch", "8", "--sequences-per-block", "16",
-              "--read-blocks-per-buffer", "4", "--step-ms", "0.5", "--no-progress",
-              "--path", str(tmp_path / "demo.zarr")]
+    common = [
+        "--tokens",
+        "300000",
+        "--len",
+        "64",
+        "--batch",
+        "8",
+        "--sequences-per-block",
+        "16",
+        "--read-blocks-per-buffer",
+        "4",
+        "--step-ms",
+        "0.5",
+        "--no-progress",
+        "--path",
+        str(tmp_path / "demo.zarr"),
+    ]
     rc, out, _ = run(capsys, "demo", *common, "--json")
     assert rc == 0
     result = json.loads(out)
     plan = ShufflePlan.create(
         FlatTokensParams(str(tmp_path / "demo.zarr"), 1, 4, 16, 0, True),
         TokenBatchParams(len=64, batch=8),
-        token_count=zarr.open_group(str(tmp_path / "demo.zarr"))["train"]["encoded_tokens"].shape[0],
+        token_count=zarr.open_group(str(tmp_path / "demo.zarr"))["train"]["encoded_tokens"].shape[
+            0
+        ],
         sequence_count=0,
     )
     assert result["steps"] == plan.step_count
@@ -100,17 +130,48 @@ def test_inspect_text_and_json(
     dataset: tuple[Path, list[np.ndarray]], capsys: pytest.CaptureFixture[str]
 ) -> None:
     path, seqs = dataset
-    rc, out, _ = run(capsys, "inspect", str(path), "--len", "128", "--batch", "8",
-                     "--sequences-per-block", "8", "--read-blocks-per-buffer", "4", "--no-progress")
+    rc, out, _ = run(
+        capsys,
+        "inspect",
+        str(path),
+        "--len",
+        "128",
+        "--batch",
+        "8",
+        "--sequences-per-block",
+        "8",
+        "--read-blocks-per-buffer",
+        "4",
+        "--no-progress",
+    )
     assert rc == 0
     tokens = sum(len(s) for s in seqs)
     assert f"train: {tokens:,} tokens, {len(seqs):,} sequences" in out
     assert "zarr format 3" in out and "chunks of 4,096 tokens" in out and "blosc(lz4" in out
     assert "sequence lengths: min" in out and "read amplification" in out and "minipochs" in out
 
-    rc, out, _ = run(capsys, "inspect", str(path), "--split", "train", "--len", "128", "--batch", "8",
-                     "--sequences-per-block", "8", "--read-blocks-per-buffer", "4", "--streams", "2",
-                     "--hosts", "2", "--json", "--no-progress", "--verify")
+    rc, out, _ = run(
+        capsys,
+        "inspect",
+        str(path),
+        "--split",
+        "train",
+        "--len",
+        "128",
+        "--batch",
+        "8",
+        "--sequences-per-block",
+        "8",
+        "--read-blocks-per-buffer",
+        "4",
+        "--streams",
+        "2",
+        "--hosts",
+        "2",
+        "--json",
+        "--no-progress",
+        "--verify",
+    )
     assert rc == 0
     report = json.loads(out)["splits"]["train"]
     summary, loader = report["summary"], report["loader"]
@@ -123,20 +184,35 @@ def test_inspect_text_and_json(
     assert sum(summary["lengths"]["log2_histogram"]) == len(seqs)
     assert summary["compression_ratio"] > 1
     plan = ShufflePlan.create(
-        FlatTokensParams(str(path), 2, 4, 8, 0, True), TokenBatchParams(len=128, batch=8),
-        token_count=tokens, sequence_count=len(seqs),
+        FlatTokensParams(str(path), 2, 4, 8, 0, True),
+        TokenBatchParams(len=128, batch=8),
+        token_count=tokens,
+        sequence_count=len(seqs),
     )
-    assert loader["step_count"] == plan.step_count and loader["minipoch_count"] == plan.minipoch_count
+    assert (
+        loader["step_count"] == plan.step_count and loader["minipoch_count"] == plan.minipoch_count
+    )
     assert loader["streams_per_host"] == 1
     assert loader["buffer_bytes_per_host"] == 2 * plan.buffer_bytes
     assert report["verify"]["token_count"] == tokens
 
 
-def test_inspect_reports_parameters_too_large(dataset: tuple[Path, list[np.ndarray]],
-                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_inspect_reports_parameters_too_large(
+    dataset: tuple[Path, list[np.ndarray]], capsys: pytest.CaptureFixture[str]
+) -> None:
     path, _ = dataset
-    rc, out, _ = run(capsys, "inspect", str(path), "--split", "validation", "--len", "2048",
-                     "--batch", "8", "--no-progress")
+    rc, out, _ = run(
+        capsys,
+        "inspect",
+        str(path),
+        "--split",
+        "validation",
+        "--len",
+        "2048",
+        "--batch",
+        "8",
+        "--no-progress",
+    )
     assert rc == 0 and "loader: the split has" in out
 
 
@@ -240,15 +316,20 @@ def test_verify_corrupt_and_missing_chunks(tmp_path: Path, fmt: int) -> None:
         verify_split(str(path), "train")
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     lengths=st.lists(st.integers(1, 40), min_size=1, max_size=80),
     kind=st.sampled_from(["id", "bit", "starts", "none"]),
     where=st.floats(0, 1, exclude_max=True),
 )
 def test_verify_finds_first_violation_across_windows(
-    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch,
-    lengths: list[int], kind: str, where: float,
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    lengths: list[int],
+    kind: str,
+    where: float,
 ) -> None:
     # Tiny windows and chunks, so every check crosses window and chunk boundaries.
     monkeypatch.setattr(inspect_mod, "_TOKEN_WINDOW", 16)
@@ -280,7 +361,9 @@ def test_verify_finds_first_violation_across_windows(
 # -- bench ------------------------------------------------------------------------------------
 
 
-def test_bench_runs_scripts_and_prints_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_runs_scripts_and_prints_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     bench = tmp_path / "bench"
     bench.mkdir()
     (bench / "fast.py").write_text(
@@ -305,4 +388,5 @@ def test_bench_finds_the_checkout(capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _ = run(capsys, "bench", "--list")
     assert rc == 0
     assert {p.stem for p in (REPO / "bench").glob("*.py") if not p.name.startswith("_")} <= {
-        line.split()[0] for line in out.splitlines() if line.strip()}
+        line.split()[0] for line in out.splitlines() if line.strip()
+    }

@@ -64,7 +64,9 @@ def local_datasets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     paths = {}
     for name, kwargs in FORMATS.items():
         paths[name] = root / f"{name}.zarr"
-        asyncflat.write_flat_tokens(paths[name], {"train": train, "validation": validation}, **kwargs)
+        asyncflat.write_flat_tokens(
+            paths[name], {"train": train, "validation": validation}, **kwargs
+        )
     return paths
 
 
@@ -111,8 +113,13 @@ def backend(request: pytest.FixtureRequest, local_datasets: dict[str, Path]) -> 
     yield backend
 
 
-def _params(filespec: str, options: dict[str, Any] | None = None, *, packing: bool = True,
-            streams: int = STREAMS) -> FlatTokensParams:
+def _params(
+    filespec: str,
+    options: dict[str, Any] | None = None,
+    *,
+    packing: bool = True,
+    streams: int = STREAMS,
+) -> FlatTokensParams:
     return FlatTokensParams(filespec, streams, RBPSB, SPB, SEED, packing, storage_options=options)
 
 
@@ -124,8 +131,14 @@ def _oracle(path: Path, split: str, packing: bool, streams: int = STREAMS) -> Re
     if key not in _ORACLES:
         tokens, starts = load_split_arrays(path, split)
         _ORACLES[key] = ReferenceLoader(
-            tokens, starts, seq_len=BATCH.len, batch=BATCH.batch, streams=streams,
-            read_blocks_per_shuffle_buffer=RBPSB, sequences_per_read_block=SPB, seed=SEED,
+            tokens,
+            starts,
+            seq_len=BATCH.len,
+            batch=BATCH.batch,
+            streams=streams,
+            read_blocks_per_shuffle_buffer=RBPSB,
+            sequences_per_read_block=SPB,
+            seed=SEED,
             sequence_packing=packing,
         )
     return _ORACLES[key]
@@ -140,24 +153,34 @@ def _data_request(request: ProxiedRequest) -> bool:
     """A request for chunk bytes of encoded_tokens (not metadata)."""
     path = request.path
     return "/encoded_tokens/" in path and not path.endswith(
-        ("zarr.json", ".zarray", ".zattrs", ".zgroup"))
+        ("zarr.json", ".zarray", ".zattrs", ".zgroup")
+    )
 
 
 # -- bit-identical batches ----------------------------------------------------------------------
 
 
 @pytest.mark.cloud
-@pytest.mark.parametrize(("fmt", "packing"), [
-    ("v2", True), ("v3", True), ("v3_sharded", True), ("v2", False), ("v3_sharded", False),
-])
+@pytest.mark.parametrize(
+    ("fmt", "packing"),
+    [
+        ("v2", True),
+        ("v3", True),
+        ("v3_sharded", True),
+        ("v2", False),
+        ("v3_sharded", False),
+    ],
+)
 def test_bucket_batches_equal_local_and_oracle(
     backend: Backend, local_datasets: dict[str, Path], fmt: str, packing: bool
 ) -> None:
     local = local_datasets[fmt]
     oracle = _oracle(local, "train", packing)
     remote_params = _params(backend.url(f"data/{fmt}.zarr"), backend.options(), packing=packing)
-    with ShufflingLoader("train", remote_params, BATCH) as remote, \
-            ShufflingLoader("train", _params(str(local), packing=packing), BATCH) as here:
+    with (
+        ShufflingLoader("train", remote_params, BATCH) as remote,
+        ShufflingLoader("train", _params(str(local), packing=packing), BATCH) as here,
+    ):
         assert remote.step_count == here.step_count == oracle.step_count
         assert remote.max_token_id == here.max_token_id
         # Steps 0-13 cross the minipoch boundaries at steps 6 and 12; then a jump and the end.
@@ -177,10 +200,16 @@ def test_memory_url_equals_local(local_datasets: dict[str, Path]) -> None:
     fs.put(str(local_datasets["v3_sharded"]), "/asyncflat-cloud-test/v3s.zarr", recursive=True)
     try:
         remote = _params("memory://asyncflat-cloud-test/v3s.zarr")
-        with ShufflingLoader("validation", remote, BATCH) as loader, ShufflingLoader(
-                "validation", _params("file://" + str(local_datasets["v3_sharded"])), BATCH) as here:
+        with (
+            ShufflingLoader("validation", remote, BATCH) as loader,
+            ShufflingLoader(
+                "validation", _params("file://" + str(local_datasets["v3_sharded"])), BATCH
+            ) as here,
+        ):
             for step in range(0, loader.step_count, 7):
-                np.testing.assert_array_equal(_encoded(loader.load(step)), _encoded(here.load(step)))
+                np.testing.assert_array_equal(
+                    _encoded(loader.load(step)), _encoded(here.load(step))
+                )
     finally:
         fs.rm("/asyncflat-cloud-test", recursive=True)
 
@@ -197,20 +226,29 @@ def _shard_index(local: Path, shard: int) -> list[tuple[int, int]]:
 
 @pytest.mark.cloud
 @pytest.mark.parametrize("fmt", ["v3", "v3_sharded"])
-def test_one_ranged_read_per_chunk(backend: Backend, local_datasets: dict[str, Path], fmt: str) -> None:
+def test_one_ranged_read_per_chunk(
+    backend: Backend, local_datasets: dict[str, Path], fmt: str
+) -> None:
     """A fill reads exactly the chunks its blocks live in, once each; a sharded array is read
     with one ranged GET per inner chunk plus one (cached) index read per shard."""
     with backend.proxy() as proxy:
         params = _params(backend.url(f"data/{fmt}.zarr"), backend.options(proxy), streams=1)
-        with ShufflingLoader("train", params, BATCH, options=EngineOptions(prefetch=False)) as loader:
+        with ShufflingLoader(
+            "train", params, BATCH, options=EngineOptions(prefetch=False)
+        ) as loader:
             before = len(proxy.requests)
             loader.load(0)  # without prefetch: exactly one fill, minipoch 0 of stream 0
             blocks = loader.plan.buffer_blocks(0, 0)
             stats = loader.stats()
         requests = [r for r in proxy.requests[before:] if _data_request(r)]
     block_tokens = SPB * BATCH.len
-    chunks = sorted({t // CHUNK for b in blocks.tolist()
-                     for t in (b * block_tokens, (b + 1) * block_tokens - 1)})
+    chunks = sorted(
+        {
+            t // CHUNK
+            for b in blocks.tolist()
+            for t in (b * block_tokens, (b + 1) * block_tokens - 1)
+        }
+    )
     assert all(r.method == "GET" for r in requests)
     if fmt == "v3":
         # Whole chunk objects (each is the unit of decoding), each exactly once.
@@ -220,7 +258,9 @@ def test_one_ranged_read_per_chunk(backend: Backend, local_datasets: dict[str, P
         return
     # Sharded: never a whole shard; the index once per shard, then each inner chunk's bytes.
     assert all(r.range is not None for r in requests), requests
-    index_reads = collections.Counter(r.path for r in requests if r.range == f"bytes=-{INDEX_BYTES}")
+    index_reads = collections.Counter(
+        r.path for r in requests if r.range == f"bytes=-{INDEX_BYTES}"
+    )
     assert set(index_reads.values()) == {1}
     shards = sorted({c // (SHARD // CHUNK) for c in chunks})
     assert sorted(int(p.rsplit("/", 1)[1]) for p in index_reads) == shards
@@ -229,8 +269,11 @@ def test_one_ranged_read_per_chunk(backend: Backend, local_datasets: dict[str, P
         shard, inner = divmod(chunk, SHARD // CHUNK)
         offset, nbytes = _shard_index(local_datasets[fmt], shard)[inner]
         expected[(shard, f"bytes={offset}-{offset + nbytes - 1}")] += 1
-    got = collections.Counter((int(r.path.rsplit("/", 1)[1]), r.range) for r in requests
-                              if r.range != f"bytes=-{INDEX_BYTES}")
+    got = collections.Counter(
+        (int(r.path.rsplit("/", 1)[1]), r.range)
+        for r in requests
+        if r.range != f"bytes=-{INDEX_BYTES}"
+    )
     assert got == expected
     assert stats["requests"] >= len(requests)
 
@@ -270,14 +313,20 @@ def test_transient_faults_are_retried_and_batches_unchanged(
     options = EngineOptions(retry=FAST_RETRY)
     with backend.proxy(latency_s=0.004, fault=_every_nth_fault(kinds, every=3)) as proxy:
         remote = _params(backend.url(f"data/{fmt}.zarr"), backend.options(proxy))
-        with ShufflingLoader("validation", remote, BATCH, options=options) as loader, \
-                ShufflingLoader("validation", _params(str(local_datasets[fmt])), BATCH) as here:
+        with (
+            ShufflingLoader("validation", remote, BATCH, options=options) as loader,
+            ShufflingLoader("validation", _params(str(local_datasets[fmt])), BATCH) as here,
+        ):
             oracle = _oracle(local_datasets[fmt], "validation", True)
             for step in range(loader.step_count):  # the whole split: every fill completes
                 got = _encoded(loader.load(step))
-                np.testing.assert_array_equal(got, _encoded(here.load(step)), err_msg=f"step {step}")
+                np.testing.assert_array_equal(
+                    got, _encoded(here.load(step)), err_msg=f"step {step}"
+                )
                 if step % 8 == 0:
-                    np.testing.assert_array_equal(got, oracle.encoded_batch(step), err_msg=f"step {step}")
+                    np.testing.assert_array_equal(
+                        got, oracle.encoded_batch(step), err_msg=f"step {step}"
+                    )
             stats = loader.stats()
         faults = proxy.faults()
     assert len(faults) >= 5, "the policy should have injected faults"
@@ -292,7 +341,9 @@ def test_transient_faults_are_retried_and_batches_unchanged(
 @pytest.mark.cloud
 def test_attempts_do_not_multiply(backend: Backend) -> None:
     """A chunk that always answers 503 is requested exactly max_attempts times, not 3 x 6."""
-    policy = RetryPolicy(max_attempts=3, initial_backoff_s=0.001, max_backoff_s=0.002, deadline_s=30)
+    policy = RetryPolicy(
+        max_attempts=3, initial_backoff_s=0.001, max_backoff_s=0.002, deadline_s=30
+    )
     with backend.proxy(fault=lambda r: "503" if _data_request(r) else None) as proxy:
         params = _params(backend.url("data/v3.zarr"), backend.options(proxy))
         with ShufflingLoader("train", params, BATCH, options=EngineOptions(retry=policy)) as loader:
@@ -301,7 +352,10 @@ def test_attempts_do_not_multiply(backend: Backend) -> None:
             stats = loader.stats()
         attempts = collections.Counter((r.target, r.range) for r in proxy.faults())
     assert max(attempts.values()) == 3
-    assert stats["throttled"] >= 3 and stats["concurrency_limit"] < EngineOptions().max_concurrent_reads
+    assert (
+        stats["throttled"] >= 3
+        and stats["concurrency_limit"] < EngineOptions().max_concurrent_reads
+    )
     message = str(info.value)
     assert backend.url("data/v3.zarr/train/encoded_tokens/") in message
     assert "after 3 attempts" in message
@@ -314,7 +368,9 @@ def test_attempts_do_not_multiply(backend: Backend) -> None:
 def test_forbidden_fails_fast_naming_url_and_range(backend: Backend) -> None:
     with backend.proxy(fault=lambda r: "403" if _data_request(r) else None) as proxy:
         params = _params(backend.url("data/v3_sharded.zarr"), backend.options(proxy))
-        with ShufflingLoader("train", params, BATCH, options=EngineOptions(retry=FAST_RETRY)) as loader:
+        with ShufflingLoader(
+            "train", params, BATCH, options=EngineOptions(retry=FAST_RETRY)
+        ) as loader:
             t0 = time.perf_counter()
             with pytest.raises(StorageError) as info:
                 loader.load(0)
@@ -331,7 +387,9 @@ def test_forbidden_fails_fast_naming_url_and_range(backend: Backend) -> None:
 
 
 @pytest.mark.cloud
-def test_missing_chunk_object_fails_fast_naming_url(backend: Backend, local_datasets: dict[str, Path]) -> None:
+def test_missing_chunk_object_fails_fast_naming_url(
+    backend: Backend, local_datasets: dict[str, Path]
+) -> None:
     prefix = f"{BUCKET}/missing/v3.zarr"
 
     async def upload_without_chunks(fs: Any) -> None:
@@ -397,18 +455,30 @@ def test_filesystems_own_retries_are_off_unless_configured() -> None:
     gs = asyncio.run(make("gs://b/x.zarr", {"token": "anon", "endpoint_url": "http://127.0.0.1:9"}))
     assert isinstance(gs, gcsfs.GCSFileSystem) and gs.asynchronous
     assert gs._request.__func__ is raw
-    again = asyncio.run(make("gs://b/x.zarr", {"token": "anon", "endpoint_url": "http://127.0.0.1:9"}))
+    again = asyncio.run(
+        make("gs://b/x.zarr", {"token": "anon", "endpoint_url": "http://127.0.0.1:9"})
+    )
     assert again is not gs  # never fsspec's cached instance (its session may be on a dead loop)
-    gs6 = asyncio.run(make("gs://b/x.zarr", {"token": "anon", "endpoint_url": "http://127.0.0.1:9",
-                                             "retries": 6}))
+    gs6 = asyncio.run(
+        make("gs://b/x.zarr", {"token": "anon", "endpoint_url": "http://127.0.0.1:9", "retries": 6})
+    )
     assert gs6._request.__func__ is not raw
 
     s3 = asyncio.run(make("s3://b/x.zarr", {"endpoint_url": "http://127.0.0.1:9", "anon": True}))
     assert isinstance(s3, s3fs.S3FileSystem) and s3.retries == 1
     assert s3.config_kwargs["retries"] == {"total_max_attempts": 1}
     mine = {"retries": {"mode": "adaptive", "max_attempts": 4}}
-    s3b = asyncio.run(make("s3://b/x.zarr", {"endpoint_url": "http://127.0.0.1:9", "anon": True,
-                                             "config_kwargs": mine, "retries": 2}))
+    s3b = asyncio.run(
+        make(
+            "s3://b/x.zarr",
+            {
+                "endpoint_url": "http://127.0.0.1:9",
+                "anon": True,
+                "config_kwargs": mine,
+                "retries": 2,
+            },
+        )
+    )
     assert s3b.config_kwargs["retries"] == mine["retries"] and s3b.retries == 2
 
     with pytest.raises(asyncflat.ConfigError, match="retries"):
@@ -426,12 +496,19 @@ def test_error_classification() -> None:
     from s3fs.errors import translate_boto_error
 
     def client_error(status: int, code: str) -> ClientError:
-        return ClientError({"Error": {"Code": code, "Message": "m"},
-                            "ResponseMetadata": {"HTTPStatusCode": status}}, "GetObject")
+        return ClientError(
+            {
+                "Error": {"Code": code, "Message": "m"},
+                "ResponseMetadata": {"HTTPStatusCode": status},
+            },
+            "GetObject",
+        )
 
     gcs_503 = HttpError({"code": 503, "message": "unavailable"})
     assert is_transient(gcs_503) and is_throttle(gcs_503)
-    assert is_transient(HttpError({"code": 500, "message": "x"})) and not is_throttle(HttpError({"code": 500}))
+    assert is_transient(HttpError({"code": 500, "message": "x"})) and not is_throttle(
+        HttpError({"code": 500})
+    )
     assert not is_transient(HttpError({"code": 400, "message": "bad"}))
     assert is_transient(requests.exceptions.ProxyError())  # gcsfs's 502
     assert not is_transient(OSError("Forbidden: b/o"))  # gcsfs's 403

@@ -41,7 +41,7 @@ def read_split(path: Path, split: str) -> list[list[int]]:
     targets, is_start = decode(group["encoded_tokens"][:])
     starts = group["seq_starts"][:].astype(np.int64)
     np.testing.assert_array_equal(np.flatnonzero(is_start), starts[:-1])
-    return [targets[starts[i]:starts[i + 1]].tolist() for i in range(len(starts) - 1)]
+    return [targets[starts[i] : starts[i + 1]].tolist() for i in range(len(starts) - 1)]
 
 
 def expected_splits(
@@ -73,7 +73,9 @@ def test_validation_mask_is_deterministic_and_proportional() -> None:
     idx = np.arange(200_000)
     mask = validation_mask(idx, 0.1, seed=3)
     assert abs(mask.mean() - 0.1) < 0.005
-    np.testing.assert_array_equal(mask[:1000], validation_mask(idx[:1000], 0.1, seed=3))  # prefix-stable
+    np.testing.assert_array_equal(
+        mask[:1000], validation_mask(idx[:1000], 0.1, seed=3)
+    )  # prefix-stable
     assert not np.array_equal(mask, validation_mask(idx, 0.1, seed=4))
     assert not validation_mask(idx, 0.0, 0).any()
     assert validation_mask(idx, 1.0, 0).all()
@@ -84,7 +86,9 @@ def test_validation_mask_is_deterministic_and_proportional() -> None:
 # -- inputs -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["txt", "txt.gz", "txt-file", "jsonl", "jsonl.gz", "parquet", "dir"])
+@pytest.mark.parametrize(
+    "kind", ["txt", "txt.gz", "txt-file", "jsonl", "jsonl.gz", "parquet", "dir"]
+)
 def test_convert_each_input_type_bytes(tmp_path: Path, kind: str) -> None:
     docs = [d for d in DOCS if "\n" not in d]
     inputs: list[Path]
@@ -122,16 +126,25 @@ def test_convert_each_input_type_bytes(tmp_path: Path, kind: str) -> None:
     else:  # a directory: its files in sorted order, whatever their types
         (tmp_path / "d").mkdir()
         half = len(docs) // 2
-        (tmp_path / "d" / "a.txt").write_text("".join(d + "\n" for d in docs[:half]), encoding="utf-8")
+        (tmp_path / "d" / "a.txt").write_text(
+            "".join(d + "\n" for d in docs[:half]), encoding="utf-8"
+        )
         (tmp_path / "d" / "b.jsonl").write_text(
-            "".join(json.dumps({"body": d}) + "\n" for d in docs[half:]), encoding="utf-8")
+            "".join(json.dumps({"body": d}) + "\n" for d in docs[half:]), encoding="utf-8"
+        )
         (tmp_path / "d" / "ignored.md").write_text("not an input")
         inputs = [tmp_path / "d"]
     text_field = "body"
     assert list(iter_documents(inputs, text_field=text_field, txt_mode=txt_mode)) == docs
     out = tmp_path / "out.zarr"
-    report = convert_files(inputs, out, text_field=text_field, txt_mode=txt_mode,
-                           validation_fraction=0.2, chunk_tokens=64)
+    report = convert_files(
+        inputs,
+        out,
+        text_field=text_field,
+        txt_mode=txt_mode,
+        validation_fraction=0.2,
+        chunk_tokens=64,
+    )
     expected = expected_splits(docs, bytes_ids, 0.2)
     assert_dataset(out, expected)
     assert report.documents == len(docs)
@@ -250,9 +263,24 @@ def test_bad_inputs_are_clear_errors(tmp_path: Path) -> None:
 def test_cli_convert(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "in.txt").write_text("".join(d + "\n" for d in DOCS), encoding="utf-8")
     out = tmp_path / "out.zarr"
-    rc = main(["convert", str(tmp_path / "in.txt"), "-o", str(out), "--workers", "1",
-               "--validation-fraction", "0.1", "--format", "2", "--chunk-tokens", "256",
-               "--no-progress", "--json"])
+    rc = main(
+        [
+            "convert",
+            str(tmp_path / "in.txt"),
+            "-o",
+            str(out),
+            "--workers",
+            "1",
+            "--validation-fraction",
+            "0.1",
+            "--format",
+            "2",
+            "--chunk-tokens",
+            "256",
+            "--no-progress",
+            "--json",
+        ]
+    )
     assert rc == 0
     report = json.loads(capsys.readouterr().out)
     expected = expected_splits(DOCS, bytes_ids, 0.1)

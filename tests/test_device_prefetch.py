@@ -33,22 +33,36 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
     rng = np.random.default_rng(9)
     seqs = [rng.integers(0, 1000, rng.integers(1, 41)) for _ in range(600)]
     path = str(tmp_path_factory.mktemp("prefetch") / "data.zarr")
-    asyncflat.write_flat_tokens(path, {"train": seqs, "validation": seqs[:20]}, chunk_tokens=SPB * SEQ_LEN)
+    asyncflat.write_flat_tokens(
+        path, {"train": seqs, "validation": seqs[:20]}, chunk_tokens=SPB * SEQ_LEN
+    )
     return path
 
 
 @pytest.fixture(scope="module")
 def oracle(dataset: str) -> ReferenceLoader:
     tokens, starts = load_split_arrays(dataset, "train")
-    return ReferenceLoader(tokens, starts, seq_len=SEQ_LEN, batch=BATCH, streams=STREAMS,
-                           read_blocks_per_shuffle_buffer=RBPSB, sequences_per_read_block=SPB,
-                           seed=SEED, sequence_packing=True)
+    return ReferenceLoader(
+        tokens,
+        starts,
+        seq_len=SEQ_LEN,
+        batch=BATCH,
+        streams=STREAMS,
+        read_blocks_per_shuffle_buffer=RBPSB,
+        sequences_per_read_block=SPB,
+        seed=SEED,
+        sequence_packing=True,
+    )
 
 
 def _loader(dataset: str, depth: int) -> ShufflingLoader:
     params = FlatTokensParams(dataset, STREAMS, RBPSB, SPB, SEED, True)
-    return ShufflingLoader("train", params, TokenBatchParams(len=SEQ_LEN, batch=BATCH),
-                           options=EngineOptions(prefetch_to_device=depth))
+    return ShufflingLoader(
+        "train",
+        params,
+        TokenBatchParams(len=SEQ_LEN, batch=BATCH),
+        options=EngineOptions(prefetch_to_device=depth),
+    )
 
 
 def _prefetch_threads() -> list[threading.Thread]:
@@ -62,7 +76,9 @@ def _assert_batch(batch: asyncflat.TokenBatch, oracle: ReferenceLoader, step: in
 
 
 @pytest.mark.parametrize("depth", [0, 1, 3])
-def test_iter_matches_oracle_and_leaves_no_thread(dataset: str, oracle: ReferenceLoader, depth: int) -> None:
+def test_iter_matches_oracle_and_leaves_no_thread(
+    dataset: str, oracle: ReferenceLoader, depth: int
+) -> None:
     with _loader(dataset, depth) as loader:
         start = 4  # mid-minipoch (3 steps per minipoch)
         iterator = loader.iter(start)
@@ -81,7 +97,9 @@ def test_iter_matches_oracle_and_leaves_no_thread(dataset: str, oracle: Referenc
             next(iterator)
 
 
-def test_next_steps_are_built_ahead_and_load_returns_them(dataset: str, oracle: ReferenceLoader) -> None:
+def test_next_steps_are_built_ahead_and_load_returns_them(
+    dataset: str, oracle: ReferenceLoader
+) -> None:
     with _loader(dataset, 2) as loader:
         builds: list[int] = []
         load_now = loader._load_now

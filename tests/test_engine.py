@@ -9,11 +9,18 @@ from typing import Any
 
 import numpy as np
 import pytest
+from reference_impl import ReferenceLoader
 
-from asyncflat import EngineOptions, FlatTokensParams, LoaderClosedError, ShufflePlan, StorageError, TokenBatchParams
+from asyncflat import (
+    EngineOptions,
+    FlatTokensParams,
+    LoaderClosedError,
+    ShufflePlan,
+    StorageError,
+    TokenBatchParams,
+)
 from asyncflat.engine import Engine
 from asyncflat.source import IOCounters
-from reference_impl import ReferenceLoader
 
 SEQ_LEN = 8
 
@@ -21,8 +28,15 @@ SEQ_LEN = 8
 class FakeSource:
     """In-memory tokens with per-read latency, failure injection and a log of every read."""
 
-    def __init__(self, tokens: np.ndarray, starts: np.ndarray, *, chunk: int, latency_s: float = 0.0,
-                 fail: Callable[[int, int], BaseException | None] | None = None) -> None:
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        starts: np.ndarray,
+        *,
+        chunk: int,
+        latency_s: float = 0.0,
+        fail: Callable[[int, int], BaseException | None] | None = None,
+    ) -> None:
         self.tokens, self.starts = tokens, starts
         self.name = "fake://tokens"
         self.token_count, self.sequence_count = len(tokens), len(starts) - 1
@@ -31,7 +45,7 @@ class FakeSource:
         self.io = IOCounters()
         self.latency_s, self.fail = latency_s, fail
         self.in_flight = self.peak_in_flight = 0
-        self.reads: list[tuple[int, int]] = []   # completed token reads, in completion order
+        self.reads: list[tuple[int, int]] = []  # completed token reads, in completion order
         self.cancelled_reads = 0
         self.closed = False
 
@@ -70,20 +84,41 @@ def make_data(seed: int = 0, rows: int = 640) -> tuple[np.ndarray, np.ndarray]:
     return tokens, starts
 
 
-def make(source: FakeSource, *, streams: int = 2, rbpsb: int = 4, spb: int = 8, batch: int = 8,
-         packing: bool = True, **options: Any) -> Engine:
-    params = FlatTokensParams("fake://tokens", streams, rbpsb, spb, seed=3, sequence_packing=packing)
-    plan = ShufflePlan.create(params, TokenBatchParams(len=SEQ_LEN, batch=batch),
-                              token_count=source.token_count, sequence_count=source.sequence_count)
+def make(
+    source: FakeSource,
+    *,
+    streams: int = 2,
+    rbpsb: int = 4,
+    spb: int = 8,
+    batch: int = 8,
+    packing: bool = True,
+    **options: Any,
+) -> Engine:
+    params = FlatTokensParams(
+        "fake://tokens", streams, rbpsb, spb, seed=3, sequence_packing=packing
+    )
+    plan = ShufflePlan.create(
+        params,
+        TokenBatchParams(len=SEQ_LEN, batch=batch),
+        token_count=source.token_count,
+        sequence_count=source.sequence_count,
+    )
     return Engine(plan, source, range(streams), EngineOptions(**options))
 
 
 def oracle_for(engine: Engine, source: FakeSource) -> ReferenceLoader:
     p = engine.plan
-    return ReferenceLoader(source.tokens, source.starts, seq_len=p.seq_len, batch=p.batch,
-                           streams=p.streams, read_blocks_per_shuffle_buffer=p.read_blocks_per_shuffle_buffer,
-                           sequences_per_read_block=p.sequences_per_read_block, seed=p.seed,
-                           sequence_packing=p.sequence_packing)
+    return ReferenceLoader(
+        source.tokens,
+        source.starts,
+        seq_len=p.seq_len,
+        batch=p.batch,
+        streams=p.streams,
+        read_blocks_per_shuffle_buffer=p.read_blocks_per_shuffle_buffer,
+        sequences_per_read_block=p.sequences_per_read_block,
+        seed=p.seed,
+        sequence_packing=p.sequence_packing,
+    )
 
 
 def run(coro_fn: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
@@ -99,11 +134,16 @@ def test_batches_match_the_oracle_in_any_order(prefetch: bool, packing: bool) ->
     source = FakeSource(*make_data(), chunk=24, latency_s=0.001)
     engine = make(source, packing=packing, prefetch=prefetch)
     oracle = oracle_for(engine, source)
-    order = list(range(engine.plan.step_count)) + np.random.default_rng(1).permutation(engine.plan.step_count).tolist()
+    order = (
+        list(range(engine.plan.step_count))
+        + np.random.default_rng(1).permutation(engine.plan.step_count).tolist()
+    )
 
     async def main() -> None:
         for step in order:
-            np.testing.assert_array_equal(await engine.gather(step, ALL), oracle.encoded_batch(step))
+            np.testing.assert_array_equal(
+                await engine.gather(step, ALL), oracle.encoded_batch(step)
+            )
         await engine.aclose()
 
     run(main)
@@ -151,7 +191,9 @@ def test_the_next_minipoch_fills_as_soon_as_the_current_one_serves() -> None:
         await engine.gather(plan.first_step(2), ALL)  # served from the prefetched buffer
         assert not [f for f in engine.stats()["fills"][fills_before:] if f["minipoch"] == 2]
         fills = [f for f in engine.stats()["fills"] if f["minipoch"] == 2]
-        assert len(fills) == 2 and all(f["reason"] == "prefetch" and not f["cancelled"] for f in fills)
+        assert len(fills) == 2 and all(
+            f["reason"] == "prefetch" and not f["cancelled"] for f in fills
+        )
         await engine.aclose()
 
     run(main)
@@ -187,9 +229,9 @@ def test_random_access_cancels_fills_nobody_needs() -> None:
     plan = engine.plan
 
     async def main() -> None:
-        await engine.gather(0, ALL)          # serves minipoch 0, prefetches 1 (slow)
+        await engine.gather(0, ALL)  # serves minipoch 0, prefetches 1 (slow)
         far = plan.first_step(plan.minipoch_count - 2)
-        await engine.gather(far, ALL)        # jump: minipoch 1's prefetch is abandoned
+        await engine.gather(far, ALL)  # jump: minipoch 1's prefetch is abandoned
         fills = engine.stats()["fills"]
         assert any(f["minipoch"] == 1 and f["cancelled"] for f in fills)
         block_tokens = 8 * SEQ_LEN
@@ -238,21 +280,42 @@ def test_a_failed_read_surfaces_from_the_load_that_needs_it_and_is_retried_later
     # find a step whose rows live in the bad block, and one that does not touch its minipoch
     bad_block = bad_chunk  # chunks are aligned with blocks here
     bad_step = next(
-        s for s in range(plan.step_count)
-        if any(plan.buffer_blocks(st, m)[plan.row_permutation(st, m)[p] // plan.sequences_per_read_block] == bad_block
-               for st, m, p in zip(*(a.tolist() for a in (plan.locate(s).stream, plan.locate(s).minipoch, plan.locate(s).position))))
+        s
+        for s in range(plan.step_count)
+        if any(
+            plan.buffer_blocks(st, m)[
+                plan.row_permutation(st, m)[p] // plan.sequences_per_read_block
+            ]
+            == bad_block
+            for st, m, p in zip(
+                *(
+                    a.tolist()
+                    for a in (
+                        plan.locate(s).stream,
+                        plan.locate(s).minipoch,
+                        plan.locate(s).position,
+                    )
+                )
+            )
+        )
     )
     bad_minipochs = set(plan.minipochs_of_step(bad_step))
-    good_step = next(s for s in range(plan.step_count) if not set(plan.minipochs_of_step(s)) & bad_minipochs)
+    good_step = next(
+        s for s in range(plan.step_count) if not set(plan.minipochs_of_step(s)) & bad_minipochs
+    )
     assert block_tokens == source.token_chunk
 
     async def main() -> None:
         with pytest.raises(StorageError, match=r"403 Forbidden") as info:
             await engine.gather(bad_step, ALL)
         assert f"step {bad_step}" in str(info.value) and info.value.__cause__ is not None
-        np.testing.assert_array_equal(await engine.gather(good_step, ALL), oracle.encoded_batch(good_step))
+        np.testing.assert_array_equal(
+            await engine.gather(good_step, ALL), oracle.encoded_batch(good_step)
+        )
         broken["on"] = False
-        np.testing.assert_array_equal(await engine.gather(bad_step, ALL), oracle.encoded_batch(bad_step))
+        np.testing.assert_array_equal(
+            await engine.gather(bad_step, ALL), oracle.encoded_batch(bad_step)
+        )
         await engine.aclose()
 
     run(main)
@@ -288,7 +351,10 @@ def test_a_fill_predicted_to_be_late_is_logged(caplog: pytest.LogCaptureFixture)
 
     run(main)
     assert engine.plan.first_step(1) == 16
-    assert any("predicted to finish" in r.getMessage() and "minipoch 1" in r.getMessage() for r in caplog.records)
+    assert any(
+        "predicted to finish" in r.getMessage() and "minipoch 1" in r.getMessage()
+        for r in caplog.records
+    )
 
 
 def test_try_gather_serves_finished_buffers_without_the_loop() -> None:
@@ -298,16 +364,20 @@ def test_try_gather_serves_finished_buffers_without_the_loop() -> None:
     plan = engine.plan
 
     async def main() -> None:
-        assert engine.try_gather(1, ALL) is None          # nothing filled yet
-        await engine.gather(0, ALL)                       # fills minipoch 0, starts prefetching 1
+        assert engine.try_gather(1, ALL) is None  # nothing filled yet
+        await engine.gather(0, ALL)  # fills minipoch 0, starts prefetching 1
         await asyncio.sleep(0.3)
         for step in range(1, plan.first_step(1)):
             np.testing.assert_array_equal(engine.try_gather(step, ALL), oracle.encoded_batch(step))
         # the first step of minipoch 1 is served at once and hands the prefetch of 2 to the loop
         boundary = plan.first_step(1)
-        np.testing.assert_array_equal(engine.try_gather(boundary, ALL), oracle.encoded_batch(boundary))
+        np.testing.assert_array_equal(
+            engine.try_gather(boundary, ALL), oracle.encoded_batch(boundary)
+        )
         await asyncio.sleep(0)  # the loop runs the posted request
-        assert {(f["minipoch"], f["reason"]) for f in engine.stats()["active_fills"]} == {(2, "prefetch")}
+        assert {(f["minipoch"], f["reason"]) for f in engine.stats()["active_fills"]} == {
+            (2, "prefetch")
+        }
         # a step whose blocks are not in yet needs the loop (and waits there)
         assert engine.try_gather(plan.first_step(2), ALL) is None
         await engine.aclose()
@@ -335,16 +405,18 @@ class DirectFakeSource(FakeSource):
         await asyncio.sleep(self.chunk_latency_s)
         start = chunk_id * self.token_chunk
         self.reads.append((start + lo, start + hi))
-        return Frame(self.tokens[start + lo:start + hi].view(np.uint8).copy(), lo, f"c/{chunk_id}")
+        return Frame(
+            self.tokens[start + lo : start + hi].view(np.uint8).copy(), lo, f"c/{chunk_id}"
+        )
 
     def decode_into(self, frame: Any, first_item: int, out: np.ndarray) -> None:
         offset = first_item - frame.first_item
-        out[:] = frame.data.view("<u4")[offset:offset + len(out)]
+        out[:] = frame.data.view("<u4")[offset : offset + len(out)]
 
     async def read_items(self, chunk_id: int, first_item: int, out: np.ndarray) -> None:
         self.item_reads += 1
         start = chunk_id * self.token_chunk + first_item
-        out[:] = self.tokens[start:start + len(out)]
+        out[:] = self.tokens[start : start + len(out)]
 
 
 def test_a_load_ahead_of_its_blocks_reads_just_its_rows() -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
+from reference_impl import ReferenceLoader, load_split_arrays
 from zarr.core.buffer import default_buffer_prototype
 from zarr.storage import LocalStore
 
@@ -41,12 +42,13 @@ from asyncflat import (
     TransientStorageError,
 )
 from asyncflat.faults import FaultCounts, FaultyStore
-from reference_impl import ReferenceLoader, load_split_arrays
 
 pytestmark = pytest.mark.timeout(120)
 
 SINGLE = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-FAST_RETRY = RetryPolicy(max_attempts=8, initial_backoff_s=0.001, max_backoff_s=0.004, deadline_s=20)
+FAST_RETRY = RetryPolicy(
+    max_attempts=8, initial_backoff_s=0.001, max_backoff_s=0.004, deadline_s=20
+)
 BATCH = TokenBatchParams(len=16, batch=8)
 STREAMS, RBPSB, SPB, SEED = 2, 3, 4, 7
 FORMATS = ("v3", "v2", "v3_sharded")
@@ -86,8 +88,14 @@ def oracle(path: str, packing: bool) -> ReferenceLoader:
     if key not in _ORACLES:
         tokens, starts = load_split_arrays(path, "train")
         _ORACLES[key] = ReferenceLoader(
-            tokens, starts, seq_len=BATCH.len, batch=BATCH.batch, streams=STREAMS,
-            read_blocks_per_shuffle_buffer=RBPSB, sequences_per_read_block=SPB, seed=SEED,
+            tokens,
+            starts,
+            seq_len=BATCH.len,
+            batch=BATCH.batch,
+            streams=STREAMS,
+            read_blocks_per_shuffle_buffer=RBPSB,
+            sequences_per_read_block=SPB,
+            seed=SEED,
             sequence_packing=packing,
         )
     return _ORACLES[key]
@@ -143,7 +151,9 @@ def _get(store: FaultyStore, key: str) -> Any:
         (dict(seed=1.5), "seed must be an int"),
     ],
 )
-def test_faulty_store_validates_its_settings(stores: dict[str, str], kwargs: dict[str, Any], match: str) -> None:
+def test_faulty_store_validates_its_settings(
+    stores: dict[str, str], kwargs: dict[str, Any], match: str
+) -> None:
     with pytest.raises(ConfigError, match=match):
         FaultyStore(LocalStore(stores["v3"], read_only=True), **kwargs)
 
@@ -163,12 +173,19 @@ def test_faulty_store_is_deterministic_counts_and_heals(stores: dict[str, str]) 
     assert outcomes(3) == outcomes(3)
     assert {"ok", "transient"} <= set(outcomes(3))
 
-    store = FaultyStore(LocalStore(stores["v3"], read_only=True), permanent_keys=["train/encoded_tokens/c/[23]"],
-                        transient_rate=1.0, max_transient_per_request=2, corrupt_rate=1.0,
-                        fault_keys="train/encoded_tokens/*")
+    store = FaultyStore(
+        LocalStore(stores["v3"], read_only=True),
+        permanent_keys=["train/encoded_tokens/c/[23]"],
+        transient_rate=1.0,
+        max_transient_per_request=2,
+        corrupt_rate=1.0,
+        fault_keys="train/encoded_tokens/*",
+    )
     copy = store.with_read_only(True)  # what zarr does: the copy shares settings and counts
     assert isinstance(copy, FaultyStore) and copy.counts is store.counts
-    with pytest.raises(PermissionError, match=r"injected permanent fault: train/encoded_tokens/c/2"):
+    with pytest.raises(
+        PermissionError, match=r"injected permanent fault: train/encoded_tokens/c/2"
+    ):
         _get(copy, "train/encoded_tokens/c/2")
     whole = len(_get(LocalStore(stores["v3"], read_only=True), "train/encoded_tokens/c/0"))  # type: ignore[arg-type]
     for _ in range(2):  # at most two transient failures in a row per request, then it goes through
@@ -198,17 +215,26 @@ def test_metadata_is_never_corrupted(stores: dict[str, str]) -> None:
 
 @pytest.mark.parametrize("packing", [True, False], ids=["packed", "unpacked"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_transient_faults_and_latency_change_nothing(stores: dict[str, str], fmt: str, packing: bool) -> None:
+def test_transient_faults_and_latency_change_nothing(
+    stores: dict[str, str], fmt: str, packing: bool
+) -> None:
     path = stores[fmt]
     expected = oracle(path, packing)
     _, seq_starts = load_split_arrays(path, "train")
-    wrap = Wrap(transient_rate=0.3, max_transient_per_request=4, latency_s=0.0005, latency_jitter_s=0.002,
-                transient_error=ConnectionResetError if fmt == "v3_sharded" else TransientStorageError,
-                seed=FORMATS.index(fmt))
+    wrap = Wrap(
+        transient_rate=0.3,
+        max_transient_per_request=4,
+        latency_s=0.0005,
+        latency_jitter_s=0.002,
+        transient_error=ConnectionResetError if fmt == "v3_sharded" else TransientStorageError,
+        seed=FORMATS.index(fmt),
+    )
     options = EngineOptions(load_timeout_s=30, retry=FAST_RETRY, max_concurrent_reads=4)
     order = np.random.default_rng(1).permutation(expected.step_count).tolist()
     seen = []
-    with ShufflingLoader("train", params(path, packing), BATCH, SINGLE, options=options, store_wrapper=wrap) as loader:
+    with ShufflingLoader(
+        "train", params(path, packing), BATCH, SINGLE, options=options, store_wrapper=wrap
+    ) as loader:
         assert loader.step_count == expected.step_count
         for step in order:
             batch = loader.load(step)
@@ -228,14 +254,18 @@ def test_transient_faults_and_latency_change_nothing(stores: dict[str, str], fmt
     np.testing.assert_array_equal(all_rows, np.arange(expected.read_block_count * SPB))
 
 
-def test_an_epoch_through_iter_under_faults_serves_each_sequence_once(stores: dict[str, str]) -> None:
+def test_an_epoch_through_iter_under_faults_serves_each_sequence_once(
+    stores: dict[str, str],
+) -> None:
     path = stores["v3"]
     expected = oracle(path, False)
     _, seq_starts = load_split_arrays(path, "train")
     wrap = Wrap(transient_rate=0.25, max_transient_per_request=3, latency_s=0.001, seed=5)
     options = EngineOptions(load_timeout_s=30, retry=FAST_RETRY, prefetch_to_device=2)
     counts = np.zeros(expected.seq_count, np.int64)
-    with ShufflingLoader("train", params(path, False), BATCH, SINGLE, options=options, store_wrapper=wrap) as loader:
+    with ShufflingLoader(
+        "train", params(path, False), BATCH, SINGLE, options=options, store_wrapper=wrap
+    ) as loader:
         for step, batch in loader.iter():
             assert_step(batch, expected, step)
             np.add.at(counts, served_rows(np.asarray(batch.targets), False, seq_starts), 1)
@@ -253,7 +283,9 @@ def _chunks_of_rows(rows: np.ndarray, chunk: int) -> set[int]:
 
 
 @pytest.mark.parametrize("error", [PermissionError, FileNotFoundError])
-def test_a_permanent_fault_fails_only_the_loads_that_need_it(stores: dict[str, str], error: type) -> None:
+def test_a_permanent_fault_fails_only_the_loads_that_need_it(
+    stores: dict[str, str], error: type
+) -> None:
     """The failure model of docs/reliability.md, packed, chunk c lost for good and then restored.
 
     A fill that needs chunk c fails; a load served by that fill raises (StorageError naming the
@@ -275,13 +307,17 @@ def test_a_permanent_fault_fails_only_the_loads_that_need_it(stores: dict[str, s
                 chunks |= _chunks_of_rows(np.arange(block * SPB, (block + 1) * SPB), chunk)
         return chunks
 
-    doomed = [s for s in range(expected.step_count) if bad in _chunks_of_rows(expected.row_ids(s), chunk)]
+    doomed = [
+        s for s in range(expected.step_count) if bad in _chunks_of_rows(expected.row_ids(s), chunk)
+    ]
     safe = [s for s in range(expected.step_count) if bad not in fill_chunks(s)]
     assert len(doomed) >= 2 and len(safe) >= 10
 
     wrap = Wrap(permanent_keys=[bad_key], permanent_error=error)
     options = EngineOptions(load_timeout_s=30, retry=FAST_RETRY)
-    with ShufflingLoader("train", params(path, True), BATCH, SINGLE, options=options, store_wrapper=wrap) as loader:
+    with ShufflingLoader(
+        "train", params(path, True), BATCH, SINGLE, options=options, store_wrapper=wrap
+    ) as loader:
         for _ in range(2):  # raises every time while the fault lasts: no stale state
             t0 = time.monotonic()
             with pytest.raises(StorageError) as info:
@@ -315,10 +351,16 @@ def test_reads_of_a_failed_fill_never_land_in_another_fills_buffer(stores: dict[
     for trial in range(8):
         packing = trial % 2 == 0
         expected = oracle(path, packing)
-        wrap = Wrap(permanent_keys=[f"train/encoded_tokens/c/{bad}"], latency_jitter_s=0.02, seed=trial,
-                    fault_keys="train/encoded_tokens/c/*")
+        wrap = Wrap(
+            permanent_keys=[f"train/encoded_tokens/c/{bad}"],
+            latency_jitter_s=0.02,
+            seed=trial,
+            fault_keys="train/encoded_tokens/c/*",
+        )
         options = EngineOptions(load_timeout_s=30, retry=FAST_RETRY)
-        with ShufflingLoader("train", params(path, packing), BATCH, SINGLE, options=options, store_wrapper=wrap) as loader:
+        with ShufflingLoader(
+            "train", params(path, packing), BATCH, SINGLE, options=options, store_wrapper=wrap
+        ) as loader:
             for step in rng.integers(0, expected.step_count, 25).tolist():
                 try:
                     batch = loader.load(step)
@@ -330,15 +372,22 @@ def test_reads_of_a_failed_fill_never_land_in_another_fills_buffer(stores: dict[
 
 
 @pytest.mark.parametrize("error", [TransientStorageError, ConnectionResetError])
-def test_retries_exhausted_raise_within_the_policy_bounds(stores: dict[str, str], error: type) -> None:
+def test_retries_exhausted_raise_within_the_policy_bounds(
+    stores: dict[str, str], error: type
+) -> None:
     path = stores["v3"]
     expected = oracle(path, True)
     wrap = Wrap(transient_rate=1.0, transient_error=error, fault_keys="train/encoded_tokens/c/*")
     policy = RetryPolicy(max_attempts=3, initial_backoff_s=0.01, max_backoff_s=0.02, deadline_s=5)
     options = EngineOptions(load_timeout_s=30, retry=policy)
-    with ShufflingLoader("train", params(path, True), BATCH, SINGLE, options=options, store_wrapper=wrap) as loader:
+    with ShufflingLoader(
+        "train", params(path, True), BATCH, SINGLE, options=options, store_wrapper=wrap
+    ) as loader:
         t0 = time.monotonic()
-        with pytest.raises(TransientStorageError, match=r"encoded_tokens\[\d+:\d+\].*still failing after 3 attempts"):
+        with pytest.raises(
+            TransientStorageError,
+            match=r"encoded_tokens\[\d+:\d+\].*still failing after 3 attempts",
+        ):
             loader.load(3)
         assert time.monotonic() - t0 < 5
         assert wrap.store is not None
@@ -361,7 +410,9 @@ def test_truncated_responses_raise_corrupt_chunk_error_and_are_retried_later(
     wrap = Wrap(corrupt_rate=rate, seed=11, fault_keys="train/encoded_tokens/*")
     options = EngineOptions(load_timeout_s=30, retry=FAST_RETRY)
     failures = 0
-    with ShufflingLoader("train", params(path, True), BATCH, SINGLE, options=options, store_wrapper=wrap) as loader:
+    with ShufflingLoader(
+        "train", params(path, True), BATCH, SINGLE, options=options, store_wrapper=wrap
+    ) as loader:
         for step in range(0, expected.step_count, 3):
             for _ in range(30):
                 try:
@@ -373,18 +424,28 @@ def test_truncated_responses_raise_corrupt_chunk_error_and_are_retried_later(
                 assert_step(batch, expected, step)
                 break
             else:
-                pytest.fail(f"step {step} never loaded while {rate:.0%} of responses were truncated")
+                pytest.fail(
+                    f"step {step} never loaded while {rate:.0%} of responses were truncated"
+                )
     assert wrap.store is not None and wrap.store.counts.corrupted > 0 and failures > 0
 
 
-def test_a_corrupt_shard_index_is_read_afresh_once_the_fault_is_gone(stores: dict[str, str]) -> None:
+def test_a_corrupt_shard_index_is_read_afresh_once_the_fault_is_gone(
+    stores: dict[str, str],
+) -> None:
     """Regression: the store layer caches shard indexes; a damaged one used to stay cached, so
     every later read of that shard failed for the life of the loader."""
     path = stores["v3_sharded"]
     expected = oracle(path, True)
     wrap = Wrap(corrupt_rate=1.0, fault_keys="train/encoded_tokens/*")
-    with ShufflingLoader("train", params(path, True), BATCH, SINGLE, store_wrapper=wrap,
-                         options=EngineOptions(load_timeout_s=30)) as loader:
+    with ShufflingLoader(
+        "train",
+        params(path, True),
+        BATCH,
+        SINGLE,
+        store_wrapper=wrap,
+        options=EngineOptions(load_timeout_s=30),
+    ) as loader:
         with pytest.raises(CorruptChunkError, match=CORRUPT):
             loader.load(0)
         assert wrap.store is not None
@@ -408,12 +469,16 @@ def test_a_corrupt_shard_index_is_read_afresh_once_the_fault_is_gone(stores: dic
 # -- timeouts -------------------------------------------------------------------------------------
 
 
-def test_a_load_stuck_on_slow_storage_times_out_and_the_loader_recovers(stores: dict[str, str]) -> None:
+def test_a_load_stuck_on_slow_storage_times_out_and_the_loader_recovers(
+    stores: dict[str, str],
+) -> None:
     path = stores["v2"]
     expected = oracle(path, False)
     wrap = Wrap(latency_s=1.0, fault_keys="train/encoded_tokens/[0-9]*")  # chunks, not .zarray
     options = EngineOptions(load_timeout_s=0.3, retry=FAST_RETRY)
-    with ShufflingLoader("train", params(path, False), BATCH, SINGLE, options=options, store_wrapper=wrap) as loader:
+    with ShufflingLoader(
+        "train", params(path, False), BATCH, SINGLE, options=options, store_wrapper=wrap
+    ) as loader:
         t0 = time.monotonic()
         with pytest.raises(LoadTimeoutError):
             loader.load(4)
@@ -444,7 +509,12 @@ def test_wrapper_with_a_directory_path_store(tmp_path: Path) -> None:
         kinds.append(type(store).__name__)
         return FaultyStore(store)
 
-    with ShufflingLoader("train", FlatTokensParams(path, 1, 2, 2, 0, True), TokenBatchParams(len=8, batch=2),
-                         SINGLE, store_wrapper=wrap) as loader:
+    with ShufflingLoader(
+        "train",
+        FlatTokensParams(path, 1, 2, 2, 0, True),
+        TokenBatchParams(len=8, batch=2),
+        SINGLE,
+        store_wrapper=wrap,
+    ) as loader:
         loader.load(0)
     assert kinds == ["LocalStore"]

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import zarr
+from helpers.seqax_v2 import write_seqax_v2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -31,13 +32,14 @@ from asyncflat.format import (
     encode_sequences,
     open_split,
 )
-from helpers.seqax_v2 import write_seqax_v2
 
 NAME = "STORE<test>"  # a display name that cannot be confused with anything zarr prints
 
 
 def open_local(path: Path | str, split: str = "train", name: str = NAME) -> SplitArrays:
-    return asyncio.run(open_split(zarr.storage.LocalStore(str(path), read_only=True), split, name=name))
+    return asyncio.run(
+        open_split(zarr.storage.LocalStore(str(path), read_only=True), split, name=name)
+    )
 
 
 def open_with(store: Any, split: str = "train") -> SplitArrays:
@@ -67,7 +69,12 @@ def test_encode_empty_iterable() -> None:
 
 def test_encode_largest_id_and_mixed_dtypes() -> None:
     big = TOKEN_ID_LIMIT - 1
-    seqs = [np.array([big], np.uint64), np.array([0, 3], np.int8), [big, 1], np.array([2], np.uint16)]
+    seqs = [
+        np.array([big], np.uint64),
+        np.array([0, 3], np.int8),
+        [big, 1],
+        np.array([2], np.uint16),
+    ]
     encoded, lengths = encode_sequences(seqs)
     np.testing.assert_array_equal(encoded, [2 * big + 1, 1, 6, 2 * big + 1, 2, 5])
     np.testing.assert_array_equal(lengths, [1, 2, 2, 1])
@@ -81,13 +88,22 @@ def test_encode_decode_round_trip(seqs: list[list[int]]) -> None:
     assert lengths.tolist() == [len(s) for s in seqs]
     assert targets.tolist() == [t for s in seqs for t in s]
     starts = np.flatnonzero(is_start)
-    assert starts.tolist() == np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(int).tolist()[: len(seqs)]
+    assert (
+        starts.tolist()
+        == np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(int).tolist()[: len(seqs)]
+    )
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.integers(0, 6), st.integers(1, 6), st.sampled_from([np.int32, np.int64, np.uint32, np.uint64]))
+@given(
+    st.integers(0, 6),
+    st.integers(1, 6),
+    st.sampled_from([np.int32, np.int64, np.uint32, np.uint64]),
+)
 def test_encode_2d_matches_list_path(rows: int, cols: int, dtype: type) -> None:
-    data = (np.arange(rows * cols, dtype=np.int64).reshape(rows, cols) * 7919 % 100_000).astype(dtype)
+    data = (np.arange(rows * cols, dtype=np.int64).reshape(rows, cols) * 7919 % 100_000).astype(
+        dtype
+    )
     fast = encode_sequences(data)
     slow = encode_sequences(list(data))
     np.testing.assert_array_equal(fast[0], slow[0])
@@ -231,7 +247,9 @@ def test_valid_baseline(tmp_path: Path, fmt: int) -> None:
 
 def test_unknown_split_is_config_error(tmp_path: Path) -> None:
     build(tmp_path / "d", 3)
-    with pytest.raises(ConfigError, match=r"split must be one of \('train', 'validation'\), got 'test'"):
+    with pytest.raises(
+        ConfigError, match=r"split must be one of \('train', 'validation'\), got 'test'"
+    ):
         open_local(tmp_path / "d", "test")
 
 
@@ -264,32 +282,57 @@ def test_missing_array(tmp_path: Path, fmt: int, key: str) -> None:
 def test_array_is_a_group(tmp_path: Path) -> None:
     build(tmp_path / "d", 3, omit=("encoded_tokens",))
     zarr.open_group(str(tmp_path / "d"), mode="a")["train"].create_group("encoded_tokens")
-    assert_format_error(tmp_path / "d", "train/encoded_tokens: expected a zarr array, found a group")
+    assert_format_error(
+        tmp_path / "d", "train/encoded_tokens: expected a zarr array, found a group"
+    )
 
 
 @pytest.mark.parametrize("fmt", [2, 3])
 @pytest.mark.parametrize(
     ("kwargs", "parts"),
     [
-        ({"tokens": GOOD_TOKENS.astype(np.int64)}, ("encoded_tokens", "expected dtype uint32", "int64")),
-        ({"tokens": GOOD_TOKENS.astype(np.uint64)}, ("encoded_tokens", "expected dtype uint32", "uint64")),
-        ({"tokens": GOOD_TOKENS.reshape(1, 3)}, ("encoded_tokens", "expected a 1-D array, got 2-D")),
-        ({"starts": GOOD_STARTS.astype(np.int64)}, ("seq_starts", "expected dtype uint64", "int64")),
-        ({"starts": GOOD_STARTS.astype(np.uint32)}, ("seq_starts", "expected dtype uint64", "uint32")),
+        (
+            {"tokens": GOOD_TOKENS.astype(np.int64)},
+            ("encoded_tokens", "expected dtype uint32", "int64"),
+        ),
+        (
+            {"tokens": GOOD_TOKENS.astype(np.uint64)},
+            ("encoded_tokens", "expected dtype uint32", "uint64"),
+        ),
+        (
+            {"tokens": GOOD_TOKENS.reshape(1, 3)},
+            ("encoded_tokens", "expected a 1-D array, got 2-D"),
+        ),
+        (
+            {"starts": GOOD_STARTS.astype(np.int64)},
+            ("seq_starts", "expected dtype uint64", "int64"),
+        ),
+        (
+            {"starts": GOOD_STARTS.astype(np.uint32)},
+            ("seq_starts", "expected dtype uint64", "uint32"),
+        ),
         ({"starts": GOOD_STARTS.reshape(3, 1)}, ("seq_starts", "expected a 1-D array, got 2-D")),
         ({"starts": np.zeros(0, np.uint64)}, ("seq_starts", "expected at least 1 entry", "got 0")),
         ({"starts": np.array([1, 2, 3], np.uint64)}, ("seq_starts", "seq_starts[0] == 0, got 1")),
-        ({"starts": np.array([0, 2, 4], np.uint64)}, ("seq_starts", "seq_starts[-1] == len(encoded_tokens) == 3, got 4")),
+        (
+            {"starts": np.array([0, 2, 4], np.uint64)},
+            ("seq_starts", "seq_starts[-1] == len(encoded_tokens) == 3, got 4"),
+        ),
         ({"starts": np.array([0], np.uint64)}, ("seq_starts", "== 3, got 0")),
         ({"attrs": {}}, ("missing group attribute 'max_token_id'",)),
         ({"attrs": {"max_token_id": True}}, ("max_token_id must be an integer, got True",)),
         ({"attrs": {"max_token_id": 7.0}}, ("max_token_id must be an integer, got float 7.0",)),
         ({"attrs": {"max_token_id": "7"}}, ("max_token_id must be an integer, got str '7'",)),
         ({"attrs": {"max_token_id": -1}}, ("max_token_id must be in [0, 2**31), got -1",)),
-        ({"attrs": {"max_token_id": 1 << 31}}, ("max_token_id must be in [0, 2**31), got 2147483648",)),
+        (
+            {"attrs": {"max_token_id": 1 << 31}},
+            ("max_token_id must be in [0, 2**31), got 2147483648",),
+        ),
     ],
 )
-def test_malformed_split(tmp_path: Path, fmt: int, kwargs: dict[str, Any], parts: tuple[str, ...]) -> None:
+def test_malformed_split(
+    tmp_path: Path, fmt: int, kwargs: dict[str, Any], parts: tuple[str, ...]
+) -> None:
     build(tmp_path / "d", fmt, **kwargs)
     message = assert_format_error(tmp_path / "d", *parts)
     assert message.startswith(f"{NAME}/train"), message
@@ -308,14 +351,18 @@ def test_corrupt_metadata_keeps_cause(tmp_path: Path, fmt: int) -> None:
     meta.write_text("{ not json")
     with pytest.raises(DatasetFormatError) as info:
         open_local(tmp_path / "d")
-    assert str(info.value).startswith(f"{NAME}/train/seq_starts: invalid array metadata: JSONDecodeError")
+    assert str(info.value).startswith(
+        f"{NAME}/train/seq_starts: invalid array metadata: JSONDecodeError"
+    )
     assert info.value.__cause__ is not None
 
 
 def test_corrupt_seq_starts_chunk(tmp_path: Path) -> None:
     write_seqax_v2(tmp_path / "d", {"train": [np.array([1, 2]), np.array([3])]})
     (tmp_path / "d" / "train" / "seq_starts" / "0").write_bytes(b"garbage, not blosc")
-    with pytest.raises(CorruptChunkError, match=rf"{NAME}/train/seq_starts: reading entry \d failed") as info:
+    with pytest.raises(
+        CorruptChunkError, match=rf"{NAME}/train/seq_starts: reading entry \d failed"
+    ) as info:
         open_local(tmp_path / "d")
     assert info.value.__cause__ is not None
 
@@ -338,16 +385,19 @@ class FailingStore(zarr.storage.WrapperStore):  # type: ignore[type-arg]
 
 def test_asyncflat_errors_pass_through(tmp_path: Path) -> None:
     build(tmp_path / "d", 3)
-    store = FailingStore(zarr.storage.LocalStore(str(tmp_path / "d"), read_only=True),
-                         TransientStorageError("throttled"))
+    store = FailingStore(
+        zarr.storage.LocalStore(str(tmp_path / "d"), read_only=True),
+        TransientStorageError("throttled"),
+    )
     with pytest.raises(TransientStorageError, match="throttled"):
         open_with(store)
 
 
 def test_os_errors_become_storage_errors(tmp_path: Path) -> None:
     build(tmp_path / "d", 3)
-    store = FailingStore(zarr.storage.LocalStore(str(tmp_path / "d"), read_only=True),
-                         PermissionError("denied"))
+    store = FailingStore(
+        zarr.storage.LocalStore(str(tmp_path / "d"), read_only=True), PermissionError("denied")
+    )
     with pytest.raises(StorageError, match=f"{NAME}.*PermissionError: denied") as info:
         open_with(store)
     assert not isinstance(info.value, DatasetFormatError)
@@ -365,7 +415,9 @@ def test_guard_does_not_swallow_base_exceptions(exc: BaseException) -> None:
 
 def test_errors_are_value_errors_and_asyncflat_errors() -> None:
     # Code written against the reference catches ValueError; trainers catch AsyncflatError.
-    assert issubclass(DatasetFormatError, ValueError) and issubclass(DatasetFormatError, AsyncflatError)
+    assert issubclass(DatasetFormatError, ValueError) and issubclass(
+        DatasetFormatError, AsyncflatError
+    )
     assert SPLITS == ("train", "validation")
 
 

@@ -8,12 +8,12 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from test_convert import assert_dataset, expected_splits, make_tokenizer_json
 
 from asyncflat import HuggingFaceDataParams, TokenBatchParams, get_loader
 from asyncflat.cli import main
 from asyncflat.errors import ConfigError, StepOutOfRangeError
 from asyncflat.hf import HuggingFaceDataLoader, convert_hf_dataset
-from test_convert import assert_dataset, expected_splits, make_tokenizer_json
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 
@@ -32,13 +32,21 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     (data / "train.jsonl").write_text(
         "".join(json.dumps({"text": d, "n": i}) + "\n" for i, d in enumerate(train))
     )
-    (data / "validation.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in validation))
+    (data / "validation.jsonl").write_text(
+        "".join(json.dumps({"text": d}) + "\n" for d in validation)
+    )
     tokenizer = make_tokenizer_json(root, train)
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tokenizer))
-    return {"root": root, "data": data, "train": train, "validation": validation,
-            "tokenizer": str(tokenizer), "encode": lambda t: tok.encode(t, add_special_tokens=False).ids}
+    return {
+        "root": root,
+        "data": data,
+        "train": train,
+        "validation": validation,
+        "tokenizer": str(tokenizer),
+        "encode": lambda t: tok.encode(t, add_special_tokens=False).ids,
+    }
 
 
 # -- conversion -------------------------------------------------------------------------------
@@ -48,8 +56,13 @@ def test_convert_data_file_directory_keeps_its_splits(corpus: dict, tmp_path: Pa
     out = tmp_path / "out.zarr"
     report = convert_hf_dataset(corpus["data"], out, tokenizer=corpus["tokenizer"])
     encode = corpus["encode"]
-    assert_dataset(out, {"train": [encode(d) for d in corpus["train"]],
-                         "validation": [encode(d) for d in corpus["validation"]]})
+    assert_dataset(
+        out,
+        {
+            "train": [encode(d) for d in corpus["train"]],
+            "validation": [encode(d) for d in corpus["validation"]],
+        },
+    )
     assert report.documents == len(corpus["train"]) + len(corpus["validation"])
 
 
@@ -64,19 +77,43 @@ def test_convert_save_to_disk_and_single_file(corpus: dict, tmp_path: Path) -> N
     assert_dataset(out, expected)
 
     out2 = tmp_path / "file.zarr"  # one data file: a train split, split by the same rule
-    convert_hf_dataset(corpus["data"] / "train.jsonl", out2, tokenizer=corpus["tokenizer"],
-                       validation_fraction=0.25)
+    convert_hf_dataset(
+        corpus["data"] / "train.jsonl",
+        out2,
+        tokenizer=corpus["tokenizer"],
+        validation_fraction=0.25,
+    )
     assert_dataset(out2, expected)
 
 
-def test_convert_hf_via_cli(corpus: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_convert_hf_via_cli(
+    corpus: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "cli.zarr"
-    rc = main(["convert", "--hf-dataset", str(corpus["data"]), "-o", str(out), "--tokenizer", "bytes",
-               "--workers", "1", "--no-progress", "--json"])
+    rc = main(
+        [
+            "convert",
+            "--hf-dataset",
+            str(corpus["data"]),
+            "-o",
+            str(out),
+            "--tokenizer",
+            "bytes",
+            "--workers",
+            "1",
+            "--no-progress",
+            "--json",
+        ]
+    )
     assert rc == 0
     assert json.loads(capsys.readouterr().out)["sequences"] == {"train": 120, "validation": 30}
-    assert_dataset(out, {"train": [[b + 1 for b in d.encode()] for d in corpus["train"]],
-                         "validation": [[b + 1 for b in d.encode()] for d in corpus["validation"]]})
+    assert_dataset(
+        out,
+        {
+            "train": [[b + 1 for b in d.encode()] for d in corpus["train"]],
+            "validation": [[b + 1 for b in d.encode()] for d in corpus["validation"]],
+        },
+    )
 
 
 def test_convert_hf_errors(corpus: dict, tmp_path: Path) -> None:
@@ -100,7 +137,7 @@ def reference_collate(
     for seq in sequences:
         end = min(start + len(seq), len(flat_batch))
         flat_is_start[start] = True
-        flat_batch[start:end] = seq[:end - start]
+        flat_batch[start:end] = seq[: end - start]
         start += len(seq)
         if start >= len(flat_batch):
             break
@@ -110,8 +147,12 @@ def reference_collate(
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_loader_matches_reference_collate(corpus: dict, num_workers: int) -> None:
     per_batch, batch, seq_len = 6, 8, 16  # some batches overflow (cut), some are padded
-    params = HuggingFaceDataParams(path=str(corpus["data"]), tokenizer=corpus["tokenizer"],
-                                   num_workers=num_workers, sequences_packed_per_batch=per_batch)
+    params = HuggingFaceDataParams(
+        path=str(corpus["data"]),
+        tokenizer=corpus["tokenizer"],
+        num_workers=num_workers,
+        sequences_packed_per_batch=per_batch,
+    )
     loader = get_loader("train", params, TokenBatchParams(len=seq_len, batch=batch))
     assert isinstance(loader, HuggingFaceDataLoader)
     with loader:
@@ -120,7 +161,7 @@ def test_loader_matches_reference_collate(corpus: dict, num_workers: int) -> Non
         steps = len(encoded) // per_batch  # the last partial group is dropped
         for step in range(steps):
             out = loader.load(step)
-            group = encoded[step * per_batch:(step + 1) * per_batch]
+            group = encoded[step * per_batch : (step + 1) * per_batch]
             targets, is_start = reference_collate(group, batch, seq_len)
             np.testing.assert_array_equal(np.asarray(out.targets), targets)
             np.testing.assert_array_equal(np.asarray(out.is_seq_start), is_start)
@@ -133,8 +174,9 @@ def test_loader_matches_reference_collate(corpus: dict, num_workers: int) -> Non
 
 
 def test_loader_skips_forward_and_validation_split(corpus: dict) -> None:
-    params = HuggingFaceDataParams(path=str(corpus["data"]), tokenizer="bytes", num_workers=0,
-                                   sequences_packed_per_batch=2)
+    params = HuggingFaceDataParams(
+        path=str(corpus["data"]), tokenizer="bytes", num_workers=0, sequences_packed_per_batch=2
+    )
     mesh_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     batch = TokenBatchParams(len=32, batch=2)
     with HuggingFaceDataLoader("validation", params, batch, mesh_sharding) as loader:
@@ -154,6 +196,10 @@ def test_loader_config_errors(corpus: dict, tmp_path: Path) -> None:
         params = HuggingFaceDataParams(str(corpus["data"]), str(path), 0, 2)
         HuggingFaceDataLoader("train", params, batch)
     with pytest.raises(ConfigError, match="no split 'test'"):
-        HuggingFaceDataLoader("test", HuggingFaceDataParams(str(corpus["data"]), "bytes", 0, 2), batch)
+        HuggingFaceDataLoader(
+            "test", HuggingFaceDataParams(str(corpus["data"]), "bytes", 0, 2), batch
+        )
     with pytest.raises(ConfigError, match="never downloads"):
-        HuggingFaceDataLoader("train", HuggingFaceDataParams("some/hub-dataset", "bytes", 0, 2), batch)
+        HuggingFaceDataLoader(
+            "train", HuggingFaceDataParams("some/hub-dataset", "bytes", 0, 2), batch
+        )

@@ -28,6 +28,8 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
+from conftest import random_sequences
+from reference_impl import ReferenceLoader, load_split_arrays
 
 import asyncflat
 from asyncflat import (
@@ -38,8 +40,6 @@ from asyncflat import (
     TokenBatchParams,
 )
 from asyncflat.faults import FaultyStore
-from conftest import random_sequences
-from reference_impl import ReferenceLoader, load_split_arrays
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -60,12 +60,21 @@ def params(path: str, seed: int = 0, packing: bool = True, streams: int = 2) -> 
     return FlatTokensParams(path, streams, 2, 4, seed, packing)
 
 
-def oracle(path: str, p: FlatTokensParams, batch: TokenBatchParams = BATCH, split: str = "train") -> ReferenceLoader:
+def oracle(
+    path: str, p: FlatTokensParams, batch: TokenBatchParams = BATCH, split: str = "train"
+) -> ReferenceLoader:
     tokens, starts = load_split_arrays(path, split)
-    return ReferenceLoader(tokens, starts, seq_len=batch.len, batch=batch.batch, streams=p.streams,
-                           read_blocks_per_shuffle_buffer=p.read_blocks_per_shuffle_buffer,
-                           sequences_per_read_block=p.sequences_per_read_block, seed=p.seed,
-                           sequence_packing=p.sequence_packing)
+    return ReferenceLoader(
+        tokens,
+        starts,
+        seq_len=batch.len,
+        batch=batch.batch,
+        streams=p.streams,
+        read_blocks_per_shuffle_buffer=p.read_blocks_per_shuffle_buffer,
+        sequences_per_read_block=p.sequences_per_read_block,
+        seed=p.seed,
+        sequence_packing=p.sequence_packing,
+    )
 
 
 def library_threads() -> list[str]:
@@ -87,8 +96,13 @@ def wait_until(predicate: Any, timeout: float) -> bool:
 
 def run_script(script: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}
-    return subprocess.run([sys.executable, "-W", "error", "-c", textwrap.dedent(script), *args],
-                          timeout=timeout, capture_output=True, text=True, env=env)
+    return subprocess.run(
+        [sys.executable, "-W", "error", "-c", textwrap.dedent(script), *args],
+        timeout=timeout,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
 
 
 # -- close() --------------------------------------------------------------------------------------
@@ -98,7 +112,9 @@ def run_script(script: str, *args: str, timeout: float = 120) -> subprocess.Comp
 def test_close_leaves_no_thread_and_no_file_descriptor(dataset: str) -> None:
     def cycle(seed: int) -> None:
         options = EngineOptions(prefetch_to_device=2)
-        with ShufflingLoader("train", params(dataset, seed), BATCH, SINGLE, options=options) as loader:
+        with ShufflingLoader(
+            "train", params(dataset, seed), BATCH, SINGLE, options=options
+        ) as loader:
             for step in (0, 5, 1):
                 loader.load(step)
             iterator = loader.iter(3)  # a device-prefetch thread, left running until close()
@@ -134,13 +150,13 @@ def test_close_wakes_a_load_blocked_in_another_thread(dataset: str) -> None:
         return stores[-1]
 
     loader = ShufflingLoader("train", params(dataset), BATCH, SINGLE, store_wrapper=slow)
-    outcome: "queue.Queue[BaseException | str]" = queue.Queue()
+    outcome: queue.Queue[BaseException | str] = queue.Queue()
 
     def blocked() -> None:
         try:
             loader.load(2)
             outcome.put("returned")
-        except BaseException as exc:  # noqa: BLE001 - the test inspects what arrived
+        except BaseException as exc:
             outcome.put(exc)
 
     thread = threading.Thread(target=blocked)
@@ -212,9 +228,14 @@ def test_ctrl_c_during_a_blocking_load_returns_promptly(dataset: str) -> None:
         print("unreachable", flush=True)
     """
     env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}
-    lines: "queue.Queue[tuple[str, float]]" = queue.Queue()
-    with subprocess.Popen([sys.executable, "-W", "error", "-c", textwrap.dedent(script), dataset],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as child:
+    lines: queue.Queue[tuple[str, float]] = queue.Queue()
+    with subprocess.Popen(
+        [sys.executable, "-W", "error", "-c", textwrap.dedent(script), dataset],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    ) as child:
 
         def read() -> None:
             assert child.stdout is not None
@@ -300,7 +321,10 @@ def test_a_forked_process_builds_its_own_loader(dataset: str) -> None:
         print("parent ok", flush=True)
     """
     result = run_script(script, dataset, timeout=150)
-    assert result.stdout.split("\n")[:3] == ["ok", "exit 0", "parent ok"], (result.stdout, result.stderr)
+    assert result.stdout.split("\n")[:3] == ["ok", "exit 0", "parent ok"], (
+        result.stdout,
+        result.stderr,
+    )
     assert result.returncode == 0, result.stderr
 
 
@@ -310,7 +334,11 @@ def test_a_forked_process_builds_its_own_loader(dataset: str) -> None:
 def test_two_loaders_iterated_from_two_threads_at_once(dataset: str) -> None:
     jobs = [
         ("train", params(dataset, seed=1, packing=True), TokenBatchParams(len=16, batch=8)),
-        ("validation", params(dataset, seed=2, packing=False, streams=1), TokenBatchParams(len=32, batch=4)),
+        (
+            "validation",
+            params(dataset, seed=2, packing=False, streams=1),
+            TokenBatchParams(len=32, batch=4),
+        ),
     ]
     errors: list[BaseException] = []
     counts = [0, 0]
@@ -320,14 +348,18 @@ def test_two_loaders_iterated_from_two_threads_at_once(dataset: str) -> None:
         split, p, batch = jobs[index]
         expected = oracle(dataset, p, batch, split)
         try:
-            with ShufflingLoader(split, p, batch, SINGLE, options=EngineOptions(prefetch_to_device=1)) as loader:
+            with ShufflingLoader(
+                split, p, batch, SINGLE, options=EngineOptions(prefetch_to_device=1)
+            ) as loader:
                 start.wait(10)
                 for step, got in loader.iter():
                     targets, starts = expected.batch(step)
-                    np.testing.assert_array_equal(np.asarray(got.targets), targets, err_msg=f"{split} {step}")
+                    np.testing.assert_array_equal(
+                        np.asarray(got.targets), targets, err_msg=f"{split} {step}"
+                    )
                     np.testing.assert_array_equal(np.asarray(got.is_seq_start), starts)
                     counts[index] += 1
-        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(len(jobs))]
@@ -345,11 +377,14 @@ def test_one_loader_shared_by_threads_gives_each_the_right_batch(dataset: str) -
     expected = oracle(dataset, p)
     errors: list[BaseException] = []
     with ShufflingLoader("train", p, BATCH, SINGLE) as loader:
+
         def work(steps: list[int]) -> None:
             try:
                 for step in steps:
-                    np.testing.assert_array_equal(np.asarray(loader.load(step).targets), expected.batch(step)[0])
-            except BaseException as exc:  # noqa: BLE001
+                    np.testing.assert_array_equal(
+                        np.asarray(loader.load(step).targets), expected.batch(step)[0]
+                    )
+            except BaseException as exc:
                 errors.append(exc)
 
         order = np.random.default_rng(0).permutation(loader.step_count).tolist()

@@ -11,6 +11,9 @@ import threading
 import jax
 import numpy as np
 import pytest
+from conftest import random_sequences
+from helpers.seqax_v2 import write_seqax_v2
+from reference_impl import ReferenceLoader, load_split_arrays
 
 import asyncflat
 from asyncflat import (
@@ -25,17 +28,14 @@ from asyncflat import (
     TokenBatch,
     TokenBatchParams,
 )
-from conftest import random_sequences
-from helpers.seqax_v2 import write_seqax_v2
-from reference_impl import ReferenceLoader, load_split_arrays
 
 # (streams, rbpsb, spb, len, batch): chosen to cover 1/2/4/8 streams, steps straddling a
 # minipoch boundary (seqs_per_buffer not a multiple of batch/streams) and short last minipochs.
 PARAMS = [
-    (1, 4, 16, 32, 8),    # bips 8, seqs_per_buffer 64: aligned
-    (2, 3, 10, 64, 16),   # bips 8, seqs_per_buffer 30: straddles; short last minipoch
-    (4, 2, 8, 16, 24),    # bips 6, seqs_per_buffer 16: straddles
-    (8, 1, 8, 32, 24),    # bips 3, seqs_per_buffer 8: straddles every third step
+    (1, 4, 16, 32, 8),  # bips 8, seqs_per_buffer 64: aligned
+    (2, 3, 10, 64, 16),  # bips 8, seqs_per_buffer 30: straddles; short last minipoch
+    (4, 2, 8, 16, 24),  # bips 6, seqs_per_buffer 16: straddles
+    (8, 1, 8, 32, 24),  # bips 3, seqs_per_buffer 8: straddles every third step
 ]
 
 
@@ -48,9 +48,15 @@ def datasets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "v3_sharded": str(root / "v3s.zarr"),
         "v2_seqax": str(root / "v2.zarr"),
     }
-    asyncflat.write_flat_tokens(paths["v3"], {"train": seqs, "validation": seqs[:50]}, chunk_tokens=7000)
-    asyncflat.write_flat_tokens(paths["v3_sharded"], {"train": seqs, "validation": seqs[:50]},
-                                chunk_tokens=4096, shard_tokens=16384)
+    asyncflat.write_flat_tokens(
+        paths["v3"], {"train": seqs, "validation": seqs[:50]}, chunk_tokens=7000
+    )
+    asyncflat.write_flat_tokens(
+        paths["v3_sharded"],
+        {"train": seqs, "validation": seqs[:50]},
+        chunk_tokens=4096,
+        shard_tokens=16384,
+    )
     write_seqax_v2(paths["v2_seqax"], {"train": seqs, "validation": seqs[:50]})
     return paths
 
@@ -58,9 +64,14 @@ def datasets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 def _oracle(path: str, params: FlatTokensParams, batch: TokenBatchParams) -> ReferenceLoader:
     tokens, starts = load_split_arrays(path, "train")
     return ReferenceLoader(
-        tokens, starts, seq_len=batch.len, batch=batch.batch, streams=params.streams,
+        tokens,
+        starts,
+        seq_len=batch.len,
+        batch=batch.batch,
+        streams=params.streams,
         read_blocks_per_shuffle_buffer=params.read_blocks_per_shuffle_buffer,
-        sequences_per_read_block=params.sequences_per_read_block, seed=params.seed,
+        sequences_per_read_block=params.sequences_per_read_block,
+        seed=params.seed,
         sequence_packing=params.sequence_packing,
     )
 
@@ -76,10 +87,18 @@ def _assert_batch(batch: TokenBatch, oracle: ReferenceLoader, step: int) -> None
 @pytest.mark.parametrize("packing", [True, False], ids=["packed", "unpacked"])
 @pytest.mark.parametrize(("streams", "rbpsb", "spb", "seq_len", "batch"), PARAMS)
 def test_every_step_matches_the_oracle(
-    datasets: dict[str, str], store: str, packing: bool,
-    streams: int, rbpsb: int, spb: int, seq_len: int, batch: int,
+    datasets: dict[str, str],
+    store: str,
+    packing: bool,
+    streams: int,
+    rbpsb: int,
+    spb: int,
+    seq_len: int,
+    batch: int,
 ) -> None:
-    params = FlatTokensParams(datasets[store], streams, rbpsb, spb, seed=11, sequence_packing=packing)
+    params = FlatTokensParams(
+        datasets[store], streams, rbpsb, spb, seed=11, sequence_packing=packing
+    )
     batch_params = TokenBatchParams(len=seq_len, batch=batch)
     oracle = _oracle(datasets[store], params, batch_params)
     with ShufflingLoader("train", params, batch_params) as loader:
@@ -95,7 +114,9 @@ def test_any_step_order_gives_the_same_batches(datasets: dict[str, str], prefetc
     batch_params = TokenBatchParams(len=64, batch=16)
     oracle = _oracle(datasets["v3"], params, batch_params)
     rng = np.random.default_rng(0)
-    with ShufflingLoader("train", params, batch_params, options=EngineOptions(prefetch=prefetch)) as loader:
+    with ShufflingLoader(
+        "train", params, batch_params, options=EngineOptions(prefetch=prefetch)
+    ) as loader:
         steps = rng.permutation(loader.step_count)[:60].tolist() + [0, loader.step_count - 1, 0]
         for step in steps:
             _assert_batch(loader.load(step), oracle, step)
@@ -121,9 +142,17 @@ def test_validation_split_and_reference_api(datasets: dict[str, str]) -> None:
         assert isinstance(loader, ShufflingLoader)
         assert loader.max_token_id == 999
         tokens, starts = load_split_arrays(datasets["v3"], "validation")
-        oracle = ReferenceLoader(tokens, starts, seq_len=16, batch=8, streams=1,
-                                 read_blocks_per_shuffle_buffer=2, sequences_per_read_block=4,
-                                 seed=0, sequence_packing=False)
+        oracle = ReferenceLoader(
+            tokens,
+            starts,
+            seq_len=16,
+            batch=8,
+            streams=1,
+            read_blocks_per_shuffle_buffer=2,
+            sequences_per_read_block=4,
+            seed=0,
+            sequence_packing=False,
+        )
         for step in range(loader.step_count):
             _assert_batch(loader.load(step), oracle, step)
         batches = list(loader)
@@ -142,7 +171,9 @@ def test_batch_is_a_sharded_pytree_over_all_devices(datasets: dict[str, str]) ->
             assert leaf.shape == (16, 32)
             assert len(leaf.sharding.device_set) == len(jax.devices()) == 8
             assert leaf.sharding.shard_shape(leaf.shape) == (2, 32)
-        doubled = jax.jit(lambda b: jax.tree_util.tree_map(lambda x: x.astype(np.int32) * 2, b))(batch)
+        doubled = jax.jit(lambda b: jax.tree_util.tree_map(lambda x: x.astype(np.int32) * 2, b))(
+            batch
+        )
         np.testing.assert_array_equal(np.asarray(doubled.targets), np.asarray(batch.targets) * 2)
 
 
@@ -165,27 +196,46 @@ def test_errors_at_construction(datasets: dict[str, str], tmp_path) -> None:
     good = FlatTokensParams(datasets["v3"], 2, 2, 8, seed=0, sequence_packing=True)
     with pytest.raises(ConfigError, match="split must be one of"):
         ShufflingLoader("test", good, TokenBatchParams(len=8, batch=8))
-    with pytest.raises(ConfigError, match="batch=9 must be a multiple of FlatTokensParams.streams=2"):
-        ShufflingLoader("train", good, TokenBatchParams(len=8, batch=9),
-                        jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    with pytest.raises(
+        ConfigError, match="batch=9 must be a multiple of FlatTokensParams.streams=2"
+    ):
+        ShufflingLoader(
+            "train",
+            good,
+            TokenBatchParams(len=8, batch=9),
+            jax.sharding.SingleDeviceSharding(jax.devices()[0]),
+        )
     with pytest.raises(ConfigError, match="fewer than one read block per stream"):
-        ShufflingLoader("train", FlatTokensParams(datasets["v3"], 8, 2, 10_000, 0, True),
-                        TokenBatchParams(len=8, batch=8))
+        ShufflingLoader(
+            "train",
+            FlatTokensParams(datasets["v3"], 8, 2, 10_000, 0, True),
+            TokenBatchParams(len=8, batch=8),
+        )
     with pytest.raises(ConfigError, match="cannot shard a batch"):
         ShufflingLoader("train", good, TokenBatchParams(len=8, batch=10))
     with pytest.raises(ConfigError, match="max_buffer_bytes"):
-        ShufflingLoader("train", good, TokenBatchParams(len=8, batch=8),
-                        options=EngineOptions(max_buffer_bytes=1000))
+        ShufflingLoader(
+            "train",
+            good,
+            TokenBatchParams(len=8, batch=8),
+            options=EngineOptions(max_buffer_bytes=1000),
+        )
     with pytest.raises(DatasetFormatError, match="not a directory"):
-        ShufflingLoader("train", FlatTokensParams(str(tmp_path / "missing.zarr"), 1, 1, 1, 0, True),
-                        TokenBatchParams(len=8, batch=8))
+        ShufflingLoader(
+            "train",
+            FlatTokensParams(str(tmp_path / "missing.zarr"), 1, 1, 1, 0, True),
+            TokenBatchParams(len=8, batch=8),
+        )
     with pytest.raises(ConfigError, match="streams must be >= 1, got 0"):
         FlatTokensParams(datasets["v3"], 0, 2, 8, seed=0, sequence_packing=True)
     with pytest.raises(ConfigError, match="sequence_packing must be a bool"):
         FlatTokensParams(datasets["v3"], 1, 2, 8, seed=0, sequence_packing=1)
     with pytest.raises(ConfigError, match="len must be >= 1"):
         TokenBatchParams(len=0, batch=8)
-    with pytest.raises(ArgumentTypeError, match=r'argument "params" \(dict\) is not an instance of .*FlatTokensParams'):
+    with pytest.raises(
+        ArgumentTypeError,
+        match=r'argument "params" \(dict\) is not an instance of .*FlatTokensParams',
+    ):
         ShufflingLoader("train", {"filespec": datasets["v3"]}, TokenBatchParams(len=8, batch=8))
     # a failed construction leaves no thread behind
     assert not [t for t in threading.enumerate() if t.name.startswith("asyncflat")]
@@ -219,7 +269,9 @@ def test_two_loaders_in_one_process_do_not_interfere(datasets: dict[str, str]) -
 
 
 @pytest.mark.parametrize("store", ["v3", "v2_seqax"])
-def test_a_resume_reads_its_rows_from_partial_blosc_frames(datasets: dict[str, str], store: str) -> None:
+def test_a_resume_reads_its_rows_from_partial_blosc_frames(
+    datasets: dict[str, str], store: str
+) -> None:
     """A fresh loader asked for a step mid-minipoch serves it before its blocks arrive, from
     row-sized reads decoded out of the Blosc frames (header, block table, the blocks in range)."""
     params = FlatTokensParams(datasets[store], 2, 4, 16, seed=9, sequence_packing=True)

@@ -150,8 +150,13 @@ def test_a_forked_child_gets_a_fresh_loop(tmp_path) -> None:
         sys.exit(os.waitstatus_to_exitcode(status))
         """
     )
-    result = subprocess.run([sys.executable, "-c", script], timeout=120, capture_output=True, text=True,
-                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        timeout=120,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
     assert result.returncode == 0, result.stderr
 
 
@@ -167,8 +172,13 @@ def test_interpreter_exit_with_a_busy_loop_does_not_hang() -> None:
         """
     )
     t0 = time.monotonic()
-    result = subprocess.run([sys.executable, "-c", script], timeout=120, capture_output=True, text=True,
-                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        timeout=120,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
     assert result.returncode == 0 and result.stdout.strip() == "bye", result.stderr
     assert time.monotonic() - t0 < 60
 
@@ -176,14 +186,18 @@ def test_interpreter_exit_with_a_busy_loop_does_not_hang() -> None:
 def test_engine_threads_run_at_a_lower_priority_than_the_caller() -> None:
     runner = LoopThread(name="nice", cpu_threads=1, nice=5)
     try:
+
         async def priorities() -> tuple[int, int]:
             loop_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
             pool_nice = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+                None, lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+            )
             return loop_nice, pool_nice
 
         mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
         assert runner.run(priorities()) == (min(19, mine + 5), min(19, mine + 5))
-        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # caller untouched
+        assert (
+            os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
+        )  # caller untouched
     finally:
         runner.close()

@@ -53,10 +53,22 @@ CASES: list[dict[str, Any]] = [
     dict(name="s2", streams=2, sharding="default", packing=True, start=4, count=7),
     dict(name="s8", streams=8, sharding="default", packing=True, start=6, count=20),
     dict(name="s8_interleaved", streams=8, sharding="interleaved", packing=True, start=5, count=9),
-    dict(name="s2_batch_seq_unpacked", streams=2, sharding="batch_seq", packing=False, start=2,
-         count=4),
-    dict(name="s4_replicated", streams=4, sharding="replicated_over_processes", packing=True,
-         start=3, count=4),
+    dict(
+        name="s2_batch_seq_unpacked",
+        streams=2,
+        sharding="batch_seq",
+        packing=False,
+        start=2,
+        count=4,
+    ),
+    dict(
+        name="s4_replicated",
+        streams=4,
+        sharding="replicated_over_processes",
+        packing=True,
+        start=3,
+        count=4,
+    ),
 ]
 for _i, _case in enumerate(CASES):
     _case.update(len=SEQ_LEN, batch=BATCH, spb=SPB, rbpsb=RBPSB, seed=11 + _i)
@@ -89,11 +101,19 @@ def _run_workers(jobs: list[tuple[Path, int, Path]], timeout_s: float) -> None:
     try:
         for spec, pid, log in jobs:
             with open(log, "wb") as out:
-                procs.append((subprocess.Popen(
-                    [sys.executable, str(WORKER), str(spec), str(pid)], cwd=str(REPO),
-                    env=_child_env(), stdout=out, stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                ), log))
+                procs.append(
+                    (
+                        subprocess.Popen(
+                            [sys.executable, str(WORKER), str(spec), str(pid)],
+                            cwd=str(REPO),
+                            env=_child_env(),
+                            stdout=out,
+                            stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL,
+                        ),
+                        log,
+                    )
+                )
         deadline = time.monotonic() + timeout_s
         while True:
             codes = [p.poll() for p, _ in procs]
@@ -125,7 +145,14 @@ class Run:
     def served(self, process: int, case: str) -> list[dict[str, np.ndarray]]:
         arrays = self.arrays[process]
         count = self.stats[process]["cases"][case]["served"]
-        fields = ("step", "targets", "is_seq_start", "local_targets", "local_is_seq_start", "covered")
+        fields = (
+            "step",
+            "targets",
+            "is_seq_start",
+            "local_targets",
+            "local_is_seq_start",
+            "covered",
+        )
         return [{f: arrays[f"{case}/{i}/{f}"] for f in fields} for i in range(count)]
 
 
@@ -135,8 +162,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     dataset = root / "data.zarr"
     rng = np.random.default_rng(5)
     seqs = [rng.integers(0, 1000, rng.integers(1, 41)) for _ in range(2000)]
-    asyncflat.write_flat_tokens(dataset, {"train": seqs, "validation": seqs[:50]},
-                                chunk_tokens=SPB * SEQ_LEN)
+    asyncflat.write_flat_tokens(
+        dataset, {"train": seqs, "validation": seqs[:50]}, chunk_tokens=SPB * SEQ_LEN
+    )
     for case in CASES:  # out-of-order steps: the last, the first, one before the resume step
         step_count = _oracle(str(dataset), case["name"]).step_count
         case["out_of_order"] = [step_count - 1, 0, max(0, case["start"] - 1)]
@@ -147,8 +175,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     for name, processes, devices in [("two", 2, 4), ("one", 1, 8)]:
         out = root / name
         out.mkdir()
-        spec = dict(dataset=str(dataset), num_processes=processes, local_devices=devices,
-                    port=_free_port(), init_timeout_s=INIT_TIMEOUT_S, out=str(out), cases=CASES)
+        spec = dict(
+            dataset=str(dataset),
+            num_processes=processes,
+            local_devices=devices,
+            port=_free_port(),
+            init_timeout_s=INIT_TIMEOUT_S,
+            out=str(out),
+            cases=CASES,
+        )
         spec_path = root / f"spec-{name}.json"
         spec_path.write_text(json.dumps(spec))
         jobs += [(spec_path, pid, root / f"{name}-{pid}.log") for pid in range(processes)]
@@ -167,9 +202,15 @@ def _oracle(dataset: str, case_name: str) -> ReferenceLoader:
     case = next(c for c in CASES if c["name"] == case_name)
     tokens, starts = load_split_arrays(dataset, "train")
     return ReferenceLoader(
-        tokens, starts, seq_len=case["len"], batch=case["batch"], streams=case["streams"],
-        read_blocks_per_shuffle_buffer=case["rbpsb"], sequences_per_read_block=case["spb"],
-        seed=case["seed"], sequence_packing=case["packing"],
+        tokens,
+        starts,
+        seq_len=case["len"],
+        batch=case["batch"],
+        streams=case["streams"],
+        read_blocks_per_shuffle_buffer=case["rbpsb"],
+        sequences_per_read_block=case["spb"],
+        seed=case["seed"],
+        sequence_packing=case["packing"],
     )
 
 
@@ -239,7 +280,9 @@ def test_each_process_fills_only_its_streams(runs: dict[str, Any], case: dict[st
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
-def test_one_and_two_processes_give_the_same_batches(runs: dict[str, Any], case: dict[str, Any]) -> None:
+def test_one_and_two_processes_give_the_same_batches(
+    runs: dict[str, Any], case: dict[str, Any]
+) -> None:
     one = runs["one"].served(0, case["name"])
     for process in range(2):
         two = runs["two"].served(process, case["name"])

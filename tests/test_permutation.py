@@ -62,8 +62,15 @@ def test_matches_reference(seed: int, n: int) -> None:
 
 @pytest.mark.parametrize(
     ("seed", "n"),
-    [(0, impl._SMALL_N - 1), (0, impl._SMALL_N), (5, impl._CHUNK), (5, impl._CHUNK + 1),
-     (2**40 + 7, 70_001), (2**100, 65_537), (2**64 - 1, 131_075)],
+    [
+        (0, impl._SMALL_N - 1),
+        (0, impl._SMALL_N),
+        (5, impl._CHUNK),
+        (5, impl._CHUNK + 1),
+        (2**40 + 7, 70_001),
+        (2**100, 65_537),
+        (2**64 - 1, 131_075),
+    ],
 )
 def test_matches_reference_at_boundaries(seed: int, n: int) -> None:
     # 65536 is where the kernel switches from integer to float-quotient modulo.
@@ -93,8 +100,18 @@ def test_accepts_numpy_integers() -> None:
 
 @pytest.mark.parametrize(
     ("seed", "n", "name"),
-    [(0, -1, "n"), (0, 2**32, "n"), (0, 2**40, "n"), (0, 1.5, "n"), (0, True, "n"), (0, "3", "n"),
-     (-1, 10, "seed"), (0.5, 10, "seed"), (None, 10, "seed"), (False, 10, "seed")],
+    [
+        (0, -1, "n"),
+        (0, 2**32, "n"),
+        (0, 2**40, "n"),
+        (0, 1.5, "n"),
+        (0, True, "n"),
+        (0, "3", "n"),
+        (-1, 10, "seed"),
+        (0.5, 10, "seed"),
+        (None, 10, "seed"),
+        (False, 10, "seed"),
+    ],
 )
 def test_rejects_bad_arguments(seed: object, n: object, name: str) -> None:
     with pytest.raises(ConfigError, match=rf"\b{name}\b") as info:
@@ -110,9 +127,13 @@ def test_first_call_compiles_without_warnings() -> None:
         "from asyncflat.permutation import permutation\n"
         "assert permutation(1, 5000).dtype == np.uint32\n"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                          timeout=240)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == "", proc.stderr
 

@@ -8,10 +8,16 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from asyncflat import ConfigError, FlatTokensParams, ShufflePlan, StepOutOfRangeError, TokenBatchParams
-from asyncflat.plan import NEVER
 from reference_impl import slow_permutation
+
+from asyncflat import (
+    ConfigError,
+    FlatTokensParams,
+    ShufflePlan,
+    StepOutOfRangeError,
+    TokenBatchParams,
+)
+from asyncflat.plan import NEVER
 
 
 @st.composite
@@ -21,11 +27,15 @@ def plans(draw: st.DrawFn) -> ShufflePlan:
     spb = draw(st.integers(1, 7))
     rbpsb = draw(st.integers(1, 5))
     blocks_per_stream = draw(st.integers(1, 12))
-    leftover = draw(st.integers(0, spb * streams - 1))  # sequences that do not fill a block per stream
+    leftover = draw(
+        st.integers(0, spb * streams - 1)
+    )  # sequences that do not fill a block per stream
     seq_len = draw(st.sampled_from([1, 4, 16]))
     seq_count = blocks_per_stream * streams * spb + leftover
     packing = draw(st.booleans())
-    params = FlatTokensParams("unused.zarr", streams, rbpsb, spb, draw(st.integers(0, 2**40)), packing)
+    params = FlatTokensParams(
+        "unused.zarr", streams, rbpsb, spb, draw(st.integers(0, 2**40)), packing
+    )
     batch = TokenBatchParams(len=seq_len, batch=bips * streams)
     if (blocks_per_stream * spb) < bips:
         blocks_per_stream = -(-bips // spb)
@@ -68,7 +78,9 @@ def test_each_row_of_a_buffer_is_served_at_most_once_and_all_when_used(plan: Shu
     for m in range(plan.minipoch_count):
         rows = {(s, r) for (s, mm, r) in served if mm == m}
         assert len(rows) == plan.served_rows(m) * plan.streams
-        ends_in_served_range = (m + 1) * plan.seqs_per_buffer <= plan.step_count * plan.rows_per_stream_step
+        ends_in_served_range = (
+            m + 1
+        ) * plan.seqs_per_buffer <= plan.step_count * plan.rows_per_stream_step
         if m < plan.minipoch_count - 1 and ends_in_served_range:
             assert plan.served_rows(m) == plan.rows_in_buffer(m)
 
@@ -99,7 +111,9 @@ def test_minipochs_of_step_and_first_step_agree_with_locate(plan: ShufflePlan) -
 
 @settings(max_examples=150, deadline=None)
 @given(plans(), st.data())
-def test_block_deadlines_are_the_first_step_reading_each_block(plan: ShufflePlan, data: st.DataObject) -> None:
+def test_block_deadlines_are_the_first_step_reading_each_block(
+    plan: ShufflePlan, data: st.DataObject
+) -> None:
     minipoch = data.draw(st.integers(0, plan.minipoch_count - 1))
     stream = data.draw(st.integers(0, plan.streams - 1))
     from_step = data.draw(st.integers(0, plan.step_count))
@@ -117,18 +131,30 @@ def test_block_deadlines_are_the_first_step_reading_each_block(plan: ShufflePlan
 @settings(max_examples=60, deadline=None)
 @given(plans())
 def test_permutations_are_the_frozen_spec(plan: ShufflePlan) -> None:
-    np.testing.assert_array_equal(plan.block_order, slow_permutation(plan.seed, plan.read_block_count))
+    np.testing.assert_array_equal(
+        plan.block_order, slow_permutation(plan.seed, plan.read_block_count)
+    )
     m = plan.minipoch_count - 1
     np.testing.assert_array_equal(
         plan.row_permutation(plan.streams - 1, m),
-        slow_permutation(plan.seed + 1 + m * plan.streams + plan.streams - 1, plan.rows_in_buffer(m)),
+        slow_permutation(
+            plan.seed + 1 + m * plan.streams + plan.streams - 1, plan.rows_in_buffer(m)
+        ),
     )
 
 
 def test_worked_example_of_the_docstring() -> None:
-    params = FlatTokensParams("unused.zarr", streams=2, read_blocks_per_shuffle_buffer=2,
-                              sequences_per_read_block=4, seed=0, sequence_packing=True)
-    plan = ShufflePlan.create(params, TokenBatchParams(len=2, batch=8), token_count=64, sequence_count=0)
+    params = FlatTokensParams(
+        "unused.zarr",
+        streams=2,
+        read_blocks_per_shuffle_buffer=2,
+        sequences_per_read_block=4,
+        seed=0,
+        sequence_packing=True,
+    )
+    plan = ShufflePlan.create(
+        params, TokenBatchParams(len=2, batch=8), token_count=64, sequence_count=0
+    )
     loc = plan.locate(3, np.array([5]))
     assert (loc.stream[0], loc.minipoch[0], loc.position[0]) == (1, 1, 5)
     assert plan.seqs_per_buffer == 8 and plan.rows_per_stream_step == 4
@@ -138,8 +164,9 @@ def _plan(**overrides: int) -> ShufflePlan:
     kw = dict(streams=2, rbpsb=2, spb=4, batch=8, seqs=64)
     kw.update(overrides)
     params = FlatTokensParams("unused.zarr", kw["streams"], kw["rbpsb"], kw["spb"], 0, False)
-    return ShufflePlan.create(params, TokenBatchParams(len=2, batch=kw["batch"]), token_count=0,
-                              sequence_count=kw["seqs"])
+    return ShufflePlan.create(
+        params, TokenBatchParams(len=2, batch=kw["batch"]), token_count=0, sequence_count=kw["seqs"]
+    )
 
 
 def test_counts_match_the_reference_formulas() -> None:

@@ -13,9 +13,7 @@ import itertools
 
 import numpy as np
 import pytest
-
 from reference_impl import ReferenceLoader, load_split_arrays, slow_permutation
-
 
 # --------------------------------------------------------------------------------------------
 # Independent transcription of the seqax reference (no jax, no sharding: this host owns every
@@ -36,8 +34,19 @@ def _seqax_random_permutation(seed, n):
 
 
 class _SeqaxTranscription:
-    def __init__(self, encoded_tokens, seq_starts, *, seq_len, batch, streams,
-                 read_blocks_per_shuffle_buffer, sequences_per_read_block, seed, sequence_packing):
+    def __init__(
+        self,
+        encoded_tokens,
+        seq_starts,
+        *,
+        seq_len,
+        batch,
+        streams,
+        read_blocks_per_shuffle_buffer,
+        sequences_per_read_block,
+        seed,
+        sequence_packing,
+    ):
         self.encoded_tokens = encoded_tokens
         self.seq_starts = seq_starts
         self.len = seq_len
@@ -61,7 +70,7 @@ class _SeqaxTranscription:
         assert batch % streams == 0
         self.batch_indices_per_stream = batch // streams
         self.batch_indices = list(range(batch))
-        self.buffers = {s: None for s in range(streams)}  # stream -> (minipoch, buffer)
+        self.buffers = dict.fromkeys(range(streams))  # stream -> (minipoch, buffer)
         self.read_block_ordering = _seqax_random_permutation(seed, read_block_count)
 
     def load(self, step):
@@ -69,10 +78,14 @@ class _SeqaxTranscription:
         seq_by_batch_index = {}
         for batch_index in self.batch_indices:
             stream = batch_index // self.batch_indices_per_stream
-            seq_index_in_stream = step * self.batch_indices_per_stream + (batch_index % self.batch_indices_per_stream)
+            seq_index_in_stream = step * self.batch_indices_per_stream + (
+                batch_index % self.batch_indices_per_stream
+            )
             minipoch = seq_index_in_stream // self.seq_indices_per_shuffle_buffer
             seq_index_in_shuffle_buffer = seq_index_in_stream % self.seq_indices_per_shuffle_buffer
-            seq_by_batch_index[batch_index] = self._get_shuffle_buffer(stream, minipoch)[seq_index_in_shuffle_buffer]
+            seq_by_batch_index[batch_index] = self._get_shuffle_buffer(stream, minipoch)[
+                seq_index_in_shuffle_buffer
+            ]
         return np.stack([seq_by_batch_index[b] for b in range(self.batch)])
 
     def _load_read_block(self, read_block_index):
@@ -80,14 +93,14 @@ class _SeqaxTranscription:
         end_seq = start_seq + self.spb
         shape = (self.spb, self.len)
         if self.packing:
-            return self.encoded_tokens[start_seq * self.len:end_seq * self.len].reshape(shape)
-        starts = self.seq_starts[start_seq:end_seq + 1].astype(np.int64)
-        flat = self.encoded_tokens[starts[0]:starts[-1]]
+            return self.encoded_tokens[start_seq * self.len : end_seq * self.len].reshape(shape)
+        starts = self.seq_starts[start_seq : end_seq + 1].astype(np.int64)
+        flat = self.encoded_tokens[starts[0] : starts[-1]]
         result = np.ones(shape, dtype=np.uint32)
         for i in range(self.spb):
             a = starts[i] - starts[0]
             e = min(starts[i + 1] - starts[0], a + self.len)
-            result[i, :e - a] = flat[a:e]
+            result[i, : e - a] = flat[a:e]
         return result
 
     def _get_shuffle_buffer(self, stream, minipoch):
@@ -99,12 +112,16 @@ class _SeqaxTranscription:
                 blocks = self.read_block_count // self.streams - self.rbpsb * minipoch
             indices = []
             for read_block_in_minipoch in range(blocks):
-                sequential = (minipoch * self.rbpsb + read_block_in_minipoch) * self.streams + stream
+                sequential = (
+                    minipoch * self.rbpsb + read_block_in_minipoch
+                ) * self.streams + stream
                 indices.append(self.read_block_ordering[sequential])
             buffer = np.concatenate([self._load_read_block(i) for i in indices], axis=0)
             n = blocks * self.spb
             assert buffer.shape == (n, self.len)
-            permutation = _seqax_random_permutation(self.seed + 1 + minipoch * self.streams + stream, n)
+            permutation = _seqax_random_permutation(
+                self.seed + 1 + minipoch * self.streams + stream, n
+            )
             self.buffers[stream] = (minipoch, buffer[permutation, :])
         return self.buffers[stream][1]
 
@@ -160,9 +177,15 @@ PACKED_CASES = [
 
 def _make(loader_cls, encoded, seq_starts, case, seed, packing):
     return loader_cls(
-        encoded, seq_starts, seq_len=case["seq_len"], batch=case["batch"], streams=case["streams"],
-        read_blocks_per_shuffle_buffer=case["rbpsb"], sequences_per_read_block=case["spb"],
-        seed=seed, sequence_packing=packing,
+        encoded,
+        seq_starts,
+        seq_len=case["seq_len"],
+        batch=case["batch"],
+        streams=case["streams"],
+        read_blocks_per_shuffle_buffer=case["rbpsb"],
+        sequences_per_read_block=case["spb"],
+        seed=seed,
+        sequence_packing=packing,
     )
 
 
@@ -209,7 +232,9 @@ def test_permutation_matches_transcription(seed, n):
 
 
 @pytest.mark.parametrize("seed", [0, 5])
-@pytest.mark.parametrize("case", PACKED_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+@pytest.mark.parametrize(
+    "case", PACKED_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items())
+)
 def test_packed_matches_seqax_transcription(case, seed):
     rng = np.random.default_rng(1000 * seed + case["seqs"])
     encoded, seq_starts = _random_dataset(rng, case["seqs"] * case["seq_len"] + case["extra"])
@@ -236,14 +261,16 @@ def test_cases_exercise_boundaries():
     for case in PACKED_CASES:
         bips = case["batch"] // case["streams"]
         spbuf = case["rbpsb"] * case["spb"]
-        blocks_per_stream = (case["seqs"] // case["spb"] // case["streams"])
+        blocks_per_stream = case["seqs"] // case["spb"] // case["streams"]
         straddle |= spbuf % bips != 0
         short_last |= blocks_per_stream % case["rbpsb"] != 0
     assert straddle and short_last
     assert {c["streams"] for c in PACKED_CASES} >= {1, 2, 4}
 
 
-@pytest.mark.parametrize("case", PACKED_CASES[:4], ids=lambda c: f"streams{c['streams']}-batch{c['batch']}")
+@pytest.mark.parametrize(
+    "case", PACKED_CASES[:4], ids=lambda c: f"streams{c['streams']}-batch{c['batch']}"
+)
 def test_random_access_order_does_not_matter(case):
     rng = np.random.default_rng(7)
     encoded, seq_starts = _random_dataset(rng, case["seqs"] * case["seq_len"] + case["extra"])
@@ -271,7 +298,9 @@ def test_step_out_of_range():
 
 
 @pytest.mark.parametrize("seed", [0, 9])
-@pytest.mark.parametrize("case", PACKED_CASES, ids=lambda c: f"streams{c['streams']}-batch{c['batch']}")
+@pytest.mark.parametrize(
+    "case", PACKED_CASES, ids=lambda c: f"streams{c['streams']}-batch{c['batch']}"
+)
 def test_packed_each_row_served_once(case, seed):
     L = case["seq_len"]
     encoded, seq_starts = _identity_dataset(case["seqs"] * L + case["extra"])
@@ -335,7 +364,9 @@ GOLDEN_HAND_ORDER_SEED0 = [3, 0, 4, 2, 5, 1]
 
 def _hand_dataset():
     encoded = np.array(list(itertools.chain.from_iterable(HAND_SEQUENCES)), dtype=np.uint32)
-    seq_starts = np.concatenate([[0], np.cumsum([len(s) for s in HAND_SEQUENCES])]).astype(np.uint64)
+    seq_starts = np.concatenate([[0], np.cumsum([len(s) for s in HAND_SEQUENCES])]).astype(
+        np.uint64
+    )
     assert seq_starts.tolist() == [0, 1, 4, 9, 11, 18, 22]
     return encoded, seq_starts
 
@@ -350,9 +381,17 @@ def test_hand_rows_are_truncated_padded_sequences():
 @pytest.mark.parametrize("batch", [1, 2, 3, 6])
 def test_non_packed_hand_example_one_minipoch(seed, batch):
     encoded, seq_starts = _hand_dataset()
-    ref = ReferenceLoader(encoded, seq_starts, seq_len=4, batch=batch, streams=1,
-                          read_blocks_per_shuffle_buffer=6, sequences_per_read_block=1,
-                          seed=seed, sequence_packing=False)
+    ref = ReferenceLoader(
+        encoded,
+        seq_starts,
+        seq_len=4,
+        batch=batch,
+        streams=1,
+        read_blocks_per_shuffle_buffer=6,
+        sequences_per_read_block=1,
+        seed=seed,
+        sequence_packing=False,
+    )
     assert ref.read_block_count == 6 and ref.minipoch_count == 1 and ref.step_count == 6 // batch
     block_order = slow_permutation(seed, 6)
     perm = slow_permutation(seed + 1, 6)
@@ -374,9 +413,17 @@ def test_non_packed_hand_example_one_minipoch(seed, batch):
 def test_non_packed_hand_example_golden_order():
     """Seed 0: block_order and buffer permutation give this served order (frozen)."""
     encoded, seq_starts = _hand_dataset()
-    ref = ReferenceLoader(encoded, seq_starts, seq_len=4, batch=2, streams=1,
-                          read_blocks_per_shuffle_buffer=6, sequences_per_read_block=1,
-                          seed=0, sequence_packing=False)
+    ref = ReferenceLoader(
+        encoded,
+        seq_starts,
+        seq_len=4,
+        batch=2,
+        streams=1,
+        read_blocks_per_shuffle_buffer=6,
+        sequences_per_read_block=1,
+        seed=0,
+        sequence_packing=False,
+    )
     block_order = slow_permutation(0, 6).tolist()
     perm = slow_permutation(1, 6).tolist()
     assert block_order == [0, 4, 3, 5, 2, 1] and perm == [2, 0, 1, 4, 3, 5]
@@ -390,9 +437,17 @@ def test_non_packed_hand_example_golden_order():
 def test_non_packed_hand_example_two_minipochs(seed):
     """rbpsb=4 over 6 blocks: minipoch 0 has 4 blocks, the last one 2; batch 3 straddles them."""
     encoded, seq_starts = _hand_dataset()
-    ref = ReferenceLoader(encoded, seq_starts, seq_len=4, batch=3, streams=1,
-                          read_blocks_per_shuffle_buffer=4, sequences_per_read_block=1,
-                          seed=seed, sequence_packing=False)
+    ref = ReferenceLoader(
+        encoded,
+        seq_starts,
+        seq_len=4,
+        batch=3,
+        streams=1,
+        read_blocks_per_shuffle_buffer=4,
+        sequences_per_read_block=1,
+        seed=seed,
+        sequence_packing=False,
+    )
     assert ref.minipoch_count == 2 and ref.step_count == 2
     block_order = slow_permutation(seed, 6)
     perms = [slow_permutation(seed + 1, 4), slow_permutation(seed + 2, 2)]
@@ -410,9 +465,17 @@ def test_non_packed_hand_example_two_minipochs(seed):
 def test_non_packed_hand_example_two_streams(seed):
     """streams=2, rbpsb=2, spb=1: stream s gets blocks block_order[(m*2+j)*2+s]."""
     encoded, seq_starts = _hand_dataset()
-    ref = ReferenceLoader(encoded, seq_starts, seq_len=4, batch=2, streams=2,
-                          read_blocks_per_shuffle_buffer=2, sequences_per_read_block=1,
-                          seed=seed, sequence_packing=False)
+    ref = ReferenceLoader(
+        encoded,
+        seq_starts,
+        seq_len=4,
+        batch=2,
+        streams=2,
+        read_blocks_per_shuffle_buffer=2,
+        sequences_per_read_block=1,
+        seed=seed,
+        sequence_packing=False,
+    )
     assert ref.read_block_count == 6 and ref.minipoch_count == 2 and ref.step_count == 3
     block_order = slow_permutation(seed, 6)
     served = []
@@ -429,7 +492,9 @@ def test_non_packed_hand_example_two_streams(seed):
 
 
 @pytest.mark.parametrize("seed", [0, 8])
-@pytest.mark.parametrize("case", PACKED_CASES[:4], ids=lambda c: f"streams{c['streams']}-batch{c['batch']}")
+@pytest.mark.parametrize(
+    "case", PACKED_CASES[:4], ids=lambda c: f"streams{c['streams']}-batch{c['batch']}"
+)
 def test_non_packed_matches_fixed_transcription(case, seed):
     rng = np.random.default_rng(seed + 77)
     encoded, seq_starts = _random_dataset(rng, case["seqs"] * 6, mean_seq_len=case["seq_len"])
@@ -437,20 +502,30 @@ def test_non_packed_matches_fixed_transcription(case, seed):
     tr = _make(_SeqaxTranscription, encoded, seq_starts, case, seed, False)
     assert ref.step_count == tr.step_count > 0
     for step in range(tr.step_count):
-        np.testing.assert_array_equal(ref.encoded_batch(step), tr.load(step), err_msg=f"step {step}")
+        np.testing.assert_array_equal(
+            ref.encoded_batch(step), tr.load(step), err_msg=f"step {step}"
+        )
 
 
 def test_non_packed_multiset_over_epoch_random():
     rng = np.random.default_rng(5)
     encoded, seq_starts = _random_dataset(rng, 600, mean_seq_len=6)
     L = 5
-    ref = ReferenceLoader(encoded, seq_starts, seq_len=L, batch=4, streams=2,
-                          read_blocks_per_shuffle_buffer=3, sequences_per_read_block=2,
-                          seed=1, sequence_packing=False)
+    ref = ReferenceLoader(
+        encoded,
+        seq_starts,
+        seq_len=L,
+        batch=4,
+        streams=2,
+        read_blocks_per_shuffle_buffer=3,
+        sequences_per_read_block=2,
+        seed=1,
+        sequence_packing=False,
+    )
     used = ref.read_block_count * 2
     expected = []
     for r in range(used):
-        seq = encoded[int(seq_starts[r]):int(seq_starts[r + 1])][:L].tolist()
+        seq = encoded[int(seq_starts[r]) : int(seq_starts[r + 1])][:L].tolist()
         expected.append(tuple(seq + [1] * (L - len(seq))))
     served = [tuple(row) for s in range(ref.step_count) for row in ref.encoded_batch(s).tolist()]
     assert used % 4 == 0
@@ -464,8 +539,15 @@ def test_non_packed_multiset_over_epoch_random():
 
 def test_validation_errors():
     encoded, seq_starts = _identity_dataset(40)
-    kw = dict(seq_len=4, batch=4, streams=2, read_blocks_per_shuffle_buffer=1,
-              sequences_per_read_block=2, seed=0, sequence_packing=True)
+    kw = dict(
+        seq_len=4,
+        batch=4,
+        streams=2,
+        read_blocks_per_shuffle_buffer=1,
+        sequences_per_read_block=2,
+        seed=0,
+        sequence_packing=True,
+    )
     ReferenceLoader(encoded, seq_starts, **kw)
     with pytest.raises(ValueError):
         ReferenceLoader(encoded, seq_starts, **{**kw, "batch": 3})

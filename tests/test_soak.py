@@ -17,11 +17,17 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from reference_impl import ReferenceLoader, load_split_arrays
 
 import asyncflat
-from asyncflat import EngineOptions, FlatTokensParams, RetryPolicy, ShufflingLoader, TokenBatchParams
+from asyncflat import (
+    EngineOptions,
+    FlatTokensParams,
+    RetryPolicy,
+    ShufflingLoader,
+    TokenBatchParams,
+)
 from asyncflat.faults import FaultyStore
-from reference_impl import ReferenceLoader, load_split_arrays
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -42,8 +48,12 @@ def test_epochs_with_faults_random_access_and_resumes(tmp_path: Path) -> None:
     tokens, starts = load_split_arrays(path, "train")
 
     options = EngineOptions(
-        load_timeout_s=30, prefetch_to_device=2, max_concurrent_reads=6,
-        retry=RetryPolicy(max_attempts=8, initial_backoff_s=0.001, max_backoff_s=0.01, deadline_s=20),
+        load_timeout_s=30,
+        prefetch_to_device=2,
+        max_concurrent_reads=6,
+        retry=RetryPolicy(
+            max_attempts=8, initial_backoff_s=0.001, max_backoff_s=0.01, deadline_s=20
+        ),
     )
     rng = np.random.default_rng(1)
     started = time.monotonic()
@@ -52,23 +62,46 @@ def test_epochs_with_faults_random_access_and_resumes(tmp_path: Path) -> None:
     for epoch in range(EPOCHS):
         packing = epoch % 2 == 0
         params = FlatTokensParams(path, 2, 3, 4, seed=100 + epoch, sequence_packing=packing)
-        oracle = ReferenceLoader(tokens, starts, seq_len=BATCH.len, batch=BATCH.batch, streams=2,
-                                 read_blocks_per_shuffle_buffer=3, sequences_per_read_block=4,
-                                 seed=100 + epoch, sequence_packing=packing)
+        oracle = ReferenceLoader(
+            tokens,
+            starts,
+            seq_len=BATCH.len,
+            batch=BATCH.batch,
+            streams=2,
+            read_blocks_per_shuffle_buffer=3,
+            sequences_per_read_block=4,
+            seed=100 + epoch,
+            sequence_packing=packing,
+        )
         served: dict[int, np.ndarray] = {}
         step = 0
         while step < oracle.step_count:
-            assert time.monotonic() - started < BUDGET_S, f"soak over budget in epoch {epoch} at step {step}"
+            assert time.monotonic() - started < BUDGET_S, (
+                f"soak over budget in epoch {epoch} at step {step}"
+            )
             stores: list[FaultyStore] = []
 
-            def wrap(store: object, seed: int = int(rng.integers(1 << 30)),
-                     stores: list[FaultyStore] = stores) -> FaultyStore:
-                stores.append(FaultyStore(store, transient_rate=0.15, max_transient_per_request=3,  # type: ignore[arg-type]
-                                          latency_s=0.0005, latency_jitter_s=0.003, seed=seed))
+            def wrap(
+                store: object,
+                seed: int = int(rng.integers(1 << 30)),
+                stores: list[FaultyStore] = stores,
+            ) -> FaultyStore:
+                stores.append(
+                    FaultyStore(
+                        store,
+                        transient_rate=0.15,
+                        max_transient_per_request=3,  # type: ignore[arg-type]
+                        latency_s=0.0005,
+                        latency_jitter_s=0.003,
+                        seed=seed,
+                    )
+                )
                 return stores[-1]
 
             loaders += 1
-            with ShufflingLoader("train", params, BATCH, SINGLE, options=options, store_wrapper=wrap) as loader:
+            with ShufflingLoader(
+                "train", params, BATCH, SINGLE, options=options, store_wrapper=wrap
+            ) as loader:
                 assert loader.step_count == oracle.step_count
                 # This loader's life: a few stretches, then a resume in a fresh loader.
                 for _ in range(int(rng.integers(1, 4))):
@@ -98,7 +131,9 @@ def test_epochs_with_faults_random_access_and_resumes(tmp_path: Path) -> None:
     assert not [t.name for t in threading.enumerate() if t.name.startswith("asyncflat")]
 
 
-def check(batch: asyncflat.TokenBatch, oracle: ReferenceLoader, step: int, served: dict[int, np.ndarray]) -> None:
+def check(
+    batch: asyncflat.TokenBatch, oracle: ReferenceLoader, step: int, served: dict[int, np.ndarray]
+) -> None:
     targets, is_start = oracle.batch(step)
     got = np.asarray(batch.targets)
     np.testing.assert_array_equal(got, targets, err_msg=f"step {step}")

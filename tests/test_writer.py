@@ -15,13 +15,13 @@ from typing import Any
 import numpy as np
 import pytest
 import zarr
+from helpers.seqax_v2 import write_seqax_v2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncflat.errors import AsyncflatError, ConfigError, DatasetFormatError, LoaderClosedError
 from asyncflat.format import SplitArrays, decode, open_split
 from asyncflat.writer import FlatTokensWriter, write_flat_tokens
-from helpers.seqax_v2 import write_seqax_v2
 
 # (zarr_format, chunk_tokens, shard_tokens)
 LAYOUTS = [
@@ -36,7 +36,9 @@ LAYOUTS = [
 
 
 def open_local(path: Path, split: str = "train") -> SplitArrays:
-    return asyncio.run(open_split(zarr.storage.LocalStore(str(path), read_only=True), split, name=str(path)))
+    return asyncio.run(
+        open_split(zarr.storage.LocalStore(str(path), read_only=True), split, name=str(path))
+    )
 
 
 def read_back(path: Path, split: str) -> list[np.ndarray]:
@@ -47,7 +49,7 @@ def read_back(path: Path, split: str) -> list[np.ndarray]:
     targets, is_start = decode(encoded)
     # The start bits and seq_starts must agree with each other.
     np.testing.assert_array_equal(np.flatnonzero(is_start), starts[:-1].astype(np.int64))
-    return [targets[starts[i]:starts[i + 1]] for i in range(len(starts) - 1)]
+    return [targets[starts[i] : starts[i + 1]] for i in range(len(starts) - 1)]
 
 
 def assert_same_sequences(actual: list[np.ndarray], expected: list[Any]) -> None:
@@ -56,7 +58,9 @@ def assert_same_sequences(actual: list[np.ndarray], expected: list[Any]) -> None
         np.testing.assert_array_equal(a, np.asarray(e))
 
 
-def random_sequences(rng: np.random.Generator, count: int, max_len: int, max_id: int = 50_000) -> list[np.ndarray]:
+def random_sequences(
+    rng: np.random.Generator, count: int, max_len: int, max_id: int = 50_000
+) -> list[np.ndarray]:
     return [rng.integers(0, max_id + 1, int(n)) for n in rng.integers(1, max_len + 1, count)]
 
 
@@ -99,7 +103,9 @@ def test_round_trip(tmp_path: Path, fmt: int, chunk: int, shard: int | None) -> 
 @pytest.mark.parametrize(("fmt", "chunk", "shard"), [(2, 16, None), (3, 16, None), (3, 4, 16)])
 def test_exact_multiple_of_chunk(tmp_path: Path, fmt: int, chunk: int, shard: int | None) -> None:
     seqs = [np.arange(1, 9)] * 8  # 64 tokens: whole chunks and shards, no partial one
-    write_flat_tokens(tmp_path / "d", {"train": seqs}, zarr_format=fmt, chunk_tokens=chunk, shard_tokens=shard)
+    write_flat_tokens(
+        tmp_path / "d", {"train": seqs}, zarr_format=fmt, chunk_tokens=chunk, shard_tokens=shard
+    )
     assert_same_sequences(read_back(tmp_path / "d", "train"), seqs)
     assert open_local(tmp_path / "d").token_count == 64
 
@@ -123,14 +129,15 @@ def test_seq_starts_spanning_several_chunks(tmp_path: Path) -> None:
     fmt=st.sampled_from([2, 3]),
     batch=st.integers(1, 7),
 )
-def test_round_trip_property(seqs: list[list[int]], chunk: int, shard_factor: int | None, fmt: int,
-                             batch: int) -> None:
+def test_round_trip_property(
+    seqs: list[list[int]], chunk: int, shard_factor: int | None, fmt: int, batch: int
+) -> None:
     shard = chunk * shard_factor if shard_factor and fmt == 3 else None
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "d.zarr"
         with FlatTokensWriter(path, zarr_format=fmt, chunk_tokens=chunk, shard_tokens=shard) as w:
             for i in range(0, len(seqs), batch):
-                w.append("validation", seqs[i:i + batch])
+                w.append("validation", seqs[i : i + batch])
         assert_same_sequences(read_back(path, "validation"), seqs)
         assert_same_sequences(read_back(path, "train"), [])
         sa = open_local(path, "validation")
@@ -143,14 +150,18 @@ def test_untouched_splits_are_written_empty(tmp_path: Path) -> None:
     for split in ("train", "validation"):
         sa = open_local(tmp_path / "d", split)
         assert (sa.token_count, sa.sequence_count, sa.max_token_id) == (0, 0, 0)
-        assert zarr.open_group(str(tmp_path / "d"), mode="r")[split]["seq_starts"][:].tolist() == [0]
+        assert zarr.open_group(str(tmp_path / "d"), mode="r")[split]["seq_starts"][:].tolist() == [
+            0
+        ]
 
 
 def test_write_flat_tokens_lazy_and_2d(tmp_path: Path) -> None:
     gen = (np.full(n % 5 + 1, n, np.int32) for n in range(1000))
     packed = np.arange(60, dtype=np.uint16).reshape(6, 10)
     write_flat_tokens(tmp_path / "d", {"train": gen, "validation": packed}, chunk_tokens=32)
-    assert_same_sequences(read_back(tmp_path / "d", "train"), [np.full(n % 5 + 1, n) for n in range(1000)])
+    assert_same_sequences(
+        read_back(tmp_path / "d", "train"), [np.full(n % 5 + 1, n) for n in range(1000)]
+    )
     assert_same_sequences(read_back(tmp_path / "d", "validation"), list(packed))
     assert open_local(tmp_path / "d", "validation").max_token_id == 59
 
@@ -158,8 +169,12 @@ def test_write_flat_tokens_lazy_and_2d(tmp_path: Path) -> None:
 def test_seqax_v2_helper_reads_like_writer_output(tmp_path: Path) -> None:
     seqs = random_sequences(np.random.default_rng(5), 50, 30)
     write_seqax_v2(tmp_path / "ref", {"train": seqs, "validation": seqs[:5]})
-    write_flat_tokens(tmp_path / "ours", {"train": seqs, "validation": seqs[:5]}, zarr_format=2,
-                      chunk_tokens=4_194_304)
+    write_flat_tokens(
+        tmp_path / "ours",
+        {"train": seqs, "validation": seqs[:5]},
+        zarr_format=2,
+        chunk_tokens=4_194_304,
+    )
     for split in ("train", "validation"):
         ref = zarr.open_group(str(tmp_path / "ref"), mode="r")[split]
         ours = zarr.open_group(str(tmp_path / "ours"), mode="r")[split]
@@ -175,16 +190,28 @@ def test_seqax_v2_helper_reads_like_writer_output(tmp_path: Path) -> None:
 # What seqax's tools (zarr 2.x) wrote; copied by hand from a real seqax store's .zarray files.
 SEQAX_BLOSC = {"blocksize": 0, "clevel": 5, "cname": "lz4", "id": "blosc", "shuffle": 2}
 SEQAX_ENCODED_TOKENS_ZARRAY = {
-    "chunks": [4194304], "compressor": SEQAX_BLOSC, "dtype": "<u4", "fill_value": None,
-    "filters": None, "order": "C", "zarr_format": 2,
+    "chunks": [4194304],
+    "compressor": SEQAX_BLOSC,
+    "dtype": "<u4",
+    "fill_value": None,
+    "filters": None,
+    "order": "C",
+    "zarr_format": 2,
 }
 SEQAX_SEQ_STARTS_ZARRAY = {
-    "chunks": [65536], "compressor": SEQAX_BLOSC, "dtype": "<u8", "fill_value": 0,
-    "filters": [{"astype": "<i8", "dtype": "<i8", "id": "delta"}], "order": "C", "zarr_format": 2,
+    "chunks": [65536],
+    "compressor": SEQAX_BLOSC,
+    "dtype": "<u8",
+    "fill_value": 0,
+    "filters": [{"astype": "<i8", "dtype": "<i8", "id": "delta"}],
+    "order": "C",
+    "zarr_format": 2,
 }
 
 
-def assert_seqax_layout(path: Path, split: str, token_count: int, seq_count: int, max_token_id: int) -> None:
+def assert_seqax_layout(
+    path: Path, split: str, token_count: int, seq_count: int, max_token_id: int
+) -> None:
     def load(*parts: str) -> dict[str, Any]:
         return json.loads(path.joinpath(*parts).read_text())
 
@@ -203,13 +230,19 @@ def assert_seqax_layout(path: Path, split: str, token_count: int, seq_count: int
 
 def test_seqax_v2_helper_matches_seqax_layout(tmp_path: Path) -> None:
     seqs = [np.array([5, 6]), np.array([7])]
-    write_seqax_v2(tmp_path / "d", {"train": seqs, "validation": []}, max_token_id={"train": 1017, "validation": 0})
+    write_seqax_v2(
+        tmp_path / "d",
+        {"train": seqs, "validation": []},
+        max_token_id={"train": 1017, "validation": 0},
+    )
     assert_seqax_layout(tmp_path / "d", "train", 3, 2, 1017)
     assert_seqax_layout(tmp_path / "d", "validation", 0, 0, 0)
 
 
 def test_writer_format2_matches_seqax_layout(tmp_path: Path) -> None:
-    write_flat_tokens(tmp_path / "d", {"train": [[5, 6], [7]]}, zarr_format=2, chunk_tokens=4_194_304)
+    write_flat_tokens(
+        tmp_path / "d", {"train": [[5, 6], [7]]}, zarr_format=2, chunk_tokens=4_194_304
+    )
     assert_seqax_layout(tmp_path / "d", "train", 3, 2, 7)
     assert_seqax_layout(tmp_path / "d", "validation", 0, 0, 0)
 
@@ -217,8 +250,16 @@ def test_writer_format2_matches_seqax_layout(tmp_path: Path) -> None:
 def test_writer_format3_codecs(tmp_path: Path) -> None:
     write_flat_tokens(tmp_path / "plain", {"train": [[1]]}, chunk_tokens=1024)
     write_flat_tokens(tmp_path / "sharded", {"train": [[1]]}, chunk_tokens=1024, shard_tokens=4096)
-    blosc = {"name": "blosc", "configuration": {"typesize": 4, "cname": "lz4", "clevel": 5,
-                                                "shuffle": "bitshuffle", "blocksize": 0}}
+    blosc = {
+        "name": "blosc",
+        "configuration": {
+            "typesize": 4,
+            "cname": "lz4",
+            "clevel": 5,
+            "shuffle": "bitshuffle",
+            "blocksize": 0,
+        },
+    }
 
     plain = json.loads((tmp_path / "plain/train/encoded_tokens/zarr.json").read_text())
     assert plain["data_type"] == "uint32"
@@ -252,9 +293,13 @@ def staged_token_objects(tmp_path: Path, fmt: int) -> list[str]:
 
 
 @pytest.mark.parametrize(("fmt", "shard"), [(2, None), (3, None), (3, 20)])
-def test_whole_objects_are_written_as_they_fill(tmp_path: Path, fmt: int, shard: int | None) -> None:
+def test_whole_objects_are_written_as_they_fill(
+    tmp_path: Path, fmt: int, shard: int | None
+) -> None:
     unit = shard or 10
-    with FlatTokensWriter(tmp_path / "d", zarr_format=fmt, chunk_tokens=10, shard_tokens=shard) as w:
+    with FlatTokensWriter(
+        tmp_path / "d", zarr_format=fmt, chunk_tokens=10, shard_tokens=shard
+    ) as w:
         w.append("train", [list(range(1, unit))])  # one token short of an object: still buffered
         assert staged_token_objects(tmp_path, fmt) == []
         w.append("train", [[1, 2]])  # fills the first object and starts the second
@@ -375,7 +420,9 @@ def test_killed_writer_leaves_previous_state_or_nothing(tmp_path: Path, previous
     if previous:
         write_flat_tokens(path, {"train": [[1, 2, 3]]})
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    subprocess.run([sys.executable, "-c", CRASHING_WRITER, str(path)], check=True, env=env, timeout=120)
+    subprocess.run(
+        [sys.executable, "-c", CRASHING_WRITER, str(path)], check=True, env=env, timeout=120
+    )
     if previous:
         assert_same_sequences(read_back(path, "train"), [[1, 2, 3]])
     else:
@@ -400,8 +447,14 @@ def test_killed_writer_leaves_previous_state_or_nothing(tmp_path: Path, previous
         ({"chunk_tokens": True}, r"chunk_tokens must be an integer, got True"),
         ({"zarr_format": 1}, r"zarr_format must be 2 or 3, got 1"),
         ({"zarr_format": True}, r"zarr_format must be 2 or 3, got True"),
-        ({"zarr_format": 2, "shard_tokens": 8, "chunk_tokens": 4}, r"shard_tokens needs zarr_format=3"),
-        ({"shard_tokens": 10, "chunk_tokens": 4}, r"shard_tokens \(10\) must be a multiple of chunk_tokens \(4\)"),
+        (
+            {"zarr_format": 2, "shard_tokens": 8, "chunk_tokens": 4},
+            r"shard_tokens needs zarr_format=3",
+        ),
+        (
+            {"shard_tokens": 10, "chunk_tokens": 4},
+            r"shard_tokens \(10\) must be a multiple of chunk_tokens \(4\)",
+        ),
         ({"shard_tokens": 0}, r"shard_tokens must be >= 1, got 0"),
         ({"overwrite": "yes"}, r"overwrite must be a bool"),
     ],

@@ -23,11 +23,11 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
+from reference_impl import ReferenceLoader, load_split_arrays
 
 import asyncflat
 from asyncflat import DatasetFormatError, FlatTokensParams, ShufflingLoader, TokenBatchParams
 from asyncflat.inspect import verify_split
-from reference_impl import ReferenceLoader, load_split_arrays
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -88,12 +88,27 @@ def expected_sequences(seed: int, count: int) -> dict[str, list[np.ndarray]]:
     return {"train": train, "validation": validation}
 
 
-def spawn(path: str, seed: int, count: int, *, overwrite: bool, kill_at: str = "") -> subprocess.Popen[str]:
+def spawn(
+    path: str, seed: int, count: int, *, overwrite: bool, kill_at: str = ""
+) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}
     return subprocess.Popen(
-        [sys.executable, "-W", "error", "-c", textwrap.dedent(RECIPE + CHILD), path, str(seed), str(count),
-         "1" if overwrite else "0", kill_at],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        [
+            sys.executable,
+            "-W",
+            "error",
+            "-c",
+            textwrap.dedent(RECIPE + CHILD),
+            path,
+            str(seed),
+            str(count),
+            "1" if overwrite else "0",
+            kill_at,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
     )
 
 
@@ -129,16 +144,32 @@ def assert_holds(path: str, seqs: dict[str, list[np.ndarray]]) -> None:
     params = FlatTokensParams(path, 2, 2, 4, 0, False)
     batch = TokenBatchParams(len=32, batch=4)
     tokens, starts = load_split_arrays(path, "train")
-    oracle = ReferenceLoader(tokens, starts, seq_len=32, batch=4, streams=2, read_blocks_per_shuffle_buffer=2,
-                             sequences_per_read_block=4, seed=0, sequence_packing=False)
+    oracle = ReferenceLoader(
+        tokens,
+        starts,
+        seq_len=32,
+        batch=4,
+        streams=2,
+        read_blocks_per_shuffle_buffer=2,
+        sequences_per_read_block=4,
+        seed=0,
+        sequence_packing=False,
+    )
     with ShufflingLoader("train", params, batch, SINGLE) as loader:
         for step in (0, loader.step_count // 2, loader.step_count - 1):
-            np.testing.assert_array_equal(np.asarray(loader.load(step).targets), oracle.batch(step)[0])
+            np.testing.assert_array_equal(
+                np.asarray(loader.load(step).targets), oracle.batch(step)[0]
+            )
 
 
 def assert_rejected(path: str) -> None:
     with pytest.raises(DatasetFormatError, match=f"{path}: no flat-tokens dataset here"):
-        ShufflingLoader("train", FlatTokensParams(path, 1, 1, 1, 0, True), TokenBatchParams(len=8, batch=1), SINGLE)
+        ShufflingLoader(
+            "train",
+            FlatTokensParams(path, 1, 1, 1, 0, True),
+            TokenBatchParams(len=8, batch=1),
+            SINGLE,
+        )
     with pytest.raises(DatasetFormatError):
         verify_split(path, "train")
 
@@ -158,7 +189,9 @@ def test_a_first_write_killed_mid_append_leaves_nothing_that_opens(tmp_path: Pat
     assert not os.path.exists(path)
     assert_rejected(path)
     # what is left behind is the staging directory, named so that it is never mistaken for data
-    assert [os.path.basename(p).split("-")[0] for p in glob.glob(f"{path}.*")] == ["data.zarr.partial"]
+    assert [os.path.basename(p).split("-")[0] for p in glob.glob(f"{path}.*")] == [
+        "data.zarr.partial"
+    ]
 
 
 @pytest.mark.parametrize("chunks", [1, 30])
@@ -191,7 +224,9 @@ def test_an_overwrite_killed_while_committing(
         assert_holds(path, expected_sequences(seed=4, count=40))
 
 
-def test_the_same_child_commits_when_not_killed(old_dataset: tuple[str, dict[str, list[np.ndarray]]]) -> None:
+def test_the_same_child_commits_when_not_killed(
+    old_dataset: tuple[str, dict[str, list[np.ndarray]]],
+) -> None:
     """The control: the child used above does write the dataset the checks expect."""
     path, _ = old_dataset
     finish(spawn(path, seed=4, count=40, overwrite=True), killed=False)

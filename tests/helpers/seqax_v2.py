@@ -44,12 +44,21 @@ def write_seqax_v2(
 
         group = root.create_group(split)
         tokens = group.create_array(
-            "encoded_tokens", shape=encoded.shape, chunks=(SEQAX_TOKEN_CHUNK,), dtype="<u4",
-            fill_value=None, compressors=seqax_compressor(), filters=None,
+            "encoded_tokens",
+            shape=encoded.shape,
+            chunks=(SEQAX_TOKEN_CHUNK,),
+            dtype="<u4",
+            fill_value=None,
+            compressors=seqax_compressor(),
+            filters=None,
         )
         starts = group.create_array(
-            "seq_starts", shape=seq_starts.shape, chunks=(SEQAX_SEQ_STARTS_CHUNK,), dtype="<u8",
-            fill_value=0, compressors=seqax_compressor(),
+            "seq_starts",
+            shape=seq_starts.shape,
+            chunks=(SEQAX_SEQ_STARTS_CHUNK,),
+            dtype="<u8",
+            fill_value=0,
+            compressors=seqax_compressor(),
             filters=[Delta(dtype="<i8", astype="<i8")],
         )
         if encoded.size:

@@ -28,8 +28,8 @@ import json
 import logging
 import re
 import socket
-import sys
 import struct
+import sys
 import threading
 import urllib.request
 from collections.abc import Callable
@@ -63,6 +63,7 @@ class _Httpd(http.server.HTTPServer):
         if isinstance(sys.exc_info()[1], (ConnectionError, BrokenPipeError)):
             return
         super().handle_error(request, client_address)
+
     allow_reuse_address = True
 
 
@@ -71,8 +72,11 @@ def _emulator_handler_class() -> type:
     from gcp_storage_emulator.exceptions import NotFound
     from gcp_storage_emulator.handlers import objects
 
-    download_patterns = [re.compile(regex) for regex, handlers in gse.HANDLERS
-                         if handlers.get(gse.GET) is objects.download]
+    download_patterns = [
+        re.compile(regex)
+        for regex, handlers in gse.HANDLERS
+        if handlers.get(gse.GET) is objects.download
+    ]
     suffix = re.compile(r"\s*bytes=-(\d+)\s*")
 
     class Handler(gse.RequestHandler):
@@ -126,10 +130,14 @@ class GcsEmulator:
 
         storage = Storage(use_memory_fs=True)
         buckets.create_bucket(self.bucket, storage)
-        self._httpd = _Httpd((HOST, self._port), functools.partial(_emulator_handler_class(), storage))
+        self._httpd = _Httpd(
+            (HOST, self._port), functools.partial(_emulator_handler_class(), storage)
+        )
         self._thread = threading.Thread(
-            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
-            name="gcs-emulator", daemon=True,
+            target=self._httpd.serve_forever,
+            kwargs={"poll_interval": 0.05},
+            name="gcs-emulator",
+            daemon=True,
         )
         self._thread.start()
         return self
@@ -229,25 +237,49 @@ class ProxiedRequest:
 #: answer it with that error, or "reset" to reset its connection. Runs on the proxy's thread.
 FaultPolicy = Callable[[ProxiedRequest], "str | None"]
 
-_REASONS = {403: "Forbidden", 404: "Not Found", 429: "Too Many Requests", 500: "Internal Server Error",
-            502: "Bad Gateway", 503: "Service Unavailable", 504: "Gateway Timeout"}
-_S3_CODES = {403: "AccessDenied", 404: "NoSuchKey", 429: "SlowDown", 500: "InternalError",
-             503: "SlowDown", 504: "ServiceUnavailable"}
+_REASONS = {
+    403: "Forbidden",
+    404: "Not Found",
+    429: "Too Many Requests",
+    500: "Internal Server Error",
+    502: "Bad Gateway",
+    503: "Service Unavailable",
+    504: "Gateway Timeout",
+}
+_S3_CODES = {
+    403: "AccessDenied",
+    404: "NoSuchKey",
+    429: "SlowDown",
+    500: "InternalError",
+    503: "SlowDown",
+    504: "ServiceUnavailable",
+}
 
 
 def _error_response(status: int, dialect: str) -> bytes:
     reason = _REASONS.get(status, "Error")
     if dialect == "s3":
         code = _S3_CODES.get(status, "InternalError")
-        body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
-                f"<Message>injected by the test proxy</Message></Error>").encode()
+        body = (
+            f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
+            f"<Message>injected by the test proxy</Message></Error>"
+        ).encode()
         content_type = "application/xml"
     else:
-        body = json.dumps({"error": {"code": status, "message": f"{reason} (injected by the test proxy)",
-                                     "errors": [{"reason": "injected"}]}}).encode()
+        body = json.dumps(
+            {
+                "error": {
+                    "code": status,
+                    "message": f"{reason} (injected by the test proxy)",
+                    "errors": [{"reason": "injected"}],
+                }
+            }
+        ).encode()
         content_type = "application/json"
-    head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    )
     return head.encode() + body
 
 
@@ -299,8 +331,14 @@ class TcpProxy:
     library parses them as its service would send them. ``requests`` logs every request.
     """
 
-    def __init__(self, upstream: str | tuple[str, int], *, latency_s: float = 0.0,
-                 fault: FaultPolicy | None = None, dialect: str = "gcs") -> None:
+    def __init__(
+        self,
+        upstream: str | tuple[str, int],
+        *,
+        latency_s: float = 0.0,
+        fault: FaultPolicy | None = None,
+        dialect: str = "gcs",
+    ) -> None:
         if isinstance(upstream, str):
             parsed = urlparse(upstream)
             upstream = (parsed.hostname or HOST, int(parsed.port or 80))
@@ -371,7 +409,9 @@ class TcpProxy:
 
     # -- connections --------------------------------------------------------------------------
 
-    async def _serve(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+    async def _serve(
+        self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter
+    ) -> None:
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
@@ -410,8 +450,12 @@ class TcpProxy:
             await to_client.send(data)
         await to_client.flush()
 
-    async def _requests(self, reader: asyncio.StreamReader, to_upstream: _DelayedPipe,
-                        client_writer: asyncio.StreamWriter) -> None:
+    async def _requests(
+        self,
+        reader: asyncio.StreamReader,
+        to_upstream: _DelayedPipe,
+        client_writer: asyncio.StreamWriter,
+    ) -> None:
         """Forward requests one by one, parsing just enough HTTP to see each one's head."""
         while True:
             try:
