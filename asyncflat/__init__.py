@@ -14,6 +14,7 @@ from .config import (
     RetryPolicy,
     TokenBatchParams,
 )
+from .epochs import iter_epochs
 from .errors import (
     ArgumentTypeError,
     AsyncflatError,
@@ -29,7 +30,7 @@ from .errors import (
 )
 from .loader import ShufflingLoader, TokenBatch, default_sharding, get_loader
 from .permutation import permutation
-from .plan import ShufflePlan
+from .plan import ShufflePlan, epoch_seed
 from .writer import FlatTokensWriter, write_flat_tokens
 
 __version__ = "0.1.0"
@@ -57,7 +58,9 @@ __all__ = [
     "TransientStorageError",
     "__version__",
     "default_sharding",
+    "epoch_seed",
     "get_loader",
+    "iter_epochs",
     "permutation",
     "write_flat_tokens",
 ]

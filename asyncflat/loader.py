@@ -102,7 +102,9 @@ class ShufflingLoader:
 
     Use as a context manager (or call :meth:`close`) so the engine's thread and buffers go away.
     ``source`` injects a :class:`~asyncflat.source.TokenSource` (tests); ``store_wrapper`` wraps
-    the zarr store (fault injection, instrumentation).
+    the zarr store (fault injection, instrumentation). ``epoch`` selects the pass over the split:
+    0 is seqax's order, ``e > 0`` another deterministic order (:func:`asyncflat.plan.epoch_seed`);
+    :func:`asyncflat.iter_epochs` runs several passes.
     """
 
     @checked
@@ -116,11 +118,13 @@ class ShufflingLoader:
         options: EngineOptions = EngineOptions(),
         store_wrapper: StoreWrapper | None = None,
         source: TokenSource | None = None,
+        epoch: int = 0,
     ) -> None:
         if split not in SPLITS:
             raise ConfigError(f"split must be one of {SPLITS}, got {split!r}")
         self.split, self.params, self.token_batch_params = split, params, token_batch_params
         self.options = options
+        self.epoch = epoch
         self.sharding = default_sharding() if sharding is None else sharding
         self._shape = (token_batch_params.batch, token_batch_params.len)
         check_batch_sharding(self.sharding, self._shape)
@@ -165,6 +169,7 @@ class ShufflingLoader:
             self.token_batch_params,
             token_count=source.token_count,
             sequence_count=source.sequence_count,
+            epoch=self.epoch,
         )
         # Pay the one-time permutation compile and the global block shuffle here, at start-up,
         # not inside the first load().

@@ -28,6 +28,20 @@ step straddles two minipochs when ``seqs_per_buffer`` is not a multiple of ``bip
 
 The boundary is the same step for every stream, which is what lets the engine start the fill of
 m+1 the moment m starts serving and know exactly by which step each block is needed.
+
+Epochs. One pass over the split (``step_count`` steps) is an *epoch*. Epoch 0 is seqax's order
+exactly. Epoch ``e`` is the same construction with the seed replaced by::
+
+    epoch_seed(seed, e) = seed + e * 2**64
+
+so its block order is ``permutation(seed + e*2**64, nblocks)`` and its row permutations use
+``seed + e*2**64 + 1 + m * streams + stream``. Every seed one epoch uses lies in
+``[epoch_seed, epoch_seed + 2**32]`` (there are fewer than ``2**32`` blocks, hence of minipochs
+times streams), so the seeds of two epochs of one run never coincide, and epoch 0's are the
+reference's. Numpy hashes a seed into Philox's key (``SeedSequence``), so neighbouring seeds give
+unrelated orders. A batch is a pure function of (epoch, step): resuming needs those two numbers.
+Every epoch reads the same rows (the same blocks, in another order); the tail the block and
+stream rounding drops is the same in every epoch.
 """
 
 from __future__ import annotations
@@ -41,10 +55,24 @@ from .config import FlatTokensParams, TokenBatchParams
 from .errors import ConfigError, StepOutOfRangeError
 from .permutation import permutation
 
-__all__ = ["NEVER", "RowLocation", "ShufflePlan"]
+__all__ = ["EPOCH_SEED_STRIDE", "NEVER", "RowLocation", "ShufflePlan", "epoch_seed"]
 
 #: Deadline of a block that no step at or after the plan's starting step needs.
 NEVER = np.iinfo(np.int64).max
+
+#: Distance between the seeds of consecutive epochs (see the module docstring).
+EPOCH_SEED_STRIDE = 1 << 64
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The seed that plays the role of ``seed`` in epoch ``epoch``: ``seed + epoch * 2**64``.
+
+    Epoch 0 is ``seed`` itself (seqax's order); every seed an epoch uses lies within ``2**32``
+    above its epoch seed, so epochs of one run never share a permutation seed.
+    """
+    if epoch < 0:
+        raise ConfigError(f"epoch must be >= 0, got {epoch}")
+    return seed + epoch * EPOCH_SEED_STRIDE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +87,11 @@ class RowLocation:
 
 @dataclasses.dataclass(frozen=True)
 class ShufflePlan:
-    """All derived quantities of DESIGN §1 and the index maps over them."""
+    """The derived quantities of the module docstring and the index maps over them.
+
+    ``epoch`` selects the pass over the split: 0 is seqax's order, ``e > 0`` the order of
+    :func:`epoch_seed`. Every other quantity is the same in every epoch.
+    """
 
     seq_len: int
     batch: int
@@ -70,6 +102,7 @@ class ShufflePlan:
     sequence_packing: bool
     token_count: int
     seq_count: int
+    epoch: int = 0
 
     @classmethod
     def create(
@@ -79,8 +112,9 @@ class ShufflePlan:
         *,
         token_count: int,
         sequence_count: int,
+        epoch: int = 0,
     ) -> ShufflePlan:
-        """Build and validate the plan for a split with the given sizes."""
+        """Build and validate the plan for a split with the given sizes (and ``epoch``)."""
         seq_count = token_count // batch_params.len if params.sequence_packing else sequence_count
         return cls(
             seq_len=batch_params.len,
@@ -92,9 +126,14 @@ class ShufflePlan:
             sequence_packing=params.sequence_packing,
             token_count=token_count,
             seq_count=seq_count,
+            epoch=epoch,
         )
 
     def __post_init__(self) -> None:
+        if isinstance(self.epoch, bool) or not isinstance(self.epoch, (int, np.integer)):
+            raise ConfigError(f"epoch must be an integer, got {type(self.epoch).__name__}")
+        if self.epoch < 0:
+            raise ConfigError(f"epoch must be >= 0, got {self.epoch}")
         if self.batch % self.streams:
             raise ConfigError(
                 f"TokenBatchParams.batch={self.batch} must be a multiple of "
@@ -141,6 +180,16 @@ class ShufflePlan:
     @property
     def seqs_per_buffer(self) -> int:
         return self.read_blocks_per_shuffle_buffer * self.sequences_per_read_block
+
+    @property
+    def epoch_seed(self) -> int:
+        """The seed this epoch's permutations derive from (``seed`` in epoch 0)."""
+        return epoch_seed(self.seed, self.epoch)
+
+    @property
+    def rows_dropped(self) -> int:
+        """Rows of the split no step of an epoch serves (block/stream rounding, last batch)."""
+        return self.seq_count - self.step_count * self.batch
 
     @property
     def minipoch_count(self) -> int:
@@ -203,7 +252,7 @@ class ShufflePlan:
     @functools.cached_property
     def block_order(self) -> np.ndarray:
         """The global shuffle of read blocks (computed once; uint32[read_block_count])."""
-        return permutation(self.seed, self.read_block_count)
+        return permutation(self.epoch_seed, self.read_block_count)
 
     def buffer_blocks(self, stream: int, minipoch: int) -> np.ndarray:
         """Global read-block ids of buffer (stream, minipoch), in buffer order (int64)."""
@@ -215,7 +264,7 @@ class ShufflePlan:
     def row_permutation(self, stream: int, minipoch: int) -> np.ndarray:
         """``perm``: buffer row served at each position of buffer (stream, minipoch)."""
         self._check_stream(stream)
-        seed = self.seed + 1 + minipoch * self.streams + stream
+        seed = self.epoch_seed + 1 + minipoch * self.streams + stream
         return permutation(seed, self.rows_in_buffer(minipoch))
 
     def block_deadlines(self, perm: np.ndarray, minipoch: int, from_step: int = 0) -> np.ndarray:

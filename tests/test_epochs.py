@@ -1,0 +1,269 @@
+"""Epochs: ``ShufflePlan(epoch=e)``, ``ShufflingLoader(epoch=e)`` and ``asyncflat.iter_epochs``.
+
+Epoch 0 is seqax's order (the existing oracle and golden tests run with the default epoch 0; here
+it is also checked that ``epoch=0`` changes nothing). Epoch e > 0 is the reference construction
+seeded with ``seed + e * 2**64``, so the oracle for it is the reference loader with that seed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference_impl import ReferenceLoader, load_split_arrays, slow_permutation
+from test_plan import plans
+
+import asyncflat
+from asyncflat import ConfigError, FlatTokensParams, ShufflePlan, TokenBatchParams
+from asyncflat.plan import EPOCH_SEED_STRIDE, epoch_seed
+
+
+def served_rows(plan: ShufflePlan) -> list[int]:
+    """Global row ids (block * spb + row in block) in the order an epoch serves them."""
+    spb = plan.sequences_per_read_block
+    rows = []
+    for step in range(plan.step_count):
+        loc = plan.locate(step)
+        for s, m, p in zip(loc.stream.tolist(), loc.minipoch.tolist(), loc.position.tolist()):
+            buffer_row = int(plan.row_permutation(s, m)[p])
+            block = int(plan.buffer_blocks(s, m)[buffer_row // spb])
+            rows.append(block * spb + buffer_row % spb)
+    return rows
+
+
+def with_epoch(plan: ShufflePlan, epoch: int) -> ShufflePlan:
+    return dataclasses.replace(plan, epoch=epoch)
+
+
+# -- the plan ---------------------------------------------------------------------------------
+
+
+@settings(max_examples=80, deadline=None)
+@given(plans())
+def test_epoch_0_is_the_reference_order(plan: ShufflePlan) -> None:
+    assert plan.epoch == 0 and plan.epoch_seed == plan.seed
+    np.testing.assert_array_equal(
+        plan.block_order, slow_permutation(plan.seed, plan.read_block_count)
+    )
+    explicit = with_epoch(plan, 0)
+    assert served_rows(explicit) == served_rows(plan)
+
+
+@settings(max_examples=80, deadline=None)
+@given(plans(), st.integers(1, 5))
+def test_every_epoch_serves_the_same_rows_once_each(plan: ShufflePlan, epoch: int) -> None:
+    rows0 = served_rows(plan)
+    rows = served_rows(with_epoch(plan, epoch))
+    assert len(rows) == len(set(rows)) == plan.step_count * plan.batch
+    used = plan.read_block_count * plan.sequences_per_read_block
+    assert all(0 <= r < used for r in rows)
+    # The same blocks are read in every epoch; which tail rows of the last buffer go unserved
+    # may differ, but never more of them than in epoch 0.
+    assert {r // plan.sequences_per_read_block for r in rows} <= set(range(plan.read_block_count))
+    assert len(rows) == len(rows0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(plans(), st.integers(1, 1000))
+def test_epoch_e_is_the_reference_construction_with_the_epoch_seed(
+    plan: ShufflePlan, epoch: int
+) -> None:
+    later = with_epoch(plan, epoch)
+    seed = plan.seed + epoch * 2**64
+    assert later.epoch_seed == seed == epoch_seed(plan.seed, epoch)
+    np.testing.assert_array_equal(later.block_order, slow_permutation(seed, plan.read_block_count))
+    m, s = plan.minipoch_count - 1, plan.streams - 1
+    np.testing.assert_array_equal(
+        later.row_permutation(s, m),
+        slow_permutation(seed + 1 + m * plan.streams + s, plan.rows_in_buffer(m)),
+    )
+
+
+def _seeds_of(plan: ShufflePlan) -> set[int]:
+    base = plan.epoch_seed
+    return {base} | {base + 1 + k for k in range(plan.minipoch_count * plan.streams)}
+
+
+@settings(max_examples=100, deadline=None)
+@given(plans(), st.integers(1, 50), st.integers(1, 50))
+def test_epoch_seeds_never_collide(plan: ShufflePlan, e1: int, e2: int) -> None:
+    assert not _seeds_of(plan) & _seeds_of(with_epoch(plan, e1))
+    if e1 != e2:
+        assert not _seeds_of(with_epoch(plan, e1)) & _seeds_of(with_epoch(plan, e2))
+    # The documented bound that makes this hold for any plan: every seed of an epoch lies
+    # within 2**32 of its epoch seed, and epochs are 2**64 apart.
+    assert max(_seeds_of(plan)) - plan.seed <= 2**32 < EPOCH_SEED_STRIDE
+
+
+def test_epochs_differ() -> None:
+    params = FlatTokensParams("unused.zarr", 2, 4, 8, 7, True)
+    plan = ShufflePlan.create(
+        params, TokenBatchParams(len=16, batch=8), token_count=16 * 4000, sequence_count=0
+    )
+    orders = [served_rows(with_epoch(plan, e)) for e in range(4)]
+    for i in range(4):
+        for j in range(i + 1, 4):
+            assert orders[i] != orders[j]
+            assert sorted(orders[i]) == sorted(orders[j])
+    for e in range(1, 4):
+        assert not np.array_equal(with_epoch(plan, e).block_order, plan.block_order)
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.0])
+def test_bad_epochs_are_config_errors(bad: object) -> None:
+    params = FlatTokensParams("unused.zarr", 1, 2, 4, 0, True)
+    with pytest.raises(ConfigError, match="epoch"):
+        ShufflePlan.create(
+            params, TokenBatchParams(len=4, batch=4), token_count=400, sequence_count=0, epoch=bad
+        )  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="epoch must be >= 0"):
+        epoch_seed(0, -1)
+
+
+# -- loaders ----------------------------------------------------------------------------------
+
+SEQ_LEN, BATCH, STREAMS, RBPSB, SPB, SEED = 16, 16, 2, 3, 8, 5
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
+    rng = np.random.default_rng(21)
+    seqs = [rng.integers(1, 1000, rng.integers(1, 41)) for _ in range(500)]
+    path = str(tmp_path_factory.mktemp("epochs") / "data.zarr")
+    asyncflat.write_flat_tokens(
+        path, {"train": seqs, "validation": seqs[:120]}, chunk_tokens=SPB * SEQ_LEN
+    )
+    return path
+
+
+def _oracle(path: str, epoch: int, split: str = "train") -> ReferenceLoader:
+    tokens, starts = load_split_arrays(path, split)
+    return ReferenceLoader(
+        tokens,
+        starts,
+        seq_len=SEQ_LEN,
+        batch=BATCH,
+        streams=STREAMS,
+        read_blocks_per_shuffle_buffer=RBPSB,
+        sequences_per_read_block=SPB,
+        seed=epoch_seed(SEED, epoch),
+        sequence_packing=True,
+    )
+
+
+def _params(path: str) -> FlatTokensParams:
+    return FlatTokensParams(path, STREAMS, RBPSB, SPB, SEED, True)
+
+
+def _assert_batch(batch: asyncflat.TokenBatch, oracle: ReferenceLoader, step: int) -> None:
+    targets, is_start = oracle.batch(step)
+    np.testing.assert_array_equal(np.asarray(batch.targets), targets, err_msg=f"step {step}")
+    np.testing.assert_array_equal(np.asarray(batch.is_seq_start), is_start, err_msg=f"step {step}")
+
+
+def test_loader_epoch_matches_the_oracle_with_the_epoch_seed(dataset: str) -> None:
+    oracle = _oracle(dataset, 2)
+    with asyncflat.ShufflingLoader(
+        "train", _params(dataset), TokenBatchParams(len=SEQ_LEN, batch=BATCH), epoch=2
+    ) as loader:
+        assert loader.plan.epoch == 2
+        for step in (5, 0, loader.step_count - 1, 3):
+            _assert_batch(loader.load(step), oracle, step)
+
+
+def test_iter_epochs_runs_epochs_back_to_back_and_resumes_anywhere(dataset: str) -> None:
+    batch_params = TokenBatchParams(len=SEQ_LEN, batch=BATCH)
+    oracles = {e: _oracle(dataset, e) for e in range(3)}
+    seen = []
+    with contextlib.closing(
+        asyncflat.iter_epochs("train", _params(dataset), batch_params, epochs=3)
+    ) as it:
+        for epoch, step, batch in it:
+            _assert_batch(batch, oracles[epoch], step)
+            seen.append((epoch, step))
+    steps = oracles[0].step_count
+    assert seen == [(e, s) for e in range(3) for s in range(steps)]
+
+    # Resume mid-epoch, and at the very end of an epoch (== the start of the next one).
+    for start_epoch, start_step in ((1, 7), (0, steps)):
+        with contextlib.closing(
+            asyncflat.iter_epochs(
+                "train",
+                _params(dataset),
+                batch_params,
+                start_epoch=start_epoch,
+                start_step=start_step,
+                epochs=3,
+            )
+        ) as it:
+            got = [(e, s) for e, s, _ in it]
+        first = start_epoch * steps + start_step
+        assert got == seen[first:]
+    assert not [t for t in threading.enumerate() if t.name.startswith("asyncflat-next-epoch")]
+
+
+def test_iter_epochs_builds_the_next_epoch_before_the_boundary(
+    dataset: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loader of epoch 1 is built, and its first step loaded, while epoch 0's last minipoch
+    is still being served: the consumer never waits for a construction at the boundary."""
+    import asyncflat.epochs as epochs_mod
+
+    progress: list[tuple[int, int]] = [(-1, -1)]
+    events: dict[str, tuple[int, int]] = {}
+
+    class Recording(asyncflat.ShufflingLoader):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            if kwargs.get("epoch"):
+                events["built"] = progress[0]
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+        def load(self, step: int) -> asyncflat.TokenBatch:
+            batch = super().load(step)
+            if self.plan.epoch == 1 and step == 0:
+                events.setdefault("first_loaded", progress[0])
+            return batch
+
+    monkeypatch.setattr(epochs_mod, "ShufflingLoader", Recording)
+    batch_params = TokenBatchParams(len=SEQ_LEN, batch=BATCH)
+    with contextlib.closing(
+        asyncflat.iter_epochs("train", _params(dataset), batch_params, epochs=2)
+    ) as it:
+        plan = None
+        for epoch, step, _ in it:
+            progress[0] = (epoch, step)
+            if plan is None:
+                plan = ShufflePlan.create(
+                    _params(dataset),
+                    batch_params,
+                    token_count=load_split_arrays(dataset, "train")[0].size,
+                    sequence_count=0,
+                )
+            last_minipoch_from = plan.first_step(plan.minipoch_count - 1)
+            if epoch == 0 and step >= last_minipoch_from:
+                time.sleep(0.3)  # the trainer's step: the builder runs meanwhile
+    assert plan is not None and plan.step_count - last_minipoch_from >= 2
+    built, first_loaded = events["built"], events["first_loaded"]
+    # Submitted as the first step of the last minipoch was handed over (progress is recorded after
+    # each yield, so it still shows the step before), started long before the epoch ended.
+    assert built[0] == 0 and last_minipoch_from - 1 <= built[1] < plan.step_count - 1
+    assert first_loaded[0] == 0  # epoch 1's step 0 was ready before epoch 0 ended
+
+
+def test_iter_epochs_bad_arguments(dataset: str) -> None:
+    batch_params = TokenBatchParams(len=SEQ_LEN, batch=BATCH)
+    for kwargs, match in (
+        (dict(start_epoch=-1), "start_epoch"),
+        (dict(start_step=-1), "start_step"),
+        (dict(epochs=-1), "epochs"),
+        (dict(start_step=10**6), "past the epoch"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            list(asyncflat.iter_epochs("train", _params(dataset), batch_params, **kwargs))
+    assert list(asyncflat.iter_epochs("train", _params(dataset), batch_params, epochs=0)) == []
