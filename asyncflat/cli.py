@@ -8,11 +8,19 @@ Commands (``asyncflat COMMAND --help`` for each):
   parameters, what they cost; ``--verify`` scans every chunk and checks every invariant.
 * ``convert``: text (``.txt``, ``.jsonl``, ``.parquet``) or a local Hugging Face dataset to
   flat-tokens, tokenized in parallel.
-* ``bench``: run the benchmark scripts of a source checkout's ``bench/`` and print their JSON.
+* ``bench``: run the benchmark scripts shipped in the source checkout's ``bench/`` (or those of
+  an explicit ``--bench-dir``) and print their JSON.
 
-The command's results go to stdout; progress bars and log messages go to stderr. Library errors
-(:class:`~asyncflat.errors.AsyncflatError`) end the command with exit status 1 and one line
-``asyncflat COMMAND: error: ...``; usage errors exit with status 2.
+The command's results go to stdout; progress bars and log messages go to stderr. Exit status
+(``docs/cli.md``): 0 on success; 1 when the command fails (a library error,
+:class:`~asyncflat.errors.AsyncflatError`, printed as one line ``asyncflat COMMAND: error: ...``);
+2 for a usage error (argparse's message); 130 when interrupted; 141 when stdout is closed early
+(``asyncflat bench --list | head``), without a traceback.
+
+Global options (``-v``/``--verbose``, ``-q``/``--quiet``) are accepted before or after the
+command. Environment defaults: ``ASYNCFLAT_LOG_LEVEL`` (``DEBUG``, ``INFO``, ``WARNING``,
+``ERROR``: the level of asyncflat's own loggers when neither ``-v`` nor ``-q`` is given) and
+``ASYNCFLAT_NO_PROGRESS`` (any non-empty value but ``0``: no progress bars, as ``--no-progress``).
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -193,7 +202,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 train_step(batch)
             wall = time.perf_counter() - t_start
             stats = loader.stats()
-            boundaries = sum(1 for m in range(1, plan.minipoch_count) if plan.first_step(m) < steps)
+            first_steps = [plan.first_step(m) for m in range(1, plan.minipoch_count)]
+            boundaries = sum(1 for step in first_steps if step < steps)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -227,6 +237,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         "buffer_allocations": stats["buffer_allocations"],
         "bytes_read": stats["bytes_read"],
     }
+    if args.plot:
+        _demo_plot(args, latencies, first_steps)
+        result["plot"] = args.plot
     if args.json:
         _print_json(result)
         return 0
@@ -262,6 +275,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
         f"{'-' if amp is None else f'{amp:.2f}'}, {result['buffer_allocations']} buffers allocated"
     )
     return 0
+
+
+def _demo_plot(args: argparse.Namespace, latencies: Any, first_steps: list[int]) -> None:
+    from .plotting import machine_description, plot_boundary_latency
+
+    label = "asyncflat (prefetch)" if not args.no_prefetch else "synchronous fills (no prefetch)"
+    caption = (
+        f"asyncflat demo: {len(latencies)} steps of batch {args.batch} x len {args.len}, "
+        f"{args.sequences_per_block} sequences per block x {args.read_blocks_per_buffer} blocks "
+        f"per buffer, {args.streams} stream(s), simulated step {args.step_ms:g} ms ({args.step}). "
+        f"Machine: {machine_description()}."
+    )
+    plot_boundary_latency(args.plot, {label: latencies}, first_steps, caption=caption)
+    log.info("wrote %s", args.plot)
 
 
 # --------------------------------------------------------------------------------------------
@@ -315,20 +342,23 @@ def _print_figures(f: Any, args: argparse.Namespace, spb: int) -> None:
     amp = "-" if f.read_amplification is None else f"{f.read_amplification:.2f}"
     print(
         f"    shuffle buffer {_bytes(f.buffer_bytes)}; per host ({f.hosts} hosts) "
-        f"{_bytes(f.buffer_bytes_per_host)} (2 x {f.streams_per_host} streams); "
-        f"read amplification {amp} (chunk tokens decoded per token used)"
+        f"{_bytes(f.buffer_bytes_per_host)} (2 x {f.streams_per_host} streams), for a split of "
+        f"{_bytes(f.split_bytes)} (as uint32); read amplification {amp} (chunk tokens decoded "
+        "per token used)"
     )
+    unit = "tokens" if not args.no_packing else "sequences"
+    print(f"    dropped by rounding: {f.dropped_fraction:.1%} of the split's {unit} per epoch")
+    if f.sizing_warning:
+        print(f"    warning: {f.sizing_warning}")
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .config import FlatTokensParams, TokenBatchParams
     from .format import SPLITS
-    from .inspect import describe_split, loader_figures, verify_split
+    from .inspection import describe_split, loader_figures, verify_split
 
     splits = [args.split] if args.split else list(SPLITS)
     loader_args = (args.len, args.batch)
-    if (args.len is None) != (args.batch is None):
-        raise ConfigError("loader figures need both --len and --batch")
     spb = args.sequences_per_block or (max(1, (1 << 20) // args.len) if args.len else 1)
     report: dict[str, Any] = {"path": args.path, "splits": {}}
     if not args.json:
@@ -358,6 +388,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                     print(f"  loader: {exc}")
             else:
                 entry["loader"] = figures.to_dict()
+                if figures.sizing_warning:
+                    log.warning("%s: %s", split, figures.sizing_warning)
                 if not args.json:
                     _print_figures(figures, args, spb)
         if args.verify:
@@ -424,25 +456,42 @@ def cmd_convert(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------
 
 
+def _shipped_bench_dir() -> Path | None:
+    """``bench/`` of the source checkout this package was imported from, if it is one.
+
+    Only a directory next to the package whose ``pyproject.toml`` names the ``asyncflat``
+    project counts: an installed wheel ships no benchmarks, and a ``bench/`` that happens to
+    sit in ``site-packages`` (or in the current directory) is not ours to run.
+    """
+    root = Path(__file__).resolve().parent.parent
+    bench, pyproject = root / "bench", root / "pyproject.toml"
+    try:
+        text = pyproject.read_text(encoding="utf-8")
+    except OSError:
+        return None
+    if bench.is_dir() and re.search(r'(?m)^name\s*=\s*"asyncflat"\s*$', text):
+        return bench
+    return None
+
+
 def find_bench_dir(explicit: str | None = None) -> Path:
-    """``--bench-dir``, else ``$ASYNCFLAT_BENCH_DIR``, else ``bench/`` of the source checkout
-    this package was imported from, else ``./bench``."""
+    """``--bench-dir`` when given, else the ``bench/`` shipped with this checkout.
+
+    The current directory is never searched: ``asyncflat bench`` must not run whatever
+    ``./bench/*.py`` happens to be where the command is typed.
+    """
     if explicit:
         if not Path(explicit).is_dir():
             raise ConfigError(f"--bench-dir {explicit} is not a directory")
         return Path(explicit)
-    candidates = [
-        os.environ.get("ASYNCFLAT_BENCH_DIR"),
-        Path(__file__).resolve().parent.parent / "bench",
-        Path.cwd() / "bench",
-    ]
-    for candidate in candidates:
-        if candidate and Path(candidate).is_dir():
-            return Path(candidate)
-    raise ConfigError(
-        "no bench/ directory found: the benchmarks ship with asyncflat's source checkout, not the "
-        "installed package; run from a checkout, or pass --bench-dir / set ASYNCFLAT_BENCH_DIR"
-    )
+    shipped = _shipped_bench_dir()
+    if shipped is None:
+        raise ConfigError(
+            "no benchmarks found: they ship with asyncflat's source checkout (bench/ next to the "
+            "package), not with an installed wheel; run from a checkout installed with "
+            "`pip install -e .`, or pass --bench-dir DIR"
+        )
+    return shipped
 
 
 def _bench_scripts(bench_dir: Path) -> dict[str, Path]:
@@ -466,20 +515,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
         for name, path in scripts.items():
             print(f"{name:24s} {_first_doc_line(path)}")
         return 0
-    names = args.names or list(scripts)
+    names = args.name.split(",") if args.name else list(scripts)
     unknown = [n for n in names if n not in scripts]
     if unknown:
         raise ConfigError(
             f"unknown benchmark(s) {', '.join(unknown)}; available: {', '.join(scripts) or 'none'}"
         )
+    if args.args and not args.name:
+        raise ConfigError("benchmark arguments need a benchmark NAME before them")
     failed = []
     for name in names:
-        log.info("running %s", scripts[name])
+        command = [sys.executable, str(scripts[name]), *args.args]
+        log.info("running %s", " ".join(command))
         with subprocess.Popen(
-            [sys.executable, str(scripts[name])],
-            cwd=bench_dir.parent,
-            stdout=subprocess.PIPE,
-            text=True,
+            command, cwd=bench_dir.parent, stdout=subprocess.PIPE, text=True
         ) as proc:
             assert proc.stdout is not None
             for line in proc.stdout:
@@ -492,8 +541,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if proc.returncode != 0:
             failed.append(f"{name} (exit status {proc.returncode})")
     if failed:
-        print(f"asyncflat bench: failed: {', '.join(failed)}", file=sys.stderr)
-        return 1
+        raise AsyncflatError(f"failed: {', '.join(failed)}")
     return 0
 
 
@@ -502,22 +550,49 @@ def cmd_bench(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="asyncflat",
-        description="Tools for flat-tokens datasets and the asyncflat loader.",
-    )
-    parser.add_argument(
+def _global_options(sub: bool) -> argparse.ArgumentParser:
+    """-v/-q, accepted before the command and after it: the command's own copies write to other
+    destinations (their defaults suppressed), and :func:`main` adds both counts up."""
+    suffix = "_sub" if sub else ""
+    options = argparse.ArgumentParser(add_help=False)
+    group = options.add_argument_group("global options")
+    group.add_argument(
         "-v",
         "--verbose",
         action="count",
-        default=0,
-        help="log more (-v: info, -vv: debug) to stderr",
+        dest="verbose" + suffix,
+        default=argparse.SUPPRESS if sub else 0,
+        help="asyncflat's logs at info (-v) or debug (-vv) level on stderr; other libraries "
+        "stay at warnings",
     )
+    group.add_argument(
+        "-q",
+        "--quiet",
+        action="count",
+        dest="quiet" + suffix,
+        default=argparse.SUPPRESS if sub else 0,
+        help="errors only, and no progress bars",
+    )
+    return options
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="asyncflat",
+        description="Tools for flat-tokens datasets and the asyncflat loader.",
+        epilog="Environment: ASYNCFLAT_LOG_LEVEL (default log level of asyncflat's loggers), "
+        "ASYNCFLAT_NO_PROGRESS=1 (no progress bars). Exit status: 0 ok, 1 error, 2 usage error.",
+        parents=[_global_options(sub=False)],
+    )
+    parser.add_argument("--version", action="version", version=f"asyncflat {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub_options = [_global_options(sub=True)]
 
     demo = commands.add_parser(
         "demo",
+        parents=sub_options,
         help="train on a synthetic dataset with a simulated step and report the figures",
         description="Write a synthetic Zipf-token dataset (or reuse --path), run a ShufflingLoader "
         "over it with a simulated train step, and print throughput, load() latency and "
@@ -572,11 +647,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="do not fill the next buffer in the background (the reference's behaviour)",
     )
     demo.add_argument("--json", action="store_true", help="print the figures as JSON")
+    demo.add_argument(
+        "--plot",
+        metavar="FILE",
+        help="also draw the worst load() after each minipoch boundary to FILE (.png, .svg, "
+        ".pdf; needs matplotlib)",
+    )
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.set_defaults(func=cmd_demo)
 
     insp = commands.add_parser(
         "inspect",
+        parents=sub_options,
         help="describe a dataset (and what loader parameters cost); --verify scans it",
         description="Describe a flat-tokens dataset: sizes, sequence lengths, storage layout and "
         "compression. With --len and --batch, also the loader's steps, minipochs, "
@@ -617,6 +699,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     conv = commands.add_parser(
         "convert",
+        parents=sub_options,
         help="tokenize text files or a local Hugging Face dataset into flat-tokens",
         description="Tokenize documents into a new flat-tokens dataset. Inputs: .txt (a document "
         "per line, or per file with --txt-mode file), .jsonl (--text-field), .parquet "
@@ -680,37 +763,100 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser(
         "bench",
-        help="run the benchmark scripts of a source checkout and print their JSON lines",
-        description="Run bench/NAME.py (all of them when no NAME is given) with this Python, each "
-        "in a subprocess from the checkout's root; JSON lines go to stdout, anything "
-        "else the scripts print to stderr.",
+        parents=sub_options,
+        help="run the benchmarks shipped with asyncflat and print their JSON lines",
+        description="Run the benchmark bench/NAME.py of asyncflat's source checkout (all of them "
+        "when no NAME is given) with this Python, in a subprocess from the checkout's root; JSON "
+        "lines go to stdout, anything else the scripts print to stderr. Everything after NAME is "
+        "passed to the script (asyncflat bench cloud --tokens-mib 8). Only the checkout's own "
+        "benchmarks run, never a bench/ of the current directory; --bench-dir runs others.",
     )
-    bench.add_argument("names", nargs="*", metavar="NAME", help="benchmarks to run (default: all)")
+    bench.add_argument(
+        "name",
+        nargs="?",
+        metavar="NAME",
+        help="benchmark to run, or several separated by commas (default: all)",
+    )
+    bench.add_argument(
+        "args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for the benchmark"
+    )
     bench.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     bench.add_argument(
-        "--bench-dir", help="the bench/ directory (default: found from the checkout)"
+        "--bench-dir",
+        metavar="DIR",
+        help="run the scripts of DIR instead of the checkout's bench/ (only when given)",
     )
     bench.set_defaults(func=cmd_bench)
     return parser
 
 
-def _configure_logging(verbose: int) -> None:
-    level = logging.WARNING if verbose <= 0 else logging.INFO if verbose == 1 else logging.DEBUG
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if verbose:
-        logging.getLogger("asyncflat").setLevel(level)
+_LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING}
+_LEVELS["ERROR"] = logging.ERROR
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _log_level(verbose: int, quiet: int) -> int:
+    """-v/-q win; else ``ASYNCFLAT_LOG_LEVEL``; else warnings."""
+    if verbose or quiet:
+        return max(logging.DEBUG, min(logging.ERROR, logging.WARNING - 10 * (verbose - quiet)))
+    env = os.environ.get("ASYNCFLAT_LOG_LEVEL", "").strip().upper()
+    if env and env not in _LEVELS:
+        raise ConfigError(
+            f"ASYNCFLAT_LOG_LEVEL={env!r} is not one of {', '.join(_LEVELS)} (environment)"
+        )
+    return _LEVELS.get(env, logging.WARNING)
+
+
+def _configure_logging(level: int) -> None:
+    """One stderr handler on the root logger at WARNING; only asyncflat's loggers go lower, so
+    -v shows asyncflat's info lines, not jax's or absl's."""
+    root = logging.getLogger()
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root.addHandler(handler)
+    root.setLevel(max(level, logging.WARNING))
+    logging.getLogger("asyncflat").setLevel(level)
+
+
+def _check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Combinations argparse cannot express; reported as usage errors (exit status 2)."""
+    if args.command == "inspect" and (args.len is None) != (args.batch is None):
+        parser.error("inspect: --len and --batch go together (loader figures need both)")
+    if args.command == "demo" and args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("demo --plot needs matplotlib: pip install matplotlib (or '.[dev]')")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); return the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    _configure_logging(args.verbose)
+    args.verbose = args.verbose + getattr(args, "verbose_sub", 0)
+    args.quiet = args.quiet + getattr(args, "quiet_sub", 0)
+    _check_usage(parser, args)
     try:
-        return int(args.func(args))
+        _configure_logging(_log_level(args.verbose, args.quiet))
+        if hasattr(args, "no_progress") and (args.quiet or _env_flag("ASYNCFLAT_NO_PROGRESS")):
+            args.no_progress = True
+        status = int(args.func(args))
+        sys.stdout.flush()  # a closed pipe is reported here, not at interpreter exit
+        return status
     except AsyncflatError as exc:
         print(f"asyncflat {args.command}: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"asyncflat {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`asyncflat bench --list | head`): stop quietly, as Unix tools do.
+        # Python would otherwise fail again flushing stdout at exit; point it at /dev/null.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141

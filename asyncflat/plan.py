@@ -60,6 +60,9 @@ __all__ = ["EPOCH_SEED_STRIDE", "NEVER", "RowLocation", "ShufflePlan", "epoch_se
 #: Deadline of a block that no step at or after the plan's starting step needs.
 NEVER = np.iinfo(np.int64).max
 
+#: Above this share of a split left unserved by rounding, the loader and ``inspect`` warn.
+DROP_WARNING_FRACTION = 0.01
+
 #: Distance between the seeds of consecutive epochs (see the module docstring).
 EPOCH_SEED_STRIDE = 1 << 64
 
@@ -190,6 +193,61 @@ class ShufflePlan:
     def rows_dropped(self) -> int:
         """Rows of the split no step of an epoch serves (block/stream rounding, last batch)."""
         return self.seq_count - self.step_count * self.batch
+
+    @property
+    def dropped_fraction(self) -> float:
+        """The share of the split an epoch never serves: of its tokens with packing (the rounding
+        plus the last partial row), of its sequences without."""
+        if self.sequence_packing:
+            total = self.token_count
+            served = self.step_count * self.batch * self.seq_len
+        else:
+            total, served = self.seq_count, self.step_count * self.batch
+        return (total - served) / total if total else 0.0
+
+    def sizing_warning(self, threshold: float = DROP_WARNING_FRACTION) -> str | None:
+        """A sentence for the log when the rounding drops more than ``threshold`` of the split:
+        the figure, and the parameter (value) that would bring it under ``threshold``."""
+        fraction = self.dropped_fraction
+        if fraction <= threshold:
+            return None
+        unit = "tokens" if self.sequence_packing else "sequences"
+        total = self.token_count if self.sequence_packing else self.seq_count
+        served = self.step_count * self.batch * (self.seq_len if self.sequence_packing else 1)
+        head = (
+            f"the loader serves {served:,} of the split's {total:,} {unit} per epoch: "
+            f"{fraction:.1%} are dropped by rounding to whole read blocks (sequences_per_read_block="
+            f"{self.sequences_per_read_block}) per stream (streams={self.streams}) and whole "
+            f"batches (batch={self.batch})"
+        )
+        spb, best = self._best_spb(threshold)
+        if best <= threshold:
+            return f"{head}; sequences_per_read_block={spb} would drop at most {threshold:.0%}"
+        advice = (
+            f"the split holds too few batches of {self.batch} x {self.seq_len} for 1%, so lower "
+            "batch or streams, or use a larger split"
+        )
+        if spb == self.sequences_per_read_block:
+            return f"{head}; no smaller sequences_per_read_block drops less: {advice}"
+        return (
+            f"{head}; the least any sequences_per_read_block drops here is {best:.1%} "
+            f"(sequences_per_read_block={spb}); {advice}"
+        )
+
+    def _best_spb(self, threshold: float) -> tuple[int, float]:
+        """The largest sequences_per_read_block <= the current one that drops at most
+        ``threshold``; failing that, the one that drops least (and its dropped share)."""
+        total = self.token_count if self.sequence_packing else self.seq_count
+        unit = self.seq_len if self.sequence_packing else 1
+        best = (self.sequences_per_read_block, self.dropped_fraction)
+        for spb in range(self.sequences_per_read_block - 1, 0, -1):
+            blocks = self.seq_count // spb // self.streams * self.streams
+            dropped = (total - blocks * spb // self.batch * self.batch * unit) / max(total, 1)
+            if dropped <= threshold:
+                return spb, dropped
+            if dropped < best[1]:
+                best = (spb, dropped)
+        return best
 
     @property
     def minipoch_count(self) -> int:

@@ -1,8 +1,9 @@
-"""Tests of the asyncflat command line and of asyncflat.inspect (describe, loader figures, verify)."""
+"""Tests of the asyncflat command line and of asyncflat.inspection (describe, loader figures, verify)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -15,11 +16,11 @@ from conftest import random_sequences
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import asyncflat.inspect as inspect_mod
+import asyncflat.inspection as inspect_mod
 from asyncflat import FlatTokensParams, ShufflePlan, TokenBatchParams, write_flat_tokens
 from asyncflat.cli import main
 from asyncflat.errors import CorruptChunkError, DatasetFormatError
-from asyncflat.inspect import describe_split, loader_figures, verify_split
+from asyncflat.inspection import describe_split, loader_figures, verify_split
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -390,3 +391,297 @@ def test_bench_finds_the_checkout(capsys: pytest.CaptureFixture[str]) -> None:
     assert {p.stem for p in (REPO / "bench").glob("*.py") if not p.name.startswith("_")} <= {
         line.split()[0] for line in out.splitlines() if line.strip()
     }
+
+
+# -- conventions: --version, global options, environment, exit status, pipes ----------------
+
+
+def _cli(*argv: str, cwd: Path = REPO, env: dict[str, str] | None = None, timeout: int = 180):
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "asyncflat", *argv],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        cwd=cwd,
+        timeout=timeout,
+    )
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import asyncflat
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"asyncflat {asyncflat.__version__}"
+
+
+@pytest.fixture
+def restore_logging():
+    loggers = [logging.getLogger(), logging.getLogger("asyncflat")]
+    levels = [lg.level for lg in loggers]
+    yield
+    for lg, level in zip(loggers, levels):
+        lg.setLevel(level)
+
+
+@pytest.mark.parametrize(
+    ("argv", "asyncflat_level"),
+    [
+        (["-v", "bench", "--list"], logging.INFO),
+        (["bench", "--list", "-v"], logging.INFO),
+        (["bench", "-v", "--list", "--verbose"], logging.DEBUG),
+        (["-v", "bench", "--list", "-v"], logging.DEBUG),
+        (["bench", "--list", "-q"], logging.ERROR),
+        (["-q", "bench", "--list"], logging.ERROR),
+        (["bench", "--list"], logging.WARNING),
+    ],
+)
+def test_global_options_before_and_after_the_command(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    restore_logging: None,
+    argv: list[str],
+    asyncflat_level: int,
+) -> None:
+    (tmp_path / "one.py").write_text('"""One."""\n')
+    rc, out, _ = run(capsys, *argv, "--bench-dir", str(tmp_path))
+    assert rc == 0 and out.startswith("one")
+    assert logging.getLogger("asyncflat").level == asyncflat_level
+    # Other libraries (jax, absl, urllib3...) stay at warnings whatever -v says.
+    assert logging.getLogger().level == max(asyncflat_level, logging.WARNING)
+
+
+def test_verbose_shows_asyncflat_info_but_not_jax_info(tmp_path: Path) -> None:
+    demo = ["demo", "--tokens", "60000", "--len", "64", "--batch", "8"]
+    demo += ["--sequences-per-block", "16", "--read-blocks-per-buffer", "4", "--steps", "20"]
+    demo += ["--step-ms", "0", "--no-progress", "--path", str(tmp_path / "d.zarr")]
+    proc = _cli(*demo, "-v", env={"JAX_LOG_COMPILES": "1"})
+    assert proc.returncode == 0, proc.stderr
+    info = [line for line in proc.stderr.splitlines() if " INFO " in line]
+    assert any(" INFO asyncflat" in line for line in info), proc.stderr
+    assert not [line for line in info if " INFO asyncflat" not in line], proc.stderr
+    # Without -v, asyncflat's info lines are not shown either.
+    proc = _cli(*demo)
+    assert proc.returncode == 0 and " INFO " not in proc.stderr, proc.stderr
+
+
+def test_environment_defaults(
+    dataset: tuple[Path, list[np.ndarray]],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    restore_logging: None,
+    tmp_path: Path,
+) -> None:
+    path, _ = dataset
+    (tmp_path / "one.py").write_text('"""One."""\n')
+    monkeypatch.setenv("ASYNCFLAT_LOG_LEVEL", "debug")
+    assert run(capsys, "bench", "--list", "--bench-dir", str(tmp_path))[0] == 0
+    assert logging.getLogger("asyncflat").level == logging.DEBUG
+    # -q on the command line wins over the environment.
+    assert run(capsys, "bench", "--list", "-q", "--bench-dir", str(tmp_path))[0] == 0
+    assert logging.getLogger("asyncflat").level == logging.ERROR
+    monkeypatch.setenv("ASYNCFLAT_LOG_LEVEL", "loud")
+    rc, _, err = run(capsys, "bench", "--list", "--bench-dir", str(tmp_path))
+    assert rc == 1 and "ASYNCFLAT_LOG_LEVEL='LOUD'" in err and "DEBUG" in err
+    monkeypatch.delenv("ASYNCFLAT_LOG_LEVEL")
+
+    # Progress bars: shown by default on inspect's scan, gone with ASYNCFLAT_NO_PROGRESS=1.
+    rc, _, err = run(capsys, "inspect", str(path), "--split", "train")
+    assert rc == 0 and ("it/s" in err or "%|" in err)
+    monkeypatch.setenv("ASYNCFLAT_NO_PROGRESS", "1")
+    rc, _, err = run(capsys, "inspect", str(path), "--split", "train")
+    assert rc == 0 and "%|" not in err and "it/s" not in err
+
+
+@pytest.mark.parametrize("given", [["--len", "128"], ["--batch", "8"]])
+def test_len_without_batch_is_a_usage_error(
+    dataset: tuple[Path, list[np.ndarray]], capsys: pytest.CaptureFixture[str], given: list[str]
+) -> None:
+    path, _ = dataset
+    with pytest.raises(SystemExit) as exit_info:
+        main(["inspect", str(path), *given])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage:" in err and "--len and --batch go together" in err
+
+
+def test_exit_statuses_documented_and_real(
+    dataset: tuple[Path, list[np.ndarray]], tmp_path: Path
+) -> None:
+    doc = (REPO / "docs" / "cli.md").read_text()
+    for status in ("0", "1", "2", "130", "141"):
+        assert f"`{status}`" in doc
+    assert _cli("inspect", str(dataset[0]), "--split", "train", "--no-lengths").returncode == 0
+    failed = _cli("inspect", str(tmp_path / "missing"), "--no-progress")
+    assert failed.returncode == 1 and "asyncflat inspect: error:" in failed.stderr
+    assert "Traceback" not in failed.stderr
+    usage = _cli("inspect", str(dataset[0]), "--len", "64")
+    assert usage.returncode == 2 and "usage:" in usage.stderr
+    assert _cli("nope").returncode == 2
+
+
+def test_bench_passes_arguments_through(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "echo.py").write_text(
+        '"""Echo."""\nimport json, sys\nprint(json.dumps({"argv": sys.argv[1:]}))\n'
+    )
+    (tmp_path / "other.py").write_text('"""Other."""\nprint(\'{"other": 1}\')\n')
+    from asyncflat.cli import build_parser
+
+    parsed = build_parser().parse_args(["bench", "cloud", "--tokens-mib", "8"])
+    assert (parsed.name, parsed.args) == ("cloud", ["--tokens-mib", "8"])
+    rc, out, _ = run(capsys, "bench", "--bench-dir", str(tmp_path), "echo", "--tokens-mib", "8")
+    assert rc == 0 and json.loads(out) == {"argv": ["--tokens-mib", "8"]}
+    # Global options before NAME are asyncflat's; everything after NAME is the script's.
+    rc, out, _ = run(capsys, "bench", "-q", "--bench-dir", str(tmp_path), "echo", "-v", "x")
+    assert rc == 0 and json.loads(out) == {"argv": ["-v", "x"]}
+    rc, out, _ = run(capsys, "bench", "--bench-dir", str(tmp_path), "echo,other")
+    assert rc == 0 and [json.loads(line) for line in out.splitlines()] == [
+        {"argv": []},
+        {"other": 1},
+    ]
+
+
+def test_bench_list_into_a_closed_pipe_has_no_traceback(tmp_path: Path) -> None:
+    # A first docstring line longer than a pipe's buffer, so the write must fail.
+    (tmp_path / "long.py").write_text('"""' + "x" * 300_000 + '"""\n')
+    for i in range(5):
+        (tmp_path / f"b{i}.py").write_text(f'"""Benchmark {i}."""\n')
+    with subprocess.Popen(
+        [sys.executable, "-m", "asyncflat", "bench", "--list", "--bench-dir", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        cwd=REPO,
+    ) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.read(10)  # like `head -c 10`: read a little, then go away
+        proc.stdout.close()
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=120) == 141
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_bench_never_runs_the_current_directorys_scripts(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "evil.py").write_text(
+        f'"""Evil."""\nopen({str(marker)!r}, "w").close()\n'
+    )
+    listed = _cli("bench", "--list", cwd=tmp_path)
+    assert listed.returncode == 0 and "evil" not in listed.stdout and "stall" in listed.stdout
+    ran = _cli("bench", "evil", cwd=tmp_path)
+    assert ran.returncode == 1 and "unknown benchmark(s) evil" in ran.stderr
+    assert not marker.exists()
+
+
+def test_bench_of_an_installed_package_needs_bench_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import asyncflat.cli as cli
+
+    # A wheel install: site-packages/asyncflat/cli.py next to somebody else's bench/.
+    site = tmp_path / "site-packages"
+    (site / "asyncflat").mkdir(parents=True)
+    (site / "bench").mkdir()
+    (site / "bench" / "other.py").write_text('"""Not ours."""\n')
+    monkeypatch.setattr(cli, "__file__", str(site / "asyncflat" / "cli.py"))
+    rc, out, err = run(capsys, "bench", "--list")
+    assert rc == 1 and "--bench-dir" in err and "other" not in out
+    # The same tree with asyncflat's pyproject.toml is a source checkout: its bench/ is ours.
+    (site / "pyproject.toml").write_text('[project]\nname = "asyncflat"\n')
+    rc, out, _ = run(capsys, "bench", "--list")
+    assert rc == 0 and out.startswith("other")
+
+
+# -- inspect: sizing made visible ------------------------------------------------------------
+
+
+def test_inspect_warns_when_rounding_drops_more_than_one_percent(
+    dataset: tuple[Path, list[np.ndarray]],
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    path, seqs = dataset
+    tokens = sum(len(s) for s in seqs)
+    argv = ["inspect", str(path), "--split", "train", "--len", "128", "--batch", "8"]
+    argv += ["--read-blocks-per-buffer", "4", "--no-progress", "--no-lengths"]
+    with caplog.at_level(logging.WARNING, logger="asyncflat"):
+        rc, out, _ = run(capsys, *argv, "--sequences-per-block", "200")
+    assert rc == 0
+    plan = ShufflePlan.create(
+        FlatTokensParams(str(path), 1, 4, 200, 0, True),
+        TokenBatchParams(len=128, batch=8),
+        token_count=tokens,
+        sequence_count=len(seqs),
+    )
+    dropped = 1 - plan.step_count * 8 * 128 / tokens
+    assert dropped > 0.01
+    assert f"dropped by rounding: {dropped:.1%} of the split's tokens" in out
+    assert "warning: the loader serves" in out and f"{dropped:.1%} are dropped" in out
+    suggested = int(out.split("sequences_per_read_block=")[-1].split()[0])
+    better = ShufflePlan.create(
+        FlatTokensParams(str(path), 1, 4, suggested, 0, True),
+        TokenBatchParams(len=128, batch=8),
+        token_count=tokens,
+        sequence_count=len(seqs),
+    )
+    assert better.dropped_fraction <= 0.01
+    assert f"for a split of {tokens * 4 / 1024:.1f} KiB" in out
+    assert [r for r in caplog.records if r.levelno == logging.WARNING and "dropped" in r.message]
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="asyncflat"):
+        rc, out, _ = run(capsys, *argv, "--sequences-per-block", str(suggested), "--json")
+    figures = json.loads(out)["splits"]["train"]["loader"]
+    assert rc == 0 and figures["sizing_warning"] is None
+    assert figures["dropped_fraction"] == pytest.approx(better.dropped_fraction)
+    assert figures["split_bytes"] == 4 * tokens
+    assert not [r for r in caplog.records if "dropped" in r.message]
+
+
+# -- demo --plot, the deprecated module name ------------------------------------------------
+
+
+def test_demo_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    png = tmp_path / "run.png"
+    rc, out, _ = run(
+        capsys,
+        "demo",
+        "--tokens",
+        "200000",
+        "--len",
+        "64",
+        "--batch",
+        "8",
+        "--sequences-per-block",
+        "16",
+        "--read-blocks-per-buffer",
+        "4",
+        "--step-ms",
+        "0",
+        "--no-progress",
+        "--json",
+        "--plot",
+        str(png),
+    )
+    assert rc == 0 and json.loads(out)["plot"] == str(png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_boundary_worst() -> None:
+    from asyncflat.plotting import boundary_worst
+
+    lat = [9.0, 1, 2, 7, 1, 1, 3, 1]
+    np.testing.assert_array_equal(boundary_worst(lat, [3, 6, 99]), [7, 3])
+    np.testing.assert_array_equal(boundary_worst(lat, [0, 1]), [9 * 0 + 7])
+
+
+def test_asyncflat_inspect_is_a_deprecated_alias() -> None:
+    import importlib
+
+    sys.modules.pop("asyncflat.inspect", None)
+    with pytest.warns(DeprecationWarning, match="asyncflat.inspection"):
+        alias = importlib.import_module("asyncflat.inspect")
+    assert alias.verify_split is verify_split and alias.describe_split is describe_split

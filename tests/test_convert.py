@@ -22,7 +22,7 @@ from asyncflat.convert import (
 )
 from asyncflat.errors import ConfigError
 from asyncflat.format import decode
-from asyncflat.inspect import verify_split
+from asyncflat.inspection import verify_split
 
 DOCS = [
     "The quick brown fox jumps over the lazy dog.",

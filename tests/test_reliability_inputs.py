@@ -1,7 +1,7 @@
 """Bad inputs: every malformed dataset and invalid parameter is a clear AsyncflatError.
 
 * Malformed datasets, one by one, through the public entry points (``ShufflingLoader``,
-  ``asyncflat.inspect.verify_split``): each raises a specific subclass whose message names the
+  ``asyncflat.inspection.verify_split``): each raises a specific subclass whose message names the
   store, the array and what was expected versus found.
 * Malformed datasets generated with hypothesis by mutating small valid stores (truncated,
   flipped or deleted chunk files, edited metadata, rewritten ``seq_starts``, edited
@@ -46,7 +46,7 @@ from asyncflat import (
     ShufflingLoader,
     TokenBatchParams,
 )
-from asyncflat.inspect import verify_split
+from asyncflat.inspection import verify_split
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -358,7 +358,7 @@ def test_bad_seq_starts_inside_the_array_fail_the_load_that_reads_them(
 @pytest.mark.parametrize("fmt", ["v3", "v2"])
 def test_a_token_above_max_token_id_is_found_by_verify(bases: dict[str, str], fmt: str) -> None:
     """The loader does not scan token values (it would cost a pass over the data); the full check
-    is ``asyncflat inspect --verify`` (asyncflat.inspect.verify_split)."""
+    is ``asyncflat inspect --verify`` (asyncflat.inspection.verify_split)."""
     with copy_of(bases[fmt]) as path:
         set_attr(path, "train", "max_token_id", 40)  # the data holds ids up to 49
         with pytest.raises(

@@ -27,7 +27,7 @@ from reference_impl import ReferenceLoader, load_split_arrays
 
 import asyncflat
 from asyncflat import DatasetFormatError, FlatTokensParams, ShufflingLoader, TokenBatchParams
-from asyncflat.inspect import verify_split
+from asyncflat.inspection import verify_split
 
 pytestmark = pytest.mark.timeout(240)
 
