@@ -181,12 +181,13 @@ def test_iter_epochs_runs_epochs_back_to_back_and_resumes_anywhere(dataset: str)
     batch_params = TokenBatchParams(len=SEQ_LEN, batch=BATCH)
     oracles = {e: _oracle(dataset, e) for e in range(3)}
     seen = []
-    with contextlib.closing(
-        asyncflat.iter_epochs("train", _params(dataset), batch_params, epochs=3)
-    ) as it:
+    with asyncflat.iter_epochs("train", _params(dataset), batch_params, epochs=3) as it:
+        assert it.loader is None  # nothing is opened before the first next()
         for epoch, step, batch in it:
             _assert_batch(batch, oracles[epoch], step)
+            assert it.loader is not None and it.loader.plan.epoch == epoch
             seen.append((epoch, step))
+        assert it.loader is None
     steps = oracles[0].step_count
     assert seen == [(e, s) for e in range(3) for s in range(steps)]
 
