@@ -1,4 +1,4 @@
-"""Shared pieces of the benchmarks: the DESIGN §4 dataset, timers, JSON output.
+"""Shared pieces of the benchmarks: the reference setup's dataset (2^28 tokens), timers, JSON output.
 
 Datasets are cached under ``$ASYNCFLAT_BENCH_DIR`` (default: ``/tmp/asyncflat-bench``) so a
 second run does not rewrite a gigabyte. Layouts:
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-DESIGN_TOKENS = 1 << 28
+REFERENCE_TOKENS = 1 << 28
 SEQAX_CHUNK = 4_194_304
 BLOCK_TOKENS = 1 << 20
 
@@ -43,7 +43,7 @@ def synthetic_sequences(tokens: int, seed: int = 0, vocab: int = 50_000):
         yield np.split(ids.astype(np.uint32), ends)
 
 
-def ensure_dataset(layout: str, tokens: int = DESIGN_TOKENS) -> str:
+def ensure_dataset(layout: str, tokens: int = REFERENCE_TOKENS) -> str:
     """Write (once) and return the path of a ``layout`` dataset with about ``tokens`` tokens."""
     from asyncflat import FlatTokensWriter
 

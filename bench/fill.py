@@ -1,6 +1,6 @@
 """Fill throughput: the engine filling a shuffle buffer vs tensorstore reading the same blocks.
 
-Two layouts of the DESIGN §4 dataset (warm page cache):
+Two layouts of the reference benchmark dataset (warm page cache):
 * ``seqax``: 4M-token chunks, 1M-token blocks (a block read decodes a 4x bigger chunk);
   target: engine >= 1.0x tensorstore on the same blocks.
 * ``aligned``: chunks = blocks; target: engine >= 0.5x blosc's own 2-thread decode rate
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import DESIGN_TOKENS, emit, ensure_dataset
+from _common import REFERENCE_TOKENS, emit, ensure_dataset
 
 LEN, BATCH, SPB, RBPSB = 2048, 64, 512, 64
 
@@ -97,7 +97,7 @@ def blosc_decode_gbps(path: str, block_sets: list[np.ndarray]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=DESIGN_TOKENS)
+    parser.add_argument("--tokens", type=int, default=REFERENCE_TOKENS)
     args = parser.parse_args()
     figures: dict = {"bench": "fill", "tokens": args.tokens}
     for layout, zarr_format in (("seqax", 2), ("aligned", 3)):

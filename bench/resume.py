@@ -3,9 +3,9 @@
 A resumed job builds a new loader and asks for step k in the middle of a minipoch. The engine
 fetches the blocks holding step k's rows first and returns as soon as those are in; the
 reference (prefetch off here) fills the whole buffer first. Both pay for fresh buffer memory.
-Runs for streams=1 and streams=8 (DESIGN §4 setup otherwise). Prints one JSON line.
+Runs for streams=1 and streams=8 (the reference setup otherwise). Prints one JSON line.
 
-Target (DESIGN §4): time to first batch <= 1/8 of a whole fill.
+Target: time to first batch <= 1/8 of a whole fill.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import DESIGN_TOKENS, emit, ensure_dataset
+from _common import REFERENCE_TOKENS, emit, ensure_dataset
 
 LEN, BATCH, SPB, RBPSB = 2048, 64, 512, 64
 
@@ -64,7 +64,7 @@ def first_batch_s(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=DESIGN_TOKENS)
+    parser.add_argument("--tokens", type=int, default=REFERENCE_TOKENS)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")

@@ -1,10 +1,10 @@
 """Loader-only throughput over a whole epoch (no train step), jax arrays included.
 
-Iterates every step of the DESIGN §4 setup (2^28 tokens, len 2048, batch 64, 256 MiB buffers)
+Iterates every step of the reference setup (2^28 tokens, len 2048, batch 64, 256 MiB buffers)
 through ``loader.iter()`` with prefetch on and off, and reports tokens/s with the batches built
 as sharded jax arrays on 8 CPU devices. Prints one JSON line.
 
-Target (DESIGN §4): >= 150M tokens/s (the reference: 35M; boundaries dominate it).
+Target: >= 150M tokens/s (the reference: 35M; boundaries dominate it).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import DESIGN_TOKENS, emit, ensure_dataset
+from _common import REFERENCE_TOKENS, emit, ensure_dataset
 
 
 def epoch(path: str, layout_streams: int, prefetch: bool) -> dict:
@@ -50,7 +50,7 @@ def epoch(path: str, layout_streams: int, prefetch: bool) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=DESIGN_TOKENS)
+    parser.add_argument("--tokens", type=int, default=REFERENCE_TOKENS)
     parser.add_argument("--layout", default="seqax", choices=["seqax", "aligned"])
     args = parser.parse_args()
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
