@@ -66,11 +66,11 @@ def plot_boundary_latency(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
 
     colors = ["tab:blue", "tab:red", "tab:green", "tab:purple"]
     markers = ["o", "s", "^", "D"]
-    fig, ax = plt.subplots(figsize=(9, 4.6))
+    fig, ax = plt.subplots(figsize=(9, 5.2))
     cold = []
     for i, (label, latencies) in enumerate(runs.items()):
         lat = np.asarray(latencies, dtype=np.float64)
@@ -78,29 +78,44 @@ def plot_boundary_latency(
         x = np.arange(1, len(worst) + 1)
         color = colors[i % len(colors)]
         median = float(np.median(lat[1:] if len(lat) > 1 else lat)) * 1e3
-        ax.plot(x, worst, marker=markers[i % len(markers)], ms=7, lw=1, color=color, label=label)
-        ax.axhline(median, color=color, lw=1, ls=":", alpha=0.8)
-        ax.annotate(
-            f"median {median:.2g} ms",
-            (x[-1] if len(x) else 1, median),
-            textcoords="offset points",
-            xytext=(4, 3),
+        ax.plot(
+            x,
+            worst,
+            marker=markers[i % len(markers)],
+            ms=7,
+            lw=1,
             color=color,
-            fontsize=8,
+            label=f"{label}; median load() {median:.2g} ms (dotted)",
         )
+        ax.axhline(median, color=color, lw=1, ls=":", alpha=0.8)
+        if len(worst) <= 12:  # few boundaries: the figures themselves, next to the markers
+            for xi, yi in zip(x, worst):
+                ax.annotate(
+                    f"{yi:.3g} ms",
+                    (xi, yi),
+                    textcoords="offset points",
+                    xytext=(6, -3),
+                    color=color,
+                    fontsize=8,
+                )
         if len(lat):
-            cold.append(f"{label} {lat[0] * 1e3:,.0f} ms")
+            cold.append(f"{label.split(' (')[0]} {lat[0] * 1e3:,.0f} ms")
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+    ax.yaxis.set_minor_formatter(FuncFormatter(lambda y, _: ""))
     ax.set_xlabel("minipoch boundary")
-    ax.set_ylabel("worst load() latency after it [ms, log]")
+    ax.set_ylabel("worst load() until the next boundary [ms, log]")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_title(title)
     ax.grid(True, which="both", axis="y", alpha=0.3)
-    ax.legend(loc="best")
+    # Above the axes, so it never hides a marker; the title above it.
+    ax.legend(
+        loc="lower left", bbox_to_anchor=(0, 1.01), frameon=False, fontsize=9, borderaxespad=0
+    )
+    fig.suptitle(title, x=0.01, ha="left", fontsize=12)
     note = caption
     if cold:
         note += f"\nStep 0 (compilation and first fill, paid once; not plotted): {', '.join(cold)}."
     fig.text(0.01, 0.01, note, fontsize=8, va="bottom", ha="left", wrap=True)
-    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    fig.tight_layout(rect=(0, 0.1, 1, 0.97))
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,15 +1,17 @@
 """Stall benchmark: load() latency per step across minipoch boundaries, prefetch on vs off.
 
 Runs a training loop with a simulated step (``--step-ms`` of sleep, i.e. a trainer that waits
-on the accelerator) over a whole epoch of the DESIGN §4 setup (2^28 tokens in seqax's layout,
+on the accelerator) over a whole epoch of the reference setup (2^28 tokens in seqax's layout,
 len 2048, batch 64, 512 sequences per block, 64 blocks per buffer: 4 minipochs, 3 boundaries),
 once with prefetch and once with the reference's synchronous fills, each in a fresh process so
 peak RSS is per mode. In the same process it times the bare cost of a batch (numpy gather +
-``make_array_from_callback`` + decode) as the floor. Prints one JSON line and writes
-``bench/out/stall.png``.
+``make_array_from_callback`` + decode) as the floor. Prints one JSON line, writes the per-step
+latencies to ``bench/out/stall.json`` and draws ``bench/out/stall.png`` (the figure of
+``docs/stall.png``: the worst load() after each boundary, both modes, log scale, with the
+configuration and machine in its caption). ``--replot FILE.json`` redraws a saved run.
 
-Targets (DESIGN §4): max load() after the first <= 2x the steady median; steady median <= 1.3x
-the bare floor; peak RSS <= 2.2x the shuffle buffer.
+Targets: max load() after the first <= 2x the steady median; steady median <= 1.3x the bare
+floor; peak RSS <= 2.2x the shuffle buffer.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import DESIGN_TOKENS, emit, ensure_dataset, out_dir, peak_rss_bytes, rss_bytes
+# This checkout's asyncflat, even when another one is installed.
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _common import REFERENCE_TOKENS, emit, ensure_dataset, out_dir, peak_rss_bytes, rss_bytes
 
 
 def child(args: argparse.Namespace) -> None:
@@ -79,7 +83,9 @@ def child(args: argparse.Namespace) -> None:
         for step in range(min(400, steps)):
             t0 = time.perf_counter()
             host = rows[perm[(step * args.batch + np.arange(args.batch)) % len(perm)]]
-            arr = jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+            arr = jax.make_array_from_callback(
+                host.shape, sharding, lambda idx, host=host: host[idx]
+            )
             out = decode(arr)
             floor.append(time.perf_counter() - t0)
             time.sleep(args.step_ms / 1000)
@@ -138,31 +144,33 @@ def summarize(run: dict) -> dict:
     }
 
 
-def plot(runs: dict, path: str) -> None:
-    import matplotlib
+def plot(runs: dict, path: str, config: dict) -> None:
+    from asyncflat.plotting import machine_description, plot_boundary_latency
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(10, 4))
-    for mode, color in (("off", "tab:red"), ("on", "tab:blue")):
-        lat = np.array(runs[mode]["latencies"]) * 1e3
-        label = "prefetch off (reference behaviour)" if mode == "off" else "asyncflat prefetch"
-        ax.plot(np.arange(len(lat)), lat, ".", ms=2, color=color, label=label)
-    for step in runs["on"]["minipoch_first_steps"][1:]:
-        ax.axvline(step, color="grey", lw=0.5, ls="--")
-    ax.set_yscale("log")
-    ax.set_xlabel("step (dashed: minipoch boundaries)")
-    ax.set_ylabel("load() latency [ms]")
-    ax.set_title("load() latency per step")
-    ax.legend(loc="upper right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    caption = (
+        f"{config['tokens'] / 2**20:,.0f}M tokens ({config['layout']} layout), len {config['len']}, "
+        f"batch {config['batch']}, {config['spb']} sequences per read block x {config['rbpsb']} "
+        f"blocks per buffer, {config['streams']} stream(s); simulated step {config['step_ms']:g} ms "
+        f"(sleep). Machine: {config.get('machine') or machine_description()}"
+    )
+    if "load_average" in config:
+        before, after = config["load_average"]
+        caption += f", 1-minute load average {before:g} before the runs and {after:g} after"
+    caption += "."
+    plot_boundary_latency(
+        path,
+        {
+            "asyncflat (next buffer filled in the background)": runs["on"]["latencies"],
+            "synchronous fills (seqax's ShufflingLoader)": runs["off"]["latencies"],
+        },
+        runs["on"]["minipoch_first_steps"][1:],
+        caption=caption,
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=DESIGN_TOKENS)
+    parser.add_argument("--tokens", type=int, default=REFERENCE_TOKENS)
     parser.add_argument("--layout", default="seqax", choices=["seqax", "aligned"])
     parser.add_argument("--len", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=64)
@@ -177,19 +185,44 @@ def main() -> None:
         default=True,
         help="gc.freeze() after start-up, as trainers do (default: on)",
     )
+    parser.add_argument("--replot", metavar="JSON", help="redraw the figure of a saved run")
     parser.add_argument("--mode", choices=["on", "off"], help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.mode:
         return child(args)
+    if args.replot:
+        with open(args.replot) as f:
+            saved = json.load(f)
+        png = os.path.splitext(args.replot)[0] + ".png"
+        plot(saved["runs"], png, saved["config"])
+        print(json.dumps({"bench": "stall", "plot": png}))
+        return None
     path = ensure_dataset(args.layout, args.tokens)
+    load_before = os.getloadavg()[0]
     runs = {}
     for mode in ("on", "off"):
         cmd = [sys.executable, __file__, "--mode", mode, "--path", path] + sys.argv[1:]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         runs[mode] = json.loads(out.strip().splitlines()[-1])
+    from asyncflat.plotting import machine_description
+
+    config = {
+        "tokens": args.tokens,
+        "layout": args.layout,
+        "len": args.len,
+        "batch": args.batch,
+        "spb": args.spb,
+        "rbpsb": args.rbpsb,
+        "streams": args.streams,
+        "step_ms": args.step_ms,
+        "machine": machine_description(),
+        "load_average": [round(load_before, 1), round(os.getloadavg()[0], 1)],
+    }
+    with open(out_dir() / "stall.json", "w") as f:
+        json.dump({"config": config, "runs": runs}, f)
     png = out_dir() / "stall.png"
-    plot(runs, str(png))
+    plot(runs, str(png), config)
     on, off = summarize(runs["on"]), summarize(runs["off"])
     emit(
         {
