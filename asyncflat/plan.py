@@ -236,18 +236,20 @@ class ShufflePlan:
 
     def _best_spb(self, threshold: float) -> tuple[int, float]:
         """The largest sequences_per_read_block <= the current one that drops at most
-        ``threshold``; failing that, the one that drops least (and its dropped share)."""
+        ``threshold``; failing that, the one that drops least (and its dropped share).
+        Vectorised over every candidate: a few milliseconds even for a million."""
         total = self.token_count if self.sequence_packing else self.seq_count
         unit = self.seq_len if self.sequence_packing else 1
-        best = (self.sequences_per_read_block, self.dropped_fraction)
-        for spb in range(self.sequences_per_read_block - 1, 0, -1):
-            blocks = self.seq_count // spb // self.streams * self.streams
-            dropped = (total - blocks * spb // self.batch * self.batch * unit) / max(total, 1)
-            if dropped <= threshold:
-                return spb, dropped
-            if dropped < best[1]:
-                best = (spb, dropped)
-        return best
+        spb = np.arange(1, self.sequences_per_read_block + 1, dtype=np.int64)
+        blocks = self.seq_count // spb // self.streams * self.streams
+        served = blocks * spb // self.batch * self.batch * unit
+        dropped = (total - served) / max(total, 1)
+        fixes = np.flatnonzero(dropped <= threshold)
+        if len(fixes):
+            best = int(fixes[-1])
+        else:  # the least dropped, preferring the largest block among equals
+            best = len(dropped) - 1 - int(np.argmin(dropped[::-1]))
+        return int(spb[best]), float(dropped[best])
 
     @property
     def minipoch_count(self) -> int:
