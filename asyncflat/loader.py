@@ -381,13 +381,22 @@ def get_loader(
     sharding: Sharding | None = None,
     *,
     batch_type: BatchType = TokenBatch,
+    options: EngineOptions | None = None,
 ) -> Any:
     """Build the loader for ``config``, as the reference's ``get_loader`` does.
 
-    ``batch_type`` is the class the batches are built as (see :class:`ShufflingLoader`).
+    ``batch_type`` is the class the batches are built as (see :class:`ShufflingLoader`);
+    ``options`` are the flat-tokens engine's (the Hugging Face loader has none).
     """
     if isinstance(config, FlatTokensParams):
-        return ShufflingLoader(split, config, token_batch_params, sharding, batch_type=batch_type)
+        return ShufflingLoader(
+            split,
+            config,
+            token_batch_params,
+            sharding,
+            options=_DEFAULT_OPTIONS if options is None else options,
+            batch_type=batch_type,
+        )
     from .hf import HuggingFaceDataLoader  # optional extra: imported only when asked for
 
     return HuggingFaceDataLoader(split, config, token_batch_params, sharding, batch_type=batch_type)
