@@ -50,7 +50,7 @@ from .errors import ConfigError, LoaderClosedError
 from .format import SPLITS
 from .permutation import warm_up as warm_up_permutation
 from .plan import ShufflePlan
-from .sizing import dropped_warning
+from .sizing import dropped_warning, format_bytes
 from .source import StoreWrapper, TokenSource, ZarrTokenSource
 
 # TokenBatch, default_sharding and check_batch_sharding live in asyncflat.batch; re-exported here
@@ -160,15 +160,15 @@ class ShufflingLoader:
         if warning is not None:
             log.warning("%s", warning)
         log.info(
-            "%s: %d steps, %d minipochs, streams %s on this host; shuffle buffers %.1f MiB each, "
-            "%.1f MiB on this host (2 per stream), for a split of %.1f MiB of tokens",
+            "%s: %d steps, %d minipochs, streams %s on this host; shuffle buffers %s each, "
+            "%s on this host (2 per stream), for a split of %s of tokens",
             where,
             plan.step_count,
             plan.minipoch_count,
             streams,
-            plan.buffer_bytes / 2**20,
-            needed / 2**20,
-            plan.token_count * 4 / 2**20,
+            format_bytes(plan.buffer_bytes),
+            format_bytes(needed),
+            format_bytes(plan.token_count * 4),
         )
         return Engine(plan, source, streams, self.options)
 

@@ -12,7 +12,7 @@ import dataclasses
 
 from .plan import ShufflePlan
 
-__all__ = ["WARN_FRACTION", "Coverage", "coverage", "dropped_warning"]
+__all__ = ["WARN_FRACTION", "Coverage", "coverage", "dropped_warning", "format_bytes"]
 
 #: Dropping more than this fraction of a split at construction is logged as a WARNING.
 WARN_FRACTION = 0.01
@@ -82,3 +82,12 @@ def dropped_warning(plan: ShufflePlan, where: str) -> str | None:
         f"of streams and whole batches. Most of the loss ({count:,} {cov.unit}) is {cause}; "
         f"{_FIX[cause]} would keep it"
     )
+
+
+def format_bytes(count: float) -> str:
+    """``count`` bytes in binary units, e.g. ``'10.7 MiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(count) < 1024 or unit == "TiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    raise AssertionError("unreachable")
