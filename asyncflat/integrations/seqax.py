@@ -34,13 +34,20 @@ def batch_sharding(batch_type: BatchType) -> Sharding:
     This is ``shardtypes.make_shardings(batch_type).targets``, the sharding seqax's own loader
     uses, so on several hosts each host reads exactly the rows its devices hold.
     """
-    sharding = shardtypes.make_shardings(batch_type).targets
+    hint = (
+        "call get_loader inside `with Mesh(...)`, as seqax's train.py does, so the batch is "
+        "sharded over the training mesh"
+    )
+    try:
+        sharding = shardtypes.make_shardings(batch_type).targets
+    except Exception as exc:
+        raise ConfigError(
+            f"shardtypes.make_shardings({getattr(batch_type, '__name__', batch_type)}) failed "
+            f"({type(exc).__name__}: {exc}); {hint}"
+        ) from exc
     mesh = getattr(sharding, "mesh", None)
     if mesh is None or mesh.empty:
-        raise ConfigError(
-            "no device mesh is active: call get_loader inside `with Mesh(...)`, as seqax's "
-            "train.py does, so the batch is sharded over the training mesh"
-        )
+        raise ConfigError(f"no device mesh is active: {hint}")
     return sharding
 
 
