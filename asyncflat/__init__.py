@@ -7,6 +7,7 @@ so a restart resumes by step number alone. asyncflat shuffles the next hand whil
 one is dealt, so the trainer never waits at a round boundary.
 """
 
+from .batch import TokenBatch, default_sharding
 from .config import (
     EngineOptions,
     FlatTokensParams,
@@ -28,7 +29,7 @@ from .errors import (
     StorageError,
     TransientStorageError,
 )
-from .loader import ShufflingLoader, TokenBatch, default_sharding, get_loader
+from .loader import ShufflingLoader, get_loader
 from .permutation import permutation
 from .plan import ShufflePlan, epoch_seed
 from .writer import FlatTokensWriter, write_flat_tokens

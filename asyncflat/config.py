@@ -6,14 +6,21 @@ comes after them. A bad value fails here, at construction, with the field and va
 message, not minutes later inside a background fill.
 """
 
-from __future__ import annotations
+# No ``from __future__ import annotations``: ``dataclasses.fields(cls)[i].type`` must be the real
+# type, since tools that build configs from dicts (seqax's ``make_dataclass_from_dict``, hydra
+# structured configs, draccus) call or inspect it. For the same reason optional fields are spelled
+# ``Optional[...]``/``Union[...]`` (a ``typing`` construct they understand), not ``X | None``.
 
 import dataclasses
 import operator
+import os
+import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Optional, Union
 
-from .errors import ConfigError
+import numpy as np
+
+from .errors import ArgumentTypeError, ConfigError
 
 __all__ = [
     "EngineOptions",
@@ -38,6 +45,21 @@ def _int_field(owner: object, name: str, *, minimum: int) -> None:
     if as_int < minimum:
         raise ConfigError(f"{type(owner).__name__}.{name} must be >= {minimum}, got {as_int}")
     object.__setattr__(owner, name, as_int)
+
+
+def step_argument(value: object, name: str = "step") -> int:
+    """``value`` as a Python int if it is a Python or numpy integer (not a bool), else raise.
+
+    The range is the plan's to check; this only refuses values that are not step numbers at all
+    (``True``, ``3.0``, ``"3"``, ``None``, arrays) before they reach numpy indexing.
+    """
+    if type(value) is int:  # the common case, first
+        return value
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ArgumentTypeError(
+            f"{name} must be a Python or numpy integer, got {type(value).__name__} {value!r}"
+        )
+    return int(value)
 
 
 def _bool_field(owner: object, name: str) -> None:
@@ -73,7 +95,21 @@ class TokenBatchParams:
         _int_field(self, "batch", minimum=1)
 
 
-@dataclasses.dataclass(frozen=True)
+_URL_PASSWORD = re.compile(r"(://[^/@:]*):[^/@]*@")
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any ``user:password@`` password replaced by ``***``."""
+    return _URL_PASSWORD.sub(r"\1:***@", url)
+
+
+def _redacted(options: Mapping[str, Any] | None) -> str:
+    if options is None:
+        return "None"
+    return "{" + ", ".join(f"{key!r}: '***'" for key in options) + "}"
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
 class FlatTokensParams:
     """Where a flat-tokens dataset lives and how it is shuffled (the reference's fields).
 
@@ -82,36 +118,63 @@ class FlatTokensParams:
     consecutive sequences (rows); a *shuffle buffer* holds ``read_blocks_per_shuffle_buffer``
     randomly chosen blocks per stream; a *minipoch* is one refill of every stream's buffer.
 
-    ``storage_options`` (asyncflat's addition, keyword, after the reference's fields) is passed to
-    the fsspec filesystem when ``filespec`` is a URL such as ``gs://bucket/data.zarr``.
+    ``filespec`` is a local path (``str`` or ``os.PathLike``, stored as ``str``) or a URL such as
+    ``gs://bucket/data.zarr``. ``storage_options`` (asyncflat's addition, keyword, after the
+    reference's fields) is passed to the fsspec filesystem for a URL; it usually holds
+    credentials, so ``repr()`` shows its keys only.
     """
 
-    filespec: str
+    filespec: Union[str, os.PathLike[str]]  # noqa: UP007 (a typing construct, see the module top)
     streams: int
     read_blocks_per_shuffle_buffer: int
     sequences_per_read_block: int
     seed: int
     sequence_packing: bool
-    storage_options: Mapping[str, Any] | None = dataclasses.field(
+    storage_options: Optional[dict[str, Any]] = dataclasses.field(  # noqa: UP045
         default=None, compare=False, hash=False
     )
 
     def __post_init__(self) -> None:
-        if not isinstance(self.filespec, str) or not self.filespec:
+        filespec = self.filespec
+        if isinstance(filespec, os.PathLike):
+            filespec = os.fspath(filespec)
+        if not isinstance(filespec, str) or not filespec:
             raise ConfigError(
-                f"FlatTokensParams.filespec must be a non-empty path or URL string, got {self.filespec!r}"
+                "FlatTokensParams.filespec must be a non-empty path (str or os.PathLike) or URL "
+                f"string, got {type(filespec).__name__} {redact_url(str(filespec))!r}"
             )
+        object.__setattr__(self, "filespec", filespec)
         _int_field(self, "streams", minimum=1)
         _int_field(self, "read_blocks_per_shuffle_buffer", minimum=1)
         _int_field(self, "sequences_per_read_block", minimum=1)
         # Philox takes a non-negative seed; the per-buffer seeds are seed + 1 + m*streams + stream.
         _int_field(self, "seed", minimum=0)
         _bool_field(self, "sequence_packing")
-        if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
-            raise ConfigError(
-                "FlatTokensParams.storage_options must be a mapping of fsspec options or None, "
-                f"got {type(self.storage_options).__name__}"
-            )
+        if self.storage_options is not None:
+            if not isinstance(self.storage_options, Mapping):
+                raise ConfigError(
+                    "FlatTokensParams.storage_options must be a mapping of fsspec options or None, "
+                    f"got {type(self.storage_options).__name__}"
+                )
+            # A private copy: the frozen config must not change when the caller's dict does.
+            object.__setattr__(self, "storage_options", dict(self.storage_options))
+
+    def __repr__(self) -> str:
+        fields = [
+            f"filespec={redact_url(str(self.filespec))!r}",
+            *(
+                f"{name}={getattr(self, name)!r}"
+                for name in (
+                    "streams",
+                    "read_blocks_per_shuffle_buffer",
+                    "sequences_per_read_block",
+                    "seed",
+                    "sequence_packing",
+                )
+            ),
+            f"storage_options={_redacted(self.storage_options)}",
+        ]
+        return f"FlatTokensParams({', '.join(fields)})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,9 +216,9 @@ class EngineOptions:
     prefetch: bool = True
     max_concurrent_reads: int = 16
     decode_threads: int = 2
-    load_timeout_s: float | None = None
-    max_buffer_bytes: int | None = None
-    max_inflight_bytes: int | None = None
+    load_timeout_s: Optional[float] = None  # noqa: UP045 (a typing construct, see the module top)
+    max_buffer_bytes: Optional[int] = None  # noqa: UP045
+    max_inflight_bytes: Optional[int] = None  # noqa: UP045
     prefetch_to_device: int = 1
     engine_niceness: int = 10
     retry: RetryPolicy = dataclasses.field(default_factory=RetryPolicy)
@@ -185,7 +248,7 @@ class HuggingFaceDataParams:
     tokenizer: str
     num_workers: int
     sequences_packed_per_batch: int
-    name: str | None = None
+    name: Optional[str] = None  # noqa: UP045 (a typing construct, see the module top)
 
     def __post_init__(self) -> None:
         _int_field(self, "num_workers", minimum=0)

@@ -23,14 +23,13 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 from jax.sharding import Sharding
 
-from .config import HuggingFaceDataParams, TokenBatchParams
+from .batch import BatchBuilder, BatchType, TokenBatch, default_sharding
+from .config import HuggingFaceDataParams, TokenBatchParams, step_argument
 from .convert import ConvertReport, Tokenizer, convert_documents, load_tokenizer
 from .errors import ConfigError, LoaderClosedError, StepOutOfRangeError
-from .loader import TokenBatch, check_batch_sharding, default_sharding
 
 __all__ = ["HuggingFaceDataLoader", "convert_hf_dataset", "open_hf_dataset"]
 
@@ -155,7 +154,8 @@ class HuggingFaceDataLoader:
     whose id 0 is a special token. ``config.num_workers > 0`` tokenizes and packs on a
     background thread, up to ``2 * num_workers`` batches ahead; the batches are the same either
     way. ``load(step)`` must be called with non-decreasing steps; a jump forward reads (and
-    discards) the batches in between.
+    discards) the batches in between. Batches are ``batch_type(targets=, is_seq_start=)``, as
+    for :class:`~asyncflat.loader.ShufflingLoader`.
     """
 
     def __init__(
@@ -164,6 +164,8 @@ class HuggingFaceDataLoader:
         config: HuggingFaceDataParams,
         token_batch_params: TokenBatchParams,
         sharding: Sharding | None = None,
+        *,
+        batch_type: BatchType = TokenBatch,
     ) -> None:
         self.split, self.config, self.token_batch_params = split, config, token_batch_params
         self.tokenizer: Tokenizer = load_tokenizer(config.tokenizer)
@@ -175,7 +177,7 @@ class HuggingFaceDataLoader:
         self.max_token_id = self.tokenizer.vocab_size - 1
         self.sharding = default_sharding() if sharding is None else sharding
         self._shape = (token_batch_params.batch, token_batch_params.len)
-        check_batch_sharding(self.sharding, self._shape)
+        self._builder = BatchBuilder(self.sharding, self._shape, batch_type)
         splits = open_hf_dataset(config.path, config.name)
         if split not in splits:
             raise ConfigError(f"{config.path}: no split {split!r} (splits: {', '.join(splits)})")
@@ -219,8 +221,9 @@ class HuggingFaceDataLoader:
 
     # -- the reference's API ------------------------------------------------------------------
 
-    def load(self, step: int) -> TokenBatch:
+    def load(self, step: int) -> Any:
         """The batch of ``step``: the next one in order (steps must not go backwards)."""
+        step = step_argument(step)
         if self._closed:
             raise LoaderClosedError("this HuggingFaceDataLoader is closed")
         if step < self._next_step:
@@ -246,12 +249,7 @@ class HuggingFaceDataLoader:
             if self._next_step > step:
                 break
         targets, is_start = batch
-        return TokenBatch(
-            targets=jax.make_array_from_callback(self._shape, self.sharding, lambda i: targets[i]),
-            is_seq_start=jax.make_array_from_callback(
-                self._shape, self.sharding, lambda i: is_start[i]
-            ),
-        )
+        return self._builder.build_full(targets, is_start)
 
     def close(self) -> None:
         """Stop the background thread (if any). Idempotent."""
@@ -320,5 +318,5 @@ def _produce(batches: Iterator[Any], out: queue.Queue[Any], stop: threading.Even
             if not put(("batch", batch)):
                 return
         put(("end", None))
-    except BaseException as exc:  # handed to load(), which re-raises it
+    except BaseException as exc:  # noqa: BLE001 (handed to load(), which re-raises it)
         put(("error", exc))

@@ -37,17 +37,16 @@ def child(args: argparse.Namespace) -> None:
     import jax
 
     import asyncflat
-    from asyncflat.loader import _decoder, default_sharding
+    from asyncflat.batch import BatchBuilder, decode, default_sharding
 
     params = asyncflat.FlatTokensParams(
         args.path, args.streams, args.rbpsb, args.spb, seed=0, sequence_packing=True
     )
     batch_params = asyncflat.TokenBatchParams(len=args.len, batch=args.batch)
-    # jax and the decode function warm up before the baseline RSS is taken
+    # jax and the batch building warm up before the baseline RSS is taken
+    shape = (args.batch, args.len)
     jax.block_until_ready(
-        _decoder(False)(
-            jax.device_put(np.zeros((args.batch, args.len), np.uint32), default_sharding())
-        )
+        BatchBuilder(default_sharding(), shape).build_full(*decode(np.zeros(shape, np.uint32)))
     )
     # The permutation kernel's one-time JIT (~130 MiB of LLVM, whatever the buffer size) is
     # measured apart, so that the ratio below is the memory that scales with the buffer.
@@ -72,21 +71,17 @@ def child(args: argparse.Namespace) -> None:
         stats = loader.stats()
         plan = loader.plan
         peak = peak_rss_bytes()
-        # The floor: the same rows gathered from a resident numpy array, wrapped and decoded.
+        # The floor: the same rows gathered from a resident numpy array, decoded and wrapped.
         rows = np.random.default_rng(0).integers(
             0, 1 << 30, (plan.seqs_per_buffer, args.len), dtype=np.uint32
         )
         perm = plan.row_permutation(0, 0)
-        sharding = loader.sharding
-        decode = _decoder(False)
+        builder = BatchBuilder(loader.sharding, shape)
         floor = []
         for step in range(min(400, steps)):
             t0 = time.perf_counter()
             host = rows[perm[(step * args.batch + np.arange(args.batch)) % len(perm)]]
-            arr = jax.make_array_from_callback(
-                host.shape, sharding, lambda idx, host=host: host[idx]
-            )
-            out = decode(arr)
+            out = builder.build_full(*decode(host))
             floor.append(time.perf_counter() - t0)
             time.sleep(args.step_ms / 1000)
             del out

@@ -2,7 +2,9 @@
 
 Single process, 8 CPU devices (tests/conftest.py). The background thread is named
 ``asyncflat-device-prefetch-N``; it must stop with the iterator (closed, exhausted or collected)
-and with ``close()``, and its errors surface from ``next()``.
+and with ``close()``, and its errors surface from ``next()``. Builds are observed (counted, slowed,
+failed) through the public ``batch_type=`` hook, which the loader calls once per built batch, in
+step order; the generic builder itself is tested in test_background.py.
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ from __future__ import annotations
 import gc
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,6 +25,7 @@ from asyncflat import (
     FlatTokensParams,
     LoaderClosedError,
     ShufflingLoader,
+    TokenBatch,
     TokenBatchParams,
 )
 
@@ -55,14 +59,39 @@ def oracle(dataset: str) -> ReferenceLoader:
     )
 
 
-def _loader(dataset: str, depth: int) -> ShufflingLoader:
+def _loader(
+    dataset: str, depth: int, batch_type: Callable[..., Any] = TokenBatch
+) -> ShufflingLoader:
     params = FlatTokensParams(dataset, STREAMS, RBPSB, SPB, SEED, True)
     return ShufflingLoader(
         "train",
         params,
         TokenBatchParams(len=SEQ_LEN, batch=BATCH),
         options=EngineOptions(prefetch_to_device=depth),
+        batch_type=batch_type,
     )
+
+
+class Hook:
+    """A ``batch_type`` that counts builds and can slow, fail or block the n-th one."""
+
+    def __init__(self, *, sleep_s: float = 0.0) -> None:
+        self.builds = 0
+        self.sleep_s = sleep_s
+        self.fail_build: int | None = None  # 1-based build number to fail
+        self.block_build: int | None = None
+        self.entered = threading.Event()
+
+    def __call__(self, **fields: Any) -> TokenBatch:
+        self.builds += 1
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
+        if self.builds == self.fail_build:
+            raise asyncflat.StorageError(f"injected failure at build {self.builds}")
+        if self.builds == self.block_build:
+            self.entered.set()
+            time.sleep(0.3)
+        return TokenBatch(**fields)
 
 
 def _prefetch_threads() -> list[threading.Thread]:
@@ -100,25 +129,18 @@ def test_iter_matches_oracle_and_leaves_no_thread(
 def test_next_steps_are_built_ahead_and_load_returns_them(
     dataset: str, oracle: ReferenceLoader
 ) -> None:
-    with _loader(dataset, 2) as loader:
-        builds: list[int] = []
-        load_now = loader._load_now
-
-        def counting(step: int) -> asyncflat.TokenBatch:
-            builds.append(step)
-            return load_now(step)
-
-        loader._load_now = counting  # type: ignore[method-assign]
+    hook = Hook()
+    with _loader(dataset, 2, hook) as loader:
         iterator = loader.iter(0)
         step, first = next(iterator)
         deadline = time.monotonic() + 10
-        while builds != [0, 1, 2] and time.monotonic() < deadline:
+        while hook.builds != 3 and time.monotonic() < deadline:
             time.sleep(0.005)
-        assert builds == [0, 1, 2]  # steps 1 and 2 built while the trainer holds step 0
+        assert hook.builds == 3  # steps 1 and 2 built while the trainer holds step 0
         time.sleep(0.05)
-        assert builds == [0, 1, 2]  # and no further than prefetch_to_device
+        assert hook.builds == 3  # and no further than prefetch_to_device
         ahead = loader.load(2)  # a prefetched step: the same arrays, not a second build
-        assert builds == [0, 1, 2]
+        assert hook.builds == 3
         assert next(iterator)[1] is not ahead
         step, batch = next(iterator)
         assert step == 2 and batch is ahead
@@ -131,14 +153,8 @@ def test_next_steps_are_built_ahead_and_load_returns_them(
 
 def test_next_returns_at_once_under_a_train_step(dataset: str) -> None:
     build_s, train_s = 0.15, 0.3
-    with _loader(dataset, 1) as loader:
-        load_now = loader._load_now
-
-        def slow(step: int) -> asyncflat.TokenBatch:
-            time.sleep(build_s)  # a slow hand-off; sleeps, so the timing holds on a busy machine
-            return load_now(step)
-
-        loader._load_now = slow  # type: ignore[method-assign]
+    # a slow hand-off; it sleeps, so the timing holds on a busy machine
+    with _loader(dataset, 1, Hook(sleep_s=build_s)) as loader:
         iterator = loader.iter(0)
         next(iterator)
         waits = []
@@ -152,23 +168,16 @@ def test_next_returns_at_once_under_a_train_step(dataset: str) -> None:
 
 
 def test_build_error_surfaces_from_next(dataset: str, oracle: ReferenceLoader) -> None:
-    with _loader(dataset, 1) as loader:
-        load_now = loader._load_now
-
-        def failing(step: int) -> asyncflat.TokenBatch:
-            if step == 3:
-                raise asyncflat.StorageError("injected failure at step 3")
-            return load_now(step)
-
-        loader._load_now = failing  # type: ignore[method-assign]
+    hook = Hook()
+    hook.fail_build = 3  # iter(1) builds steps 1, 2, 3: the third build is step 3
+    with _loader(dataset, 1, hook) as loader:
         iterator = loader.iter(1)
         assert [next(iterator)[0], next(iterator)[0]] == [1, 2]
-        with pytest.raises(asyncflat.StorageError, match="injected failure at step 3"):
+        with pytest.raises(asyncflat.StorageError, match="injected failure at build 3"):
             next(iterator)
         with pytest.raises(StopIteration):  # an error ends the iteration
             next(iterator)
         assert not _prefetch_threads()
-        loader._load_now = load_now  # type: ignore[method-assign]
         _assert_batch(loader.load(3), oracle, 3)  # the loader itself is fine
 
 
@@ -205,20 +214,12 @@ def test_close_stops_threads_and_next_fails(dataset: str) -> None:
 
 def test_close_while_a_build_waits(dataset: str) -> None:
     """close() from another thread while the prefetch thread is inside a build."""
-    loader = _loader(dataset, 1)
-    entered = threading.Event()
-    load_now = loader._load_now
-
-    def blocking(step: int) -> asyncflat.TokenBatch:
-        if step == 1:
-            entered.set()
-            time.sleep(0.3)
-        return load_now(step)
-
-    loader._load_now = blocking  # type: ignore[method-assign]
+    hook = Hook()
+    hook.block_build = 2  # step 1
+    loader = _loader(dataset, 1, hook)
     iterator = loader.iter(0)
     next(iterator)
-    assert entered.wait(10)
+    assert hook.entered.wait(10)
     loader.close()
     assert not [t for t in threading.enumerate() if t.name.startswith("asyncflat")]
     with pytest.raises(LoaderClosedError):

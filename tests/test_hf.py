@@ -203,3 +203,28 @@ def test_loader_config_errors(corpus: dict, tmp_path: Path) -> None:
         HuggingFaceDataLoader(
             "train", HuggingFaceDataParams("some/hub-dataset", "bytes", 0, 2), batch
         )
+
+
+def test_loader_takes_only_integer_steps_and_builds_the_users_batch_type(corpus: dict) -> None:
+    from typing import NamedTuple
+
+    from asyncflat import ArgumentTypeError
+
+    class Batch(NamedTuple):
+        targets: jax.Array
+        is_seq_start: jax.Array
+
+    params = HuggingFaceDataParams(
+        path=str(corpus["data"]), tokenizer="bytes", num_workers=0, sequences_packed_per_batch=2
+    )
+    batch = TokenBatchParams(len=32, batch=8)
+    with get_loader("validation", params, batch, batch_type=Batch) as loader:
+        for bad in (True, 1.0, "1", None, np.array(1)):
+            with pytest.raises(ArgumentTypeError, match="step must be a Python or numpy integer"):
+                loader.load(bad)
+        out = loader.load(np.uint64(1))  # reads and discards step 0
+        assert type(out) is Batch
+        docs = [[b + 1 for b in d.encode()] for d in corpus["validation"][2:4]]
+        targets, is_start = reference_collate(docs, 8, 32)
+        np.testing.assert_array_equal(np.asarray(out.targets), targets)
+        np.testing.assert_array_equal(np.asarray(out.is_seq_start), is_start)

@@ -197,7 +197,7 @@ def test_errors_at_construction(datasets: dict[str, str], tmp_path) -> None:
     with pytest.raises(ConfigError, match="split must be one of"):
         ShufflingLoader("test", good, TokenBatchParams(len=8, batch=8))
     with pytest.raises(
-        ConfigError, match="batch=9 must be a multiple of FlatTokensParams.streams=2"
+        ConfigError, match=r"batch=9 must be a multiple of FlatTokensParams\.streams=2"
     ):
         ShufflingLoader(
             "train",
@@ -304,3 +304,27 @@ def test_a_row_read_from_a_missing_local_chunk_is_a_clear_error(tmp_path) -> Non
             os.remove(os.path.join(path, "train", "encoded_tokens", "c", str(chunk_id)))
         with pytest.raises(CorruptChunkError, match=r"encoded_tokens\[\d+:\d+\].*missing"):
             loader.load(step)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [True, False, np.bool_(False), 1.0, np.float32(1), "1", None, np.array(1), np.array([1])],
+    ids=repr,
+)
+def test_load_and_iter_take_only_integer_steps(datasets: dict[str, str], bad: object) -> None:
+    params = FlatTokensParams(datasets["v3"], 2, 2, 8, seed=0, sequence_packing=True)
+    batch_params = TokenBatchParams(len=16, batch=8)
+    oracle = _oracle(datasets["v3"], params, batch_params)
+    with ShufflingLoader("train", params, batch_params) as loader:
+        with pytest.raises(
+            ArgumentTypeError, match=r"^step must be a Python or numpy integer"
+        ) as e:
+            loader.load(bad)  # type: ignore[arg-type]
+        assert repr(bad) in str(e.value)
+        with pytest.raises(ArgumentTypeError, match=r"^start_step must be a Python or numpy int"):
+            loader.iter(bad)  # type: ignore[arg-type]
+        # numpy integers of every width are steps
+        for step in (np.uint64(1), np.int32(2), np.int64(loader.step_count - 1)):
+            _assert_batch(loader.load(step), oracle, int(step))  # type: ignore[arg-type]
+        first_step, _ = next(loader.iter(np.uint32(3)))  # type: ignore[arg-type]
+        assert first_step == 3 and type(first_step) is int

@@ -745,12 +745,13 @@ PARAM_CASES: list[tuple[str, Callable[[], Any], str]] = [
     (
         "filespec empty",
         _good_flat(filespec=""),
-        r"FlatTokensParams\.filespec must be a non-empty path or URL string, got ''",
+        r"FlatTokensParams\.filespec must be a non-empty path \(str or os\.PathLike\) or URL "
+        r"string, got str ''",
     ),
     (
-        "filespec path",
-        _good_flat(filespec=Path("x")),
-        r"FlatTokensParams\.filespec must be a non-empty .*PosixPath",
+        "filespec bytes",  # a pathlib.Path is accepted (tests/test_config_types.py)
+        _good_flat(filespec=b"x"),
+        r"FlatTokensParams\.filespec must be a non-empty .* got bytes",
     ),
     ("streams 0", _good_flat(streams=0), r"FlatTokensParams\.streams must be >= 1, got 0"),
     (

@@ -1,0 +1,125 @@
+"""Build items ahead of a consumer on a background thread: ``build(step)`` for consecutive steps.
+
+Modelled on Levanter's ``BackgroundIterator``, keyed by step so that an item built ahead can also
+be looked up by step (a ``load(step)`` that an iterator has already built returns the same item).
+Knows nothing of loaders: it only calls ``build``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+__all__ = ["BackgroundBuilder", "BackgroundStopped", "wait_result"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_JOIN_TIMEOUT_S = 30.0
+_WAIT_SLICE_S = 0.2  # waits are sliced so Ctrl-C reaches the main thread
+
+
+class BackgroundStopped(RuntimeError):
+    """The builder was stopped (or its thread ended) before the asked-for step was started."""
+
+
+def wait_result(future: concurrent.futures.Future[T]) -> T:
+    """``future.result()``, waiting in slices so a KeyboardInterrupt is not deferred."""
+    while True:
+        try:
+            return future.result(_WAIT_SLICE_S)
+        except concurrent.futures.TimeoutError:
+            if future.done():
+                raise
+
+
+class BackgroundBuilder(Generic[T]):
+    """A thread that calls ``build(step)`` for steps ``[start, stop)`` ahead of a consumer.
+
+    At most ``depth`` steps are built (or being built) and not yet taken. An exception from
+    ``build`` is stored in that step's future (the consumer re-raises it) and ends the thread.
+    The thread holds ``build`` and this object, never the consumer, so a consumer that is dropped
+    can be collected and its finalizer can call :meth:`stop`.
+    """
+
+    def __init__(
+        self, build: Callable[[int], T], start: int, stop: int, depth: int, *, name: str
+    ) -> None:
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        self._build = build
+        self._stop_step = stop
+        self._depth = depth
+        self._cond = threading.Condition()
+        self._built: dict[int, concurrent.futures.Future[T]] = {}
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, args=(start,), daemon=True, name=name)
+        self._thread.start()
+
+    def _run(self, step: int) -> None:
+        while step < self._stop_step:
+            with self._cond:
+                while not self._stopping and len(self._built) >= self._depth:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                future: concurrent.futures.Future[T] = concurrent.futures.Future()
+                self._built[step] = future
+                self._cond.notify_all()
+            try:
+                future.set_result(self._build(step))
+            except BaseException as exc:  # noqa: BLE001 (raised by whoever takes this step)
+                future.set_exception(exc)
+                return
+            step += 1
+
+    def take(self, step: int) -> T:
+        """The item of ``step`` (the consumer's next step), waiting for it; then forget it."""
+        with self._cond:
+            while step not in self._built:
+                if self._stopping or not self._thread.is_alive():
+                    raise BackgroundStopped(f"{self._thread.name} has stopped")
+                self._cond.wait(_WAIT_SLICE_S)
+            future = self._built[step]
+        try:
+            return wait_result(future)
+        finally:
+            with self._cond:
+                self._built.pop(step, None)
+                self._cond.notify_all()
+
+    def lookup(self, step: int) -> T | None:
+        """The item of ``step`` if it is built or being built (waiting for it), else None.
+
+        A failed build gives None: the caller builds the step itself, and the consumer still sees
+        the error when it takes the step.
+        """
+        with self._cond:
+            future = self._built.get(step)
+        if future is None:
+            return None
+        try:
+            return wait_result(future)
+        except Exception:  # noqa: BLE001 (the consumer sees it when it takes the step)
+            return None
+
+    def signal_stop(self) -> None:
+        """Start no further build (one in progress finishes). Returns at once."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+
+    def stop(self) -> None:
+        """Stop and join the thread (a build in progress finishes first). Idempotent."""
+        self.signal_stop()
+        if threading.current_thread() is self._thread:
+            return  # stopped from our own thread (a finalizer ran there): it exits at its next check
+        self._thread.join(_JOIN_TIMEOUT_S)
+        if self._thread.is_alive():
+            log.warning("%s did not stop within %ss", self._thread.name, _JOIN_TIMEOUT_S)
+        with self._cond:
+            self._built.clear()
