@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 from ._loop import LoopThread
 from ._typecheck import checked
 from .config import EngineOptions, FlatTokensParams, HuggingFaceDataParams, TokenBatchParams
-from .engine import Engine
+from .engine import Engine, EngineStats
 from .errors import ConfigError, LoaderClosedError
 from .format import SPLITS
 from .permutation import warm_up as warm_up_permutation
@@ -235,16 +235,17 @@ class ShufflingLoader:
         finally:
             iterator.close()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         """Engine figures (waits, fills, bytes, retries) plus the jax build times of this host."""
         self._check_open()
         stats = self._runner.run(self._engine_stats())
         builds = np.array(self._build_s)
-        stats["build_median_s"] = float(np.median(builds)) if len(builds) else None
-        stats["host_batch_rows"] = len(self._host_rows)
-        return stats
+        build_median_s = float(np.median(builds)) if len(builds) else None
+        return dataclasses.replace(
+            stats, build_median_s=build_median_s, host_batch_rows=len(self._host_rows)
+        )
 
-    async def _engine_stats(self) -> dict[str, Any]:
+    async def _engine_stats(self) -> EngineStats:
         return self._engine.stats()
 
     def close(self) -> None:
