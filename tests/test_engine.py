@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from reference_impl import ReferenceLoader
+from conftest import oracle, until
 
 from asyncflat import (
     EngineOptions,
@@ -142,19 +142,8 @@ def make(
     return Engine(plan, source, range(streams), EngineOptions(**options))
 
 
-def oracle_for(engine: Engine, source: FakeSource) -> ReferenceLoader:
-    p = engine.plan
-    return ReferenceLoader(
-        source.tokens,
-        source.starts,
-        seq_len=p.seq_len,
-        batch=p.batch,
-        streams=p.streams,
-        read_blocks_per_shuffle_buffer=p.read_blocks_per_shuffle_buffer,
-        sequences_per_read_block=p.sequences_per_read_block,
-        seed=p.seed,
-        sequence_packing=p.sequence_packing,
-    )
+def oracle_for(engine: Engine, source: FakeSource) -> Any:
+    return oracle((source.tokens, source.starts), engine.plan)
 
 
 def run(coro_fn: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
@@ -222,7 +211,7 @@ def test_the_next_minipoch_fills_as_soon_as_the_current_one_serves() -> None:
         await engine.gather(plan.first_step(1), ALL)
         active = {(f["stream"], f["minipoch"], f["reason"]) for f in engine.stats()["active_fills"]}
         assert {(0, 2, "prefetch"), (1, 2, "prefetch")} <= active
-        await asyncio.sleep(0.5)  # give the prefetch time to finish
+        await until(lambda: not engine.stats().active_fills, "the prefetch of minipoch 2")
         fills_before = len(engine.stats()["fills"])
         await engine.gather(plan.first_step(2), ALL)  # served from the prefetched buffer
         assert not [f for f in engine.stats()["fills"][fills_before:] if f["minipoch"] == 2]
@@ -273,7 +262,7 @@ def test_random_access_cancels_fills_nobody_needs() -> None:
         block_tokens = 8 * SEQ_LEN
         m1_blocks = set(plan.buffer_blocks(0, 1).tolist())
         reads_m1 = sum(1 for s, _ in source.reads if s // block_tokens in m1_blocks)
-        await asyncio.sleep(0.3)
+        await until(lambda: not engine.stats().active_fills, "the fills still needed")
         assert sum(1 for s, _ in source.reads if s // block_tokens in m1_blocks) <= reads_m1 + 2
         await engine.aclose()
 
@@ -286,8 +275,7 @@ def test_close_cancels_reads_in_flight_and_wakes_waiters() -> None:
 
     async def main() -> None:
         waiter = asyncio.ensure_future(engine.gather(0, ALL))
-        await asyncio.sleep(0.05)
-        assert source.in_flight > 0
+        await until(lambda: source.in_flight > 0, "a read in flight")
         await engine.aclose()
         with pytest.raises(LoaderClosedError):
             await asyncio.wait_for(waiter, 5)
@@ -365,8 +353,7 @@ def test_prefetch_off_waits_for_the_whole_buffer_like_the_reference() -> None:
         await engine.gather(0, ALL)
         blocks = engine.plan.blocks_in_minipoch(0) * engine.plan.streams
         assert len(source.reads) == blocks  # whole buffer of every stream, nothing of minipoch 1
-        await asyncio.sleep(0.1)
-        assert len(source.reads) == blocks
+        assert not engine.stats().active_fills  # and nothing started that would read more
         await engine.aclose()
 
     run(main)
@@ -499,7 +486,7 @@ def test_try_gather_serves_finished_buffers_without_the_loop() -> None:
     async def main() -> None:
         assert engine.try_gather(1, ALL) is None  # nothing filled yet
         await engine.gather(0, ALL)  # fills minipoch 0, starts prefetching 1
-        await asyncio.sleep(0.3)
+        await until(lambda: not engine.stats().active_fills, "the prefetch of minipoch 1")
         for step in range(1, plan.first_step(1)):
             np.testing.assert_array_equal(engine.try_gather(step, ALL), oracle.encoded_batch(step))
         # the first step of minipoch 1 is served at once and hands the prefetch of 2 to the loop
