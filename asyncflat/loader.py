@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 from ._loop import LoopThread
 from ._typecheck import checked
 from .config import EngineOptions, FlatTokensParams, HuggingFaceDataParams, TokenBatchParams
-from .engine import Engine, EngineStats
+from .engine import Engine, EngineStats, IntervalStats
 from .errors import ConfigError, LoaderClosedError
 from .format import SPLITS
 from .permutation import warm_up as warm_up_permutation
@@ -247,6 +247,14 @@ class ShufflingLoader:
 
     async def _engine_stats(self) -> EngineStats:
         return self._engine.stats()
+
+    def interval_stats(self) -> IntervalStats:
+        """What happened since the previous call (loads, waits, fills, bytes): log every N steps."""
+        self._check_open()
+        return self._runner.run(self._engine_interval_stats())
+
+    async def _engine_interval_stats(self) -> IntervalStats:
+        return self._engine.interval_stats()
 
     def close(self) -> None:
         """Stop the device-prefetch threads, cancel fills, stop the engine's thread. Idempotent."""
