@@ -9,11 +9,13 @@ One job per module:
 * :mod:`.fill`: a fill, its read units (one per stored chunk the fill touches, or per block
   without packing), and the buffer pair each stream's fills take turns in (allocation, and the
   hand-off that keeps a dropped fill's late writes out of the next fill's rows);
+* :mod:`.table`: which fill occupies which buffer of each stream (start, find, drop, prefetch);
 * :mod:`.scheduler`: one priority queue keyed by the first step that needs each unit, a fixed
   set of workers (a sliding window of reads), one admission rule for the byte budget, and the
   background limits that leave the trainer a core;
-* :mod:`.stats`: typed snapshots, bounded history, the trainer's step rate and the lateness
-  warning;
+* :mod:`.rows`: rows read on their own for a load that arrives before its blocks;
+* :mod:`.stats` and :mod:`.recorder`: typed snapshots, bounded history, the trainer's step rate
+  and the lateness warning;
 * :mod:`.core`: the :class:`Engine` that composes them: ``gather`` (on the loop), ``try_gather``
   (from the caller's thread, for finished buffers), ``stats``, ``interval_stats``, ``aclose``.
 

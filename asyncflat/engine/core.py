@@ -1,7 +1,8 @@
 """The :class:`Engine`: serves any step's rows from per-stream buffer pairs, filling ahead.
 
-It composes the pieces of this package: fills and their buffers (:mod:`.fill`), the unit
-scheduler (:mod:`.scheduler`) and the figures (:mod:`.stats`), over a
+It composes the pieces of this package: the fill table and its buffers (:mod:`.table`,
+:mod:`.fill`), the unit scheduler (:mod:`.scheduler`), row reads for loads ahead of their
+blocks (:mod:`.rows`) and the figures (:mod:`.recorder`, :mod:`.stats`), over a
 :class:`~asyncflat.source.TokenSource`.
 """
 
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -21,26 +21,14 @@ from ..config import EngineOptions
 from ..errors import AsyncflatError, LoaderClosedError, StorageError
 from ..plan import NEVER, ShufflePlan
 from ..source import TokenSource
-from .fill import BufferPair, Fill, FillWriter, Unit, plan_units, read_unpacked_rows
+from .fill import Fill, FillWriter, Unit, read_unpacked_rows
+from .recorder import Recorder, log
+from .rows import RowReader
 from .scheduler import UnitScheduler
-from .stats import (
-    ActiveFill,
-    EngineStats,
-    FillHistory,
-    FillProgress,
-    FillRecord,
-    IntervalStats,
-    LatenessMonitor,
-    RateLimitedLog,
-    StepLog,
-    StepRate,
-)
+from .stats import EngineStats, IntervalStats
+from .table import FillTable, Groups
 
 __all__ = ["Engine"]
-
-log = logging.getLogger("asyncflat.engine")
-
-Groups = dict[tuple[int, int], slice]
 
 
 class Engine:
@@ -62,8 +50,6 @@ class Engine:
         self.streams = tuple(sorted({int(s) for s in streams}))
         self.options = options
         self._loop: asyncio.AbstractEventLoop | None = None  # set by the first gather
-        self._buffers = {s: BufferPair(plan.seqs_per_buffer, plan.seq_len) for s in self.streams}
-        self._fills: dict[int, dict[int, Fill]] = {s: {} for s in self.streams}
         self._gather_lock = asyncio.Lock()
         # Guards the state other threads touch: which fill owns which buffer, and the step
         # records. The loop takes it briefly (never across an await) to start or drop fills;
@@ -85,22 +71,24 @@ class Engine:
             budget=self._inflight_budget(),
             background_limit=options.max_concurrent_reads if source.remote else 1,
         )
+        self._recorder = Recorder()
+        self._fills = FillTable(
+            plan,
+            self.streams,
+            source.token_chunk,
+            queue=self._scheduler.put,
+            ended=self._recorder.fill_ended,
+        )
         # Prefetch fills decode on all but one CPU thread, leaving a core to the trainer; a fill
         # that a load is waiting for (urgent) uses them all.
         self._background_decodes = asyncio.Semaphore(max(1, options.decode_threads - 1))
         # A load ahead of its blocks reads just its rows when the source can do that cheaply.
-        self._direct = plan.sequence_packing and source.partial_reads and options.prefetch
-        self._row_reads: set[asyncio.Future[Any]] = set()
+        self._rows = (
+            RowReader(plan, source, self._scheduler)
+            if plan.sequence_packing and source.partial_reads and options.prefetch
+            else None
+        )
         self._closed = False
-        # figures
-        self._steps = StepLog()
-        self._rate = StepRate()
-        self._history = FillHistory()
-        self._lateness = LatenessMonitor(self._rate, RateLimitedLog(log))
-        self._rows_read_directly = 0
-        self._useful_bytes = 0
-        self._started_at = time.perf_counter()
-        self._last_interval: tuple[float, EngineStats, int] | None = None
 
     def _inflight_budget(self) -> int:
         # Decoded bytes of reads in flight. An eighth of a buffer keeps peak memory near two
@@ -131,19 +119,19 @@ class Engine:
             self._check_open()  # closed while this gather queued behind another
             loc = self.plan.locate(step, batch_indices)
             groups = self._groups(loc)
+            fills = []
             with self._lock:
                 for stream, minipoch in groups:
                     keep = {m for s, m in groups if s == stream}
-                    self._ensure_fill(stream, minipoch, step, keep=keep)
+                    fills.append(self._fills.ensure(stream, minipoch, step, keep=keep))
                 if self.options.prefetch:
-                    self._prefetch_after(groups)
+                    self._fills.prefetch_after(groups)
             out = np.empty((len(loc.batch_index), self.plan.seq_len), np.uint32)
-            for (stream, minipoch), rows in groups.items():
-                fill = self._fills[stream][minipoch]
+            for fill, rows in zip(fills, groups.values()):
                 buffer_rows = fill.perm[loc.position[rows]]
                 if not fill.done:
                     await self._make_urgent(fill)
-                if not fill.done and self._direct:
+                if not fill.done and self._rows is not None:
                     await self._serve_early(fill, step, buffer_rows, out[rows])
                     continue
                 if not fill.done:
@@ -170,17 +158,18 @@ class Engine:
         with self._lock:
             fills = []
             for stream, minipoch in groups:
-                fill = self._fills[stream].get(minipoch)
+                fill = self._fills.get(stream, minipoch)
                 if fill is None or not fill.done or fill.error is not None:
                     return None
                 fills.append(fill)
             out = np.empty((len(loc.batch_index), self.plan.seq_len), np.uint32)
             for fill, rows in zip(fills, groups.values()):
                 np.take(fill.buffer, fill.perm[loc.position[rows]], axis=0, out=out[rows])
-            if self.options.prefetch and self._prefetches_due(groups) and self._loop is not None:
+            due = self.options.prefetch and self._fills.prefetches_due(groups)
+            if due and self._loop is not None:
                 # Fire and forget: the loop re-checks, so a request sent twice starts one fill.
                 self._loop.call_soon_threadsafe(self._start_prefetches, groups)
-            self._record_step_locked(step, time.perf_counter() - t0)
+            self._recorder.step(step, time.perf_counter() - t0)
         return out
 
     async def aclose(self) -> None:
@@ -188,87 +177,29 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        for fills in self._fills.values():
-            for fill in fills.values():
-                fill.cancelled = True
-                fill.fail(LoaderClosedError("the engine was closed"))
-        reads = list(self._row_reads)
-        for task in reads:
-            task.cancel()
-        await asyncio.gather(self._scheduler.aclose(), *reads, return_exceptions=True)
+        self._fills.fail_all()
+        rows = self._rows.aclose() if self._rows is not None else asyncio.sleep(0)
+        await asyncio.gather(self._scheduler.aclose(), rows, return_exceptions=True)
         with self._lock:
-            self._fills = {s: {} for s in self.streams}
-            for pair in self._buffers.values():
-                pair.drop()
+            self._fills.clear()
         await self.source.aclose()
 
     def stats(self) -> EngineStats:
         """A snapshot of the figures (see :class:`~asyncflat.engine.stats.EngineStats`)."""
         with self._lock:
-            steps, waits = self._steps.since(0)
-            active = tuple(
-                ActiveFill(
-                    f.stream, f.minipoch, f.reason, f.blocks_done, len(f.blocks), f.needed_from
-                )
-                for fills in self._fills.values()
-                for f in fills.values()
-                if not f.done and f.error is None
-            )
-            io, history, scheduler = self.source.io, self._history, self._scheduler
-            return EngineStats(
-                steps_loaded=self._steps.count,
-                wait_median_s=float(np.median(waits)) if len(waits) else None,
-                wait_max_s=float(waits.max()) if len(waits) else None,
-                step_rate_per_s=self._rate.per_second(),
-                fills_completed=history.completed,
-                fills_cancelled=history.cancelled,
-                fills_failed=history.failed,
-                fills_late=history.late,
-                fills_predicted_late=self._lateness.predicted_late,
-                buffer_allocations=sum(p.allocations for p in self._buffers.values()),
-                rows_read_directly=self._rows_read_directly,
-                units_in_flight=scheduler.running,
-                peak_units_in_flight=scheduler.peak_running,
-                bytes_read=io.bytes_read,
-                bytes_decoded=io.bytes_decoded,
-                bytes_useful=self._useful_bytes,
-                read_amplification=(
-                    io.bytes_decoded / self._useful_bytes if self._useful_bytes else None
-                ),
-                requests=io.requests,
-                retries=io.retries,
-                peak_requests_in_flight=io.peak_in_flight,
-                throttled=io.throttled,
-                concurrency_limit=io.concurrency_limit,
+            return self._recorder.snapshot(
+                fills=self._fills,
+                allocations=self._fills.allocations,
+                workers=self._scheduler,
+                io=self.source.io,
                 streams=self.streams,
-                step_waits_s=tuple(zip(steps.tolist(), waits.tolist())),
-                fills=tuple(history.records),
-                active_fills=active,
             )
 
     def interval_stats(self) -> IntervalStats:
         """What happened since the previous call (the first call: since the start)."""
-        now, current = time.perf_counter(), self.stats()
-        since, before, first = self._last_interval or (self._started_at, None, 0)
-        self._last_interval = (now, current, current.steps_loaded)
+        current = self.stats()
         with self._lock:
-            _, waits = self._steps.since(first)
-
-        def delta(name: str) -> int:
-            return int(current[name] - (before[name] if before is not None else 0))
-
-        return IntervalStats(
-            seconds=now - since,
-            steps_loaded=delta("steps_loaded"),
-            wait_median_s=float(np.median(waits)) if len(waits) else None,
-            wait_max_s=float(waits.max()) if len(waits) else None,
-            fills_completed=delta("fills_completed"),
-            fills_late=delta("fills_late"),
-            bytes_read=delta("bytes_read"),
-            bytes_useful=delta("bytes_useful"),
-            requests=delta("requests"),
-            retries=delta("retries"),
-        )
+            return self._recorder.interval(current)
 
     # -- fills --------------------------------------------------------------------------------
 
@@ -287,7 +218,7 @@ class Engine:
         groups = {}
         for lo, hi in itertools.pairwise(edges):
             stream, minipoch = divmod(int(keys[lo]), self.plan.minipoch_count)
-            if stream not in self._fills:
+            if not self._fills.serves(stream):
                 raise ValueError(
                     f"batch index {int(loc.batch_index[lo])} belongs to stream {stream}, "
                     f"which this engine does not serve (it serves {list(self.streams)})"
@@ -297,115 +228,11 @@ class Engine:
             groups[(stream, minipoch)] = slice(lo, hi)
         return groups
 
-    def _prefetches_due(self, groups: Groups) -> list[tuple[int, int, set[int]]]:
-        """(stream, next minipoch, minipochs this step reads) for each prefetch not started yet."""
-        due = []
-        for stream in {s for s, _ in groups}:
-            needed = {m for s, m in groups if s == stream}
-            nxt = max(needed) + 1
-            if (
-                nxt < self.plan.minipoch_count
-                and self.plan.served_rows(nxt) > 0
-                and nxt not in self._fills[stream]
-                and len(needed) < 2
-            ):  # a step reading two minipochs occupies both buffers
-                due.append((stream, nxt, needed))
-        return due
-
     def _start_prefetches(self, groups: Groups) -> None:
         if self._closed:
             return
         with self._lock:
-            self._prefetch_after(groups)
-
-    def _prefetch_after(self, groups: Groups) -> None:
-        for stream, nxt, needed in self._prefetches_due(groups):
-            self._ensure_fill(
-                stream, nxt, self.plan.first_step(nxt), keep=needed, reason="prefetch"
-            )
-
-    def _ensure_fill(
-        self, stream: int, minipoch: int, from_step: int, *, keep: set[int], reason: str = "demand"
-    ) -> Fill:
-        fills = self._fills[stream]
-        fill = fills.get(minipoch)
-        if fill is not None:
-            if fill.error is None:
-                return fill
-            self._drop(fill)  # a failed fill is retried by the next load
-        used = {f.buffer_index for f in fills.values()}
-        free = [i for i in (0, 1) if i not in used]
-        if not free:
-            # A step spans at most two minipochs of one stream (its rows of one stream are
-            # consecutive q's), so keep has at most two entries, one of them ``minipoch``.
-            victims = [f for m, f in fills.items() if m not in keep]
-            assert victims, "a step cannot need more than two minipochs of one stream"
-            victim = max(victims, key=lambda f: f.minipoch)
-            self._drop(victim, cancelled=True)
-            free = [victim.buffer_index]
-        fill = self._start_fill(stream, minipoch, free[0], from_step, reason)
-        fills[minipoch] = fill
-        return fill
-
-    def _drop(self, fill: Fill, *, cancelled: bool = False) -> None:
-        """Take ``fill`` out of service; a cancelled one wakes its waiters with an error."""
-        if self._fills[fill.stream].get(fill.minipoch) is fill:
-            del self._fills[fill.stream][fill.minipoch]
-        self._buffers[fill.stream].release(fill)
-        if cancelled:
-            if not fill.done:
-                log.debug(
-                    "cancelled fill stream %d minipoch %d (%d/%d blocks)",
-                    fill.stream,
-                    fill.minipoch,
-                    fill.blocks_done,
-                    len(fill.blocks),
-                )
-                self._record_fill(fill, cancelled=True)
-            fill.fail(LoaderClosedError("fill cancelled"))
-        elif fill.error is not None:
-            self._record_fill(fill, failed=True)
-
-    def _start_fill(
-        self, stream: int, minipoch: int, index: int, from_step: int, reason: str
-    ) -> Fill:
-        plan = self.plan
-        perm = plan.row_permutation(stream, minipoch)
-        blocks = plan.buffer_blocks(stream, minipoch)
-        buffer, write_after = self._buffers[stream].take(index)
-        now = time.perf_counter()
-        fill = Fill(
-            stream=stream,
-            minipoch=minipoch,
-            buffer_index=index,
-            buffer=buffer[: plan.rows_in_buffer(minipoch)],
-            perm=perm,
-            blocks=blocks,
-            deadlines=plan.block_deadlines(perm, minipoch, from_step),
-            reason=reason,
-            needed_from=max(from_step, plan.first_step(minipoch)),
-            pending=np.zeros(len(blocks), np.int64),
-            ready=[asyncio.Event() for _ in blocks],
-            started=now,
-            progress=FillProgress(now, len(blocks)),
-            write_after=write_after,
-        )
-        fill.drained.set()
-        fill.units = plan_units(plan, fill, self.source.token_chunk)
-        for unit in fill.units:
-            for slot, *_ in unit.pieces:
-                fill.pending[slot] += 1
-            self._scheduler.put(unit)
-        log.debug(
-            "%s fill of stream %d minipoch %d from step %d: %d blocks, %d reads",
-            reason,
-            stream,
-            minipoch,
-            from_step,
-            len(blocks),
-            len(fill.units),
-        )
-        return fill
+            self._fills.prefetch_after(groups)
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -415,7 +242,7 @@ class Engine:
             await self._read_unit(unit)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # surfaces from the load that needs this fill
+        except Exception as exc:  # noqa: BLE001 - kept by the fill, raised by the load needing it
             log.debug(
                 "read %d:%d of stream %d minipoch %d failed",
                 unit.start,
@@ -429,11 +256,7 @@ class Engine:
         if fill.cancelled:
             return
         fill.unit_done(unit)
-        self._useful_bytes += sum(piece[3] for piece in unit.pieces) * 4
-        if fill.done:
-            self._record_fill(fill)
-        else:
-            self._check_late(fill)
+        self._recorder.unit_done(fill, sum(piece[3] for piece in unit.pieces) * 4)
 
     async def _read_unit(self, unit: Unit) -> None:
         fill = unit.fill
@@ -466,52 +289,21 @@ class Engine:
     async def _serve_early(
         self, fill: Fill, step: int, buffer_rows: np.ndarray, out: np.ndarray
     ) -> None:
-        """Rows of a fill still in progress: those in finished blocks from the buffer, the others
-        read one by one from storage (only the bytes that hold them) while the fill goes on.
-
-        A step's rows are scattered over most of a buffer's blocks (the in-buffer permutation),
-        so waiting for whole blocks after a resume or behind a late fill would cost most of a
-        fill; a few rows cost a few small reads.
-        """
+        """A fill still in progress: its finished rows from the buffer, the others read alone."""
+        assert self._rows is not None
         if fill.error is not None:
             self._raise_fill_error(fill, step)
-        spb = self.plan.sequences_per_read_block
-        ready = np.fromiter((event.is_set() for event in fill.ready), bool, len(fill.ready))
-        have = ready[buffer_rows // spb]
-        out[have] = fill.buffer[buffer_rows[have]]
-        missing = np.flatnonzero(~have)
-        async with self._scheduler.paused():  # fills take no new unit meanwhile
-            reads = asyncio.gather(
-                *(self._read_row(fill, int(buffer_rows[i]), out[i]) for i in missing)
+        try:
+            self._recorder.rows_read_directly += await self._rows.serve(fill, buffer_rows, out)
+        except asyncio.CancelledError:
+            if self._closed:  # aclose() cancelled the reads: the load learns why
+                raise LoaderClosedError("the engine was closed") from None
+            raise
+        except Exception as exc:  # noqa: BLE001 - re-raised with the step and stream named
+            _raise_with_context(
+                exc,
+                f"step {step}: reading rows of stream {fill.stream} minipoch {fill.minipoch} failed",
             )
-            self._row_reads.add(reads)
-            try:
-                await reads
-            except asyncio.CancelledError:
-                if self._closed:  # aclose() cancelled the reads: the load learns why
-                    raise LoaderClosedError("the engine was closed") from None
-                raise
-            except Exception as exc:  # noqa: BLE001 - re-raised with the step and stream named
-                _raise_with_context(
-                    exc,
-                    f"step {step}: reading rows of stream {fill.stream} "
-                    f"minipoch {fill.minipoch} failed",
-                )
-            finally:
-                self._row_reads.discard(reads)
-        self._rows_read_directly += len(missing)
-
-    async def _read_row(self, fill: Fill, buffer_row: int, out: np.ndarray) -> None:
-        spb, seq_len = self.plan.sequences_per_read_block, self.plan.seq_len
-        chunk = self.source.token_chunk
-        slot, row = divmod(buffer_row, spb)
-        start = (int(fill.blocks[slot]) * spb + row) * seq_len  # packed: row r is tokens r*len...
-        done = 0
-        while done < seq_len:  # a row may cross a chunk boundary
-            chunk_id, offset = divmod(start + done, chunk)
-            n = min(seq_len - done, chunk - offset)
-            await self.source.read_items(chunk_id, offset, out[done : done + n])
-            done += n
 
     async def _wait_ready(self, fill: Fill, step: int, buffer_rows: np.ndarray) -> None:
         if self.options.prefetch:
@@ -533,62 +325,15 @@ class Engine:
         exc = fill.error
         assert exc is not None
         with self._lock:
-            if self._fills[fill.stream].get(fill.minipoch) is fill:
-                self._drop(fill)  # the next load retries this minipoch
+            if self._fills.get(fill.stream, fill.minipoch) is fill:
+                self._fills.drop(fill)  # the next load retries this minipoch
         _raise_with_context(
             exc, f"step {step}: filling stream {fill.stream} minipoch {fill.minipoch} failed"
         )
 
-    # -- figures ------------------------------------------------------------------------------
-
     def _record_step(self, step: int, wait: float) -> None:
         with self._lock:
-            self._record_step_locked(step, wait)
-
-    def _record_step_locked(self, step: int, wait: float) -> None:
-        self._steps.add(step, wait)
-        self._rate.add(step)
-
-    def _record_fill(self, fill: Fill, *, cancelled: bool = False, failed: bool = False) -> None:
-        end = fill.finished or time.perf_counter()
-        duration = end - fill.started
-        self._history.add(
-            FillRecord(
-                stream=fill.stream,
-                minipoch=fill.minipoch,
-                reason=fill.reason,
-                blocks=len(fill.blocks),
-                blocks_done=fill.blocks_done,
-                cancelled=cancelled,
-                failed=failed,
-                duration_s=duration,
-                useful_bytes=fill.useful_bytes,
-                throughput_bytes_per_s=fill.useful_bytes / duration if duration > 0 else None,
-                must_finish_by_step=fill.needed_from,
-                finished_at_step=self._rate.last_step,
-                waited_on=fill.waited_on,
-                late=fill.reason == "prefetch" and fill.waited_on,
-            )
-        )
-
-    def _check_late(self, fill: Fill) -> None:
-        """Warn once when a prefetch is predicted to finish after the step that needs it."""
-        if fill.reason != "prefetch" or fill.urgent:
-            return
-        now = time.perf_counter()
-        verdict = self._lateness.check(fill.progress, now, fill.needed_from)
-        if verdict is None:
-            return
-        finish, needed = verdict
-        elapsed = now - fill.started
-        rate = fill.useful_bytes / elapsed / 2**20 if elapsed > 0 else 0.0
-        self._lateness.warn(
-            f"fill of stream {fill.stream} minipoch {fill.minipoch}",
-            fill.needed_from,
-            finish - needed,
-            f"{fill.blocks_done}/{len(fill.blocks)} blocks after {elapsed:.2f} s at "
-            f"{rate:.0f} MiB/s; the trainer loads {self._rate.per_second() or 0:.1f} steps/s",
-        )
+            self._recorder.step(step, wait)
 
 
 def _raise_with_context(exc: BaseException, context: str) -> NoReturn:
