@@ -51,6 +51,8 @@ class SingleFlight(Generic[K, V]):
     async def get(self, key: K, read: Callable[[], Awaitable[V]]) -> V:
         """The result of ``read()`` for ``key``, started once and shared with every caller."""
         task = self._tasks.get(key)
+        if task is not None and task.done() and (task.cancelled() or task.exception() is not None):
+            task = None  # failed a moment ago, before its done-callback forgot it
         if task is None:
             task = asyncio.ensure_future(read())
             self._tasks[key] = task
