@@ -79,7 +79,7 @@ def child(args: argparse.Namespace) -> None:
         for step in range(min(400, steps)):
             t0 = time.perf_counter()
             host = rows[perm[(step * args.batch + np.arange(args.batch)) % len(perm)]]
-            arr = jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+            arr = jax.make_array_from_callback(host.shape, sharding, lambda idx, h=host: h[idx])
             out = decode(arr)
             floor.append(time.perf_counter() - t0)
             time.sleep(args.step_ms / 1000)
