@@ -208,10 +208,6 @@ class LoopThread:
             future.cancel()
             raise
 
-    def run_in_thread(self, fn: Any, *args: Any) -> asyncio.Future[Any]:
-        """From inside the loop: run CPU-bound ``fn(*args)`` on the pool, awaitable."""
-        return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-
 
 @atexit.register
 def _close_all() -> None:

@@ -14,6 +14,7 @@ background thread (:mod:`asyncflat._background`), so the trainer's ``next()`` re
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import logging
 import os
@@ -45,7 +46,7 @@ from .config import (
     redact_url,
     step_argument,
 )
-from .engine import Engine
+from .engine import Engine, EngineStats, IntervalStats
 from .errors import ConfigError, LoaderClosedError
 from .format import SPLITS
 from .permutation import warm_up as warm_up_permutation
@@ -224,17 +225,26 @@ class ShufflingLoader:
         finally:
             iterator.close()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         """Engine figures (waits, fills, bytes, retries) plus the jax build times of this host."""
         self._check_open()
         stats = self._runner.run(self._engine_stats())
         builds = np.array(self._build_s)
-        stats["build_median_s"] = float(np.median(builds)) if len(builds) else None
-        stats["host_batch_rows"] = len(self._host_rows)
-        return stats
+        build_median_s = float(np.median(builds)) if len(builds) else None
+        return dataclasses.replace(
+            stats, build_median_s=build_median_s, host_batch_rows=len(self._host_rows)
+        )
 
-    async def _engine_stats(self) -> dict[str, Any]:
+    async def _engine_stats(self) -> EngineStats:
         return self._engine.stats()
+
+    def interval_stats(self) -> IntervalStats:
+        """What happened since the previous call (loads, waits, fills, bytes): log every N steps."""
+        self._check_open()
+        return self._runner.run(self._engine_interval_stats())
+
+    async def _engine_interval_stats(self) -> IntervalStats:
+        return self._engine.interval_stats()
 
     def close(self) -> None:
         """Stop the device-prefetch threads, cancel fills, stop the engine's thread. Idempotent."""

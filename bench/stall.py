@@ -97,7 +97,7 @@ def child(args: argparse.Namespace) -> None:
                 "buffer_bytes": plan.buffer_bytes,
                 "streams": plan.streams,
                 "minipoch_first_steps": [plan.first_step(m) for m in range(plan.minipoch_count)],
-                "fills": stats["fills"],
+                "fills": stats.as_dict()["fills"],
                 "read_amplification": stats["read_amplification"],
             }
         )

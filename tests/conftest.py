@@ -10,6 +10,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # gcsfs probes the endpoint over gRPC+TLS by default, which makes every emulator call take 60 s.
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
+import asyncio
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -20,6 +26,74 @@ def random_sequences(
     """Ragged token-id sequences with lengths in [1, max_len]."""
     rng = np.random.default_rng(seed)
     return [rng.integers(0, vocab, rng.integers(1, max_len + 1)) for _ in range(count)]
+
+
+def oracle(data: Any, params: Any, batch: Any = None, *, split: str = "train") -> Any:
+    """The reference loader (tests/reference_impl.py) for the same data and parameters.
+
+    ``data``: a dataset path (its arrays are read once per session) or ``(tokens, seq_starts)``.
+    ``params``: a ``FlatTokensParams`` with ``batch`` a ``TokenBatchParams``, or a ``ShufflePlan``
+    (which carries both).
+    """
+    if batch is None:
+        seq_len, batch_size = params.seq_len, params.batch
+    else:
+        seq_len, batch_size = batch.len, batch.batch
+    key = (
+        seq_len,
+        batch_size,
+        params.streams,
+        params.read_blocks_per_shuffle_buffer,
+        params.sequences_per_read_block,
+        params.seed,
+        params.sequence_packing,
+    )
+    if isinstance(data, (str, os.PathLike)):
+        return _oracle_of_path(os.fspath(data), split, key)
+    return _make_oracle(data[0], data[1], key)
+
+
+@functools.lru_cache(maxsize=32)
+def _oracle_of_path(path: str, split: str, key: tuple[Any, ...]) -> Any:
+    from reference_impl import load_split_arrays
+
+    return _make_oracle(*load_split_arrays(path, split), key)
+
+
+def _make_oracle(tokens: np.ndarray, starts: np.ndarray, key: tuple[Any, ...]) -> Any:
+    from reference_impl import ReferenceLoader
+
+    seq_len, batch, streams, rbpsb, spb, seed, packing = key
+    return ReferenceLoader(
+        tokens,
+        starts,
+        seq_len=seq_len,
+        batch=batch,
+        streams=streams,
+        read_blocks_per_shuffle_buffer=rbpsb,
+        sequences_per_read_block=spb,
+        seed=seed,
+        sequence_packing=packing,
+    )
+
+
+def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    """Poll ``predicate`` until true; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.005)
+
+
+async def until(predicate: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    """:func:`wait_until` on an event loop (the loop keeps running between polls)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        if loop.time() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(0.002)
 
 
 @pytest.fixture(scope="session")

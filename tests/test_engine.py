@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 import numpy as np
 import pytest
-from reference_impl import ReferenceLoader
+from conftest import oracle, until
+from helpers.fake_source import SEQ_LEN, FakeSource, make_data
 
 from asyncflat import (
     EngineOptions,
@@ -20,68 +22,6 @@ from asyncflat import (
     TokenBatchParams,
 )
 from asyncflat.engine import Engine
-from asyncflat.source import IOCounters
-
-SEQ_LEN = 8
-
-
-class FakeSource:
-    """In-memory tokens with per-read latency, failure injection and a log of every read."""
-
-    def __init__(
-        self,
-        tokens: np.ndarray,
-        starts: np.ndarray,
-        *,
-        chunk: int,
-        latency_s: float = 0.0,
-        fail: Callable[[int, int], BaseException | None] | None = None,
-    ) -> None:
-        self.tokens, self.starts = tokens, starts
-        self.name = "fake://tokens"
-        self.token_count, self.sequence_count = len(tokens), len(starts) - 1
-        self.max_token_id = int((tokens >> 1).max())
-        self.token_chunk = chunk
-        self.io = IOCounters()
-        self.latency_s, self.fail = latency_s, fail
-        self.in_flight = self.peak_in_flight = 0
-        self.reads: list[tuple[int, int]] = []  # completed token reads, in completion order
-        self.cancelled_reads = 0
-        self.closed = False
-
-    async def _read(self, array: np.ndarray, start: int, stop: int, log: bool) -> np.ndarray:
-        self.in_flight += 1
-        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
-        try:
-            await asyncio.sleep(self.latency_s)
-            error = self.fail(start, stop) if self.fail and log else None
-            if error is not None:
-                raise error
-            if log:
-                self.reads.append((start, stop))
-            return array[start:stop].copy()
-        except asyncio.CancelledError:
-            self.cancelled_reads += 1
-            raise
-        finally:
-            self.in_flight -= 1
-
-    async def read_tokens(self, start: int, stop: int) -> np.ndarray:
-        return await self._read(self.tokens, start, stop, log=True)
-
-    async def read_seq_starts(self, start: int, stop: int) -> np.ndarray:
-        return await self._read(self.starts, start, stop, log=False)
-
-    async def aclose(self) -> None:
-        self.closed = True
-
-
-def make_data(seed: int = 0, rows: int = 640) -> tuple[np.ndarray, np.ndarray]:
-    """Packed tokens whose value encodes their own position (so any misplacement shows)."""
-    tokens = (np.arange(rows * SEQ_LEN, dtype=np.uint32) * 2) % (1 << 31)
-    starts = np.arange(0, rows * SEQ_LEN + 1, SEQ_LEN, dtype=np.uint64)
-    tokens[starts[:-1].astype(np.int64)] |= 1
-    return tokens, starts
 
 
 def make(
@@ -106,19 +46,8 @@ def make(
     return Engine(plan, source, range(streams), EngineOptions(**options))
 
 
-def oracle_for(engine: Engine, source: FakeSource) -> ReferenceLoader:
-    p = engine.plan
-    return ReferenceLoader(
-        source.tokens,
-        source.starts,
-        seq_len=p.seq_len,
-        batch=p.batch,
-        streams=p.streams,
-        read_blocks_per_shuffle_buffer=p.read_blocks_per_shuffle_buffer,
-        sequences_per_read_block=p.sequences_per_read_block,
-        seed=p.seed,
-        sequence_packing=p.sequence_packing,
-    )
+def oracle_for(engine: Engine, source: FakeSource) -> Any:
+    return oracle((source.tokens, source.starts), engine.plan)
 
 
 def run(coro_fn: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
@@ -186,7 +115,7 @@ def test_the_next_minipoch_fills_as_soon_as_the_current_one_serves() -> None:
         await engine.gather(plan.first_step(1), ALL)
         active = {(f["stream"], f["minipoch"], f["reason"]) for f in engine.stats()["active_fills"]}
         assert {(0, 2, "prefetch"), (1, 2, "prefetch")} <= active
-        await asyncio.sleep(0.5)  # give the prefetch time to finish
+        await until(lambda: not engine.stats().active_fills, "the prefetch of minipoch 2")
         fills_before = len(engine.stats()["fills"])
         await engine.gather(plan.first_step(2), ALL)  # served from the prefetched buffer
         assert not [f for f in engine.stats()["fills"][fills_before:] if f["minipoch"] == 2]
@@ -237,7 +166,7 @@ def test_random_access_cancels_fills_nobody_needs() -> None:
         block_tokens = 8 * SEQ_LEN
         m1_blocks = set(plan.buffer_blocks(0, 1).tolist())
         reads_m1 = sum(1 for s, _ in source.reads if s // block_tokens in m1_blocks)
-        await asyncio.sleep(0.3)
+        await until(lambda: not engine.stats().active_fills, "the fills still needed")
         assert sum(1 for s, _ in source.reads if s // block_tokens in m1_blocks) <= reads_m1 + 2
         await engine.aclose()
 
@@ -250,8 +179,7 @@ def test_close_cancels_reads_in_flight_and_wakes_waiters() -> None:
 
     async def main() -> None:
         waiter = asyncio.ensure_future(engine.gather(0, ALL))
-        await asyncio.sleep(0.05)
-        assert source.in_flight > 0
+        await until(lambda: source.in_flight > 0, "a read in flight")
         await engine.aclose()
         with pytest.raises(LoaderClosedError):
             await asyncio.wait_for(waiter, 5)
@@ -329,32 +257,128 @@ def test_prefetch_off_waits_for_the_whole_buffer_like_the_reference() -> None:
         await engine.gather(0, ALL)
         blocks = engine.plan.blocks_in_minipoch(0) * engine.plan.streams
         assert len(source.reads) == blocks  # whole buffer of every stream, nothing of minipoch 1
-        await asyncio.sleep(0.1)
-        assert len(source.reads) == blocks
+        assert not engine.stats().active_fills  # and nothing started that would read more
         await engine.aclose()
 
     run(main)
 
 
-def test_a_fill_predicted_to_be_late_is_logged(caplog: pytest.LogCaptureFixture) -> None:
-    source = FakeSource(*make_data(rows=4096), chunk=SEQ_LEN * 8, latency_s=0.05)
-    engine = make(source, streams=1, rbpsb=16, spb=8, batch=8, max_concurrent_reads=1)
+def _late_messages(caplog: pytest.LogCaptureFixture, minipoch: int) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if "predicted to finish" in r.getMessage() and f"minipoch {minipoch} " in r.getMessage()
+    ]
+
+
+def _trainer_run(minipoch_1_block_s: float, burst: int, caplog: pytest.LogCaptureFixture) -> Engine:
+    """Minipoch 0 (64 steps, in memory at once) at a sustained ~33 steps/s, loaded in bursts of
+    ``burst`` steps (async dispatch: loads return at once, then the device queue is full),
+    while minipoch 1 is prefetched one block at a time at ``minipoch_1_block_s`` a block."""
+    tokens, starts = make_data(rows=2048)
+    probe = make(FakeSource(tokens, starts, chunk=SEQ_LEN * 8), streams=1, rbpsb=64)
+    block_tokens = 8 * SEQ_LEN
+    slow = set(probe.plan.buffer_blocks(0, 1).tolist())
+
+    def latency_for(start: int, stop: int) -> float:
+        return minipoch_1_block_s if start // block_tokens in slow else 0.0
+
+    source = FakeSource(tokens, starts, chunk=SEQ_LEN * 8, latency_for=latency_for)
+    engine = make(source, streams=1, rbpsb=64, max_concurrent_reads=1)
+    assert engine.plan.first_step(1) == 64
 
     async def main() -> None:
         with caplog.at_level(logging.WARNING, logger="asyncflat.engine"):
-            # 10 ms train steps through minipoch 0, while minipoch 1 fills at 50 ms a block:
-            # 16 blocks cannot arrive within the 15 remaining steps.
             for step in range(engine.plan.first_step(1)):
                 await engine.gather(step, ALL)
-                await asyncio.sleep(0.01)
+                if step % burst == burst - 1:
+                    await asyncio.sleep(0.03 * burst)
         await engine.aclose()
 
     run(main)
-    assert engine.plan.first_step(1) == 16
-    assert any(
-        "predicted to finish" in r.getMessage() and "minipoch 1" in r.getMessage()
-        for r in caplog.records
-    )
+    return engine
+
+
+def test_a_prefetch_that_will_be_late_is_warned_about_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # 64 blocks at 50 ms: 3.2 s of fill; the trainer needs them after ~2 s.
+    engine = _trainer_run(0.05, burst=1, caplog=caplog)
+    messages = _late_messages(caplog, 1)
+    assert len(messages) == 1, messages
+    assert "max_concurrent_reads" in messages[0] and "steps/s" in messages[0]  # what to change
+    assert engine.stats().fills_predicted_late == 1
+
+
+def test_async_dispatch_bursts_do_not_make_an_on_time_prefetch_look_late(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Loads come in bursts of 8 with ~0 s gaps (the old predictor took those gaps for the
+    # step time); the sustained rate is ~33 steps/s and 64 blocks at 10 ms arrive in time.
+    engine = _trainer_run(0.01, burst=8, caplog=caplog)
+    assert not _late_messages(caplog, 1)
+    assert engine.stats().fills_predicted_late == 0
+    assert not [f for f in engine.stats().fills if f.late]
+
+
+def test_a_resumed_demand_fill_does_not_read_as_late() -> None:
+    source = FakeSource(*make_data(), chunk=SEQ_LEN * 8, latency_s=0.001)
+    engine = make(source, streams=1, prefetch=False)
+    plan = engine.plan
+    step = plan.first_step(1) + 3  # a resume in the middle of minipoch 1
+
+    async def main() -> None:
+        await engine.gather(step, ALL)
+        await engine.aclose()
+
+    run(main)
+    (record,) = [f for f in engine.stats().fills if f.minipoch == 1]
+    assert record.reason == "demand" and not record.late and record.waited_on
+    assert record.must_finish_by_step == step and record.finished_at_step is None
+
+
+def test_fill_records_are_bounded_and_totals_kept() -> None:
+    source = FakeSource(*make_data(), chunk=SEQ_LEN * 8)
+    engine = make(source, streams=1, rbpsb=2, spb=4, batch=4)
+    plan = engine.plan
+    steps = np.random.default_rng(0).integers(0, plan.step_count, 700).tolist()
+
+    async def main() -> None:
+        for step in steps:
+            await engine.gather(int(step), np.arange(4))
+        await engine.aclose()
+
+    run(main)
+    stats = engine.stats()
+    assert stats.fills_completed + stats.fills_cancelled > len(stats.fills) == 256
+    assert stats.steps_loaded == len(steps)
+
+
+def test_stats_is_a_flat_typed_snapshot_with_an_interval_view() -> None:
+    source = FakeSource(*make_data(), chunk=SEQ_LEN * 8)
+    engine = make(source)
+
+    async def main() -> None:
+        for step in range(5):
+            await engine.gather(step, ALL)
+        first = engine.interval_stats()
+        for step in range(5, 8):
+            await engine.gather(step, ALL)
+        second = engine.interval_stats()
+        assert (first.steps_loaded, second.steps_loaded) == (5, 3)
+        assert second.bytes_useful == 0 or first.bytes_useful > 0
+        await engine.aclose()
+
+    run(main)
+    stats = engine.stats()
+    scalars = stats.scalars()
+    assert scalars["steps_loaded"] == 8 and "fills" not in scalars
+    assert all(v is None or isinstance(v, (int, float)) for v in scalars.values())
+    assert stats["retries"] == stats.retries  # reads like the dict of earlier versions
+    as_dict = stats.as_dict()
+    assert as_dict["fills"][0]["stream"] == stats.fills[0].stream
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        stats.retries = 1  # type: ignore[misc]
 
 
 def test_try_gather_serves_finished_buffers_without_the_loop() -> None:
@@ -366,7 +390,7 @@ def test_try_gather_serves_finished_buffers_without_the_loop() -> None:
     async def main() -> None:
         assert engine.try_gather(1, ALL) is None  # nothing filled yet
         await engine.gather(0, ALL)  # fills minipoch 0, starts prefetching 1
-        await asyncio.sleep(0.3)
+        await until(lambda: not engine.stats().active_fills, "the prefetch of minipoch 1")
         for step in range(1, plan.first_step(1)):
             np.testing.assert_array_equal(engine.try_gather(step, ALL), oracle.encoded_batch(step))
         # the first step of minipoch 1 is served at once and hands the prefetch of 2 to the loop
@@ -387,40 +411,9 @@ def test_try_gather_serves_finished_buffers_without_the_loop() -> None:
     run(main)
 
 
-class DirectFakeSource(FakeSource):
-    """A source the engine decodes itself (like an uncompressed zarr store): whole-chunk reads
-    are slow here, row-sized reads (read_items) are fast."""
-
-    raw_codec = "raw"
-
-    def __init__(self, *args: Any, chunk_latency_s: float, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.chunk_latency_s = chunk_latency_s
-        self.item_reads = 0
-
-    async def read_frame(self, chunk_id: int, items: tuple[int, int] | None = None) -> Any:
-        from asyncflat.source import Frame
-
-        lo, hi = items if items is not None else (0, self.token_chunk)
-        await asyncio.sleep(self.chunk_latency_s)
-        start = chunk_id * self.token_chunk
-        self.reads.append((start + lo, start + hi))
-        return Frame(
-            self.tokens[start + lo : start + hi].view(np.uint8).copy(), lo, f"c/{chunk_id}"
-        )
-
-    def decode_into(self, frame: Any, first_item: int, out: np.ndarray) -> None:
-        offset = first_item - frame.first_item
-        out[:] = frame.data.view("<u4")[offset : offset + len(out)]
-
-    async def read_items(self, chunk_id: int, first_item: int, out: np.ndarray) -> None:
-        self.item_reads += 1
-        start = chunk_id * self.token_chunk + first_item
-        out[:] = self.tokens[start : start + len(out)]
-
-
 def test_a_load_ahead_of_its_blocks_reads_just_its_rows() -> None:
-    source = DirectFakeSource(*make_data(rows=4096), chunk=SEQ_LEN * 16, chunk_latency_s=30)
+    # whole chunks take 30 s, rows are read at once
+    source = FakeSource(*make_data(rows=4096), chunk=SEQ_LEN * 16, latency_s=30, partial_reads=True)
     engine = make(source, streams=1, rbpsb=32, spb=16, batch=8)
     oracle = oracle_for(engine, source)
     step = engine.plan.first_step(1) + 5

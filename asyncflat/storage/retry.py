@@ -1,0 +1,177 @@
+"""Retrying transient storage failures with jittered exponential backoff, up to a deadline.
+
+Only the store layer retries: asyncflat turns off the filesystems' own retry loops where it can
+(see ``source.py``), so attempts never multiply (gcsfs x aiobotocore x ours).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from ..config import RetryPolicy
+from ..errors import StorageError, TransientStorageError
+
+__all__ = ["is_throttle", "is_transient", "retrying"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_TRANSIENT_HTTP = frozenset({408, 425, 429, 500, 502, 503, 504})
+#: Statuses by which a store says "slow down": the concurrency limit backs off on these.
+_THROTTLE_HTTP = frozenset({429, 503})
+_THROTTLE_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestLimitExceeded",
+        "TooManyRequests",
+        "TooManyRequestsException",
+        "RequestThrottled",
+    }
+)
+_TRANSIENT_ERRNO = frozenset(
+    {
+        errno.ECONNRESET,
+        errno.ECONNREFUSED,
+        errno.ECONNABORTED,
+        errno.EPIPE,
+        errno.ETIMEDOUT,
+        errno.EAGAIN,
+        errno.EHOSTUNREACH,
+        errno.ENETUNREACH,
+    }
+)
+# Connection-level failures of aiohttp, botocore and requests (gcsfs raises requests' ProxyError
+# for a 502) that do not all derive from the builtin ConnectionError/TimeoutError.
+_TRANSIENT_NAMES = (
+    "ServerDisconnected",
+    "ClientOSError",
+    "ClientPayloadError",
+    "ConnectionClosed",
+    "EndpointConnectionError",
+    "ReadTimeout",
+    "ConnectTimeout",
+    "ProxyError",
+    "ChunkedEncodingError",
+    "ResponseStreamingError",
+    "IncompleteRead",
+)
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """``exc`` and its explicit causes (``raise ... from``), outermost first.
+
+    s3fs translates botocore's ClientError into a plain OSError (EBUSY for a 503) and keeps the
+    ClientError, with its HTTP status, as ``__cause__``.
+    """
+    chain: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and len(chain) < 8 and all(current is not c for c in chain):
+        chain.append(current)
+        current = current.__cause__
+    return chain
+
+
+def _own_status(exc: BaseException) -> int | None:
+    # aiohttp's .status before .code: its ClientResponseError.code is a deprecated alias that warns.
+    for attr in ("status", "status_code", "code"):  # aiohttp .status, gcsfs HttpError.code
+        value = getattr(exc, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool) and 100 <= value < 600:
+            return value
+    response = getattr(exc, "response", None)  # botocore ClientError
+    if isinstance(response, dict):
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if isinstance(status, int):
+            return status
+    return None
+
+
+def _http_status(exc: BaseException) -> int | None:
+    """The HTTP status an fsspec backend attached to ``exc`` or its causes, if any."""
+    for link in _causes(exc):
+        status = _own_status(link)
+        if status is not None:
+            return status
+    return None
+
+
+def _error_code(exc: BaseException) -> str | None:
+    """The service's error code (botocore ClientError: ``SlowDown``...) in ``exc``'s causes."""
+    for link in _causes(exc):
+        response = getattr(link, "response", None)
+        if isinstance(response, dict):
+            code = response.get("Error", {}).get("Code")
+            if isinstance(code, str):
+                return code
+    return None
+
+
+def is_throttle(exc: BaseException) -> bool:
+    """Whether the store asked us to slow down (HTTP 429 or 503, S3 ``SlowDown``)."""
+    return _http_status(exc) in _THROTTLE_HTTP or _error_code(exc) in _THROTTLE_CODES
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a failed read is worth retrying: throttling, 5xx, timeouts, resets.
+
+    Missing objects (404 -> FileNotFoundError), refusals (403 -> PermissionError or gcsfs's
+    ``OSError("Forbidden: ...")``) and other 4xx are permanent.
+    """
+    if isinstance(exc, TransientStorageError):
+        return True
+    if isinstance(exc, (FileNotFoundError, PermissionError, StorageError)):
+        return False
+    status = _http_status(exc)
+    if status is not None:
+        return status in _TRANSIENT_HTTP
+    if _error_code(exc) in _THROTTLE_CODES:
+        return True
+    if isinstance(exc, (ConnectionError, TimeoutError, asyncio.TimeoutError)):
+        return True
+    if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNO:
+        return True
+    name = type(exc).__name__
+    return any(part in name for part in _TRANSIENT_NAMES)
+
+
+async def retrying(
+    attempt: Callable[[], Awaitable[T]],
+    policy: RetryPolicy,
+    *,
+    describe: Callable[[], str],
+    on_retry: Callable[[BaseException], None] | None = None,
+) -> T:
+    """Await ``attempt()`` until it succeeds, a permanent error occurs, or the budget runs out.
+
+    Permanent errors propagate unchanged. When attempts or the deadline run out, the last
+    transient error is raised as TransientStorageError naming the object and the attempts made.
+    """
+    start = time.monotonic()
+    backoff = policy.initial_backoff_s
+    for number in range(1, policy.max_attempts + 1):
+        try:
+            return await attempt()
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            elapsed = time.monotonic() - start
+            # Full jitter (AWS architecture blog): spreads retries of many concurrent readers.
+            sleep = random.uniform(0, backoff)
+            if number == policy.max_attempts or elapsed + sleep > policy.deadline_s:
+                raise TransientStorageError(
+                    f"{describe()}: still failing after {number} attempts over {elapsed:.1f} s: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+            if on_retry is not None:
+                on_retry(exc)
+            log.debug("retrying %s after %s (attempt %d)", describe(), exc, number)
+            await asyncio.sleep(sleep)
+            backoff = min(policy.max_backoff_s, backoff * 2)
+    raise AssertionError("unreachable")  # pragma: no cover

@@ -1,0 +1,159 @@
+"""The reader alone, on real zarr stores: the interface the engine uses, and no stale cache."""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import os
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import random_sequences
+
+from asyncflat import CorruptChunkError, FlatTokensWriter
+from asyncflat.format import encode_sequences
+from asyncflat.source import TokenSource, ZarrTokenSource
+
+CHUNK = 4096
+
+
+def run(coro_fn: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
+    return asyncio.run(asyncio.wait_for(coro_fn(), timeout=60))
+
+
+class Writer:
+    """The engine's side of ``read_into``: runs the copy at once, counts writes."""
+
+    def __init__(self, allow: bool = True) -> None:
+        self.allow, self.writes = allow, 0
+
+    async def write(self, fill_targets: Callable[[], None]) -> bool:
+        if not self.allow:
+            return False
+        fill_targets()
+        self.writes += 1
+        return True
+
+
+@pytest.fixture(scope="module", params=["v2-blosc", "v3-blosc", "v3-sharded"])
+def dataset(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    kind = request.param
+    path = str(tmp_path_factory.mktemp(kind) / "data.zarr")
+    kwargs: dict[str, Any] = {
+        "v2-blosc": dict(zarr_format=2, chunk_tokens=CHUNK),
+        "v3-blosc": dict(zarr_format=3, chunk_tokens=CHUNK),
+        "v3-sharded": dict(zarr_format=3, chunk_tokens=CHUNK, shard_tokens=4 * CHUNK),
+    }[kind]
+    sequences = random_sequences(7, 200)
+    with FlatTokensWriter(path, **kwargs) as writer:
+        writer.append("train", sequences)
+    encoded, _ = encode_sequences(sequences)
+    return kind, path, encoded
+
+
+def open_source(path: str) -> Coroutine[Any, Any, ZarrTokenSource]:
+    return ZarrTokenSource.open(path, "train")
+
+
+def test_read_into_fills_the_views_it_is_given(dataset: tuple) -> None:
+    kind, path, encoded = dataset
+
+    async def main() -> None:
+        source: TokenSource = await open_source(path)
+        assert source.partial_reads is (kind != "v3-sharded")  # direct Blosc or zarr's decoder
+        assert not source.remote and source.token_chunk == CHUNK
+        start, stop = CHUNK + 100, 2 * CHUNK - 50
+        a, b = np.empty(300, np.uint32), np.empty(17, np.uint32)
+        writer = Writer()
+        await source.read_into(start, stop, [(100, a), (1000, b)], writer)
+        np.testing.assert_array_equal(a, encoded[CHUNK + 100 : CHUNK + 400])
+        np.testing.assert_array_equal(b, encoded[CHUNK + 1000 : CHUNK + 1017])
+        assert writer.writes == 1 and source.io.bytes_decoded > 0
+        untouched = np.zeros(10, np.uint32)
+        await source.read_into(0, 10, [(0, untouched)], Writer(allow=False))
+        assert not untouched.any()  # a dropped fill's views are never written
+        await source.aclose()
+
+    run(main)
+
+
+def test_read_items_reads_a_few_rows(dataset: tuple) -> None:
+    kind, path, encoded = dataset
+
+    async def main() -> None:
+        source = await open_source(path)
+        if kind == "v3-sharded":  # zarr decodes these: the engine never asks it for rows
+            assert not source.partial_reads
+            await source.aclose()
+            return
+        out = np.empty(64, np.uint32)
+        await source.read_items(2, 777, out)
+        np.testing.assert_array_equal(out, encoded[2 * CHUNK + 777 : 2 * CHUNK + 841])
+        await source.aclose()
+
+    run(main)
+
+
+def _chunk_file(path: str, index: int) -> str:
+    files = sorted(
+        f
+        for f in glob.glob(os.path.join(path, "train", "encoded_tokens", "**"), recursive=True)
+        if os.path.isfile(f) and not f.endswith((".json", ".zarray", ".zattrs"))
+    )
+    return next(f for f in files if f.replace("/", ".").endswith(f".{index}"))
+
+
+@pytest.mark.parametrize("damage", ["garbage-blocks", "garbage-header"])
+def test_nothing_read_from_bad_bytes_outlives_the_repair(tmp_path: Path, damage: str) -> None:
+    # A chunk replaced by bad bytes gives a clear error; once the file is restored, every read
+    # (whole-chunk and row reads, whose frame layout is cached) is right again.
+    path = str(tmp_path / "data.zarr")
+    sequences = random_sequences(3, 200)
+    with FlatTokensWriter(path, zarr_format=3, chunk_tokens=CHUNK) as writer:
+        writer.append("train", sequences)
+    encoded, _ = encode_sequences(sequences)
+    target = _chunk_file(path, 1)
+    good = Path(target).read_bytes()
+    bad = bytearray(good)
+    if damage == "garbage-blocks":
+        bad[len(bad) // 2 :] = os.urandom(len(bad) - len(bad) // 2)
+        bad[16:20] = (10**8).to_bytes(4, "little")  # the first block offset, out of bounds
+    else:
+        bad[4:16] = os.urandom(12)
+    rows = [(1, 5, 40), (1, 3000, 64)]
+
+    async def read_all(source: ZarrTokenSource) -> None:
+        whole = np.empty(CHUNK, np.uint32)
+        await source.read_into(CHUNK, 2 * CHUNK, [(0, whole)], Writer())
+        np.testing.assert_array_equal(whole, encoded[CHUNK : 2 * CHUNK])
+        for chunk_id, first, n in rows:
+            out = np.empty(n, np.uint32)
+            await source.read_items(chunk_id, first, out)
+            start = chunk_id * CHUNK + first
+            np.testing.assert_array_equal(out, encoded[start : start + n])
+
+    async def main() -> None:
+        source = await open_source(path)
+        await read_all(source)  # layouts and the chunk cached from good bytes
+        Path(target).write_bytes(bytes(bad))
+        for chunk_id, first, n in rows:
+            # a cached layout over damaged blocks, or a layout parsed from a damaged header
+            try:
+                await source.read_items(chunk_id, first, np.empty(n, np.uint32))
+            except CorruptChunkError as exc:
+                assert "encoded_tokens" in str(exc)
+        source2 = await open_source(path)  # a fresh reader meets the damage first
+        with pytest.raises(CorruptChunkError):
+            await source2.read_into(CHUNK, 2 * CHUNK, [(0, np.empty(CHUNK, np.uint32))], Writer())
+        with pytest.raises(CorruptChunkError):
+            await source2.read_items(1, 5, np.empty(40, np.uint32))
+        Path(target).write_bytes(good)  # the repair
+        await read_all(source)
+        await read_all(source2)
+        await source.aclose()
+        await source2.aclose()
+
+    run(main)

@@ -1,0 +1,112 @@
+"""The guarded store alone: strict about missing and truncated chunks, shard indexes read once."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import numpy as np
+import pytest
+from numcodecs import Blosc
+from zarr.abc.store import RangeByteRequest, SuffixByteRequest
+from zarr.core.buffer import default_buffer_prototype
+from zarr.storage import MemoryStore
+
+from asyncflat import CorruptChunkError, RetryPolicy, TransientStorageError
+from asyncflat.faults import FaultyStore
+from asyncflat.storage import AdaptiveLimiter, GuardedStore, IOCounters
+
+PROTO = default_buffer_prototype()
+
+
+def run(coro_fn: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
+    return asyncio.run(asyncio.wait_for(coro_fn(), timeout=20))
+
+
+async def guarded(store: Any, **retry: Any) -> tuple[GuardedStore, IOCounters]:
+    io = IOCounters()
+    policy = RetryPolicy(**{"initial_backoff_s": 0.001, "max_backoff_s": 0.002, **retry})
+    return GuardedStore(
+        store, name="mem://data", limiter=AdaptiveLimiter(4, io), retry=policy, io=io
+    ), io
+
+
+async def memory_store(objects: dict[str, bytes]) -> MemoryStore:
+    store = MemoryStore()
+    for key, value in objects.items():
+        await store.set(key, PROTO.buffer.from_bytes(value))
+    return store
+
+
+def test_a_missing_chunk_is_an_error_and_missing_metadata_is_not() -> None:
+    async def main() -> None:
+        store, _ = await guarded(await memory_store({}))
+        with pytest.raises(CorruptChunkError, match=r"mem://data/t/c/0 \(whole object\).*missing"):
+            await store.get("t/c/0", PROTO)
+        assert await store.get("t/zarr.json", PROTO) is None
+
+    run(main)
+
+
+def test_a_short_or_empty_object_is_truncated() -> None:
+    async def main() -> None:
+        store, io = await guarded(await memory_store({"t/c/0": b"0123456789", "t/c/1": b""}))
+        with pytest.raises(CorruptChunkError, match=r"bytes=5-19.*got 5 bytes, expected 15"):
+            await store.get("t/c/0", PROTO, RangeByteRequest(5, 20))
+        with pytest.raises(CorruptChunkError, match="truncated: got 0 bytes"):
+            await store.get("t/c/1", PROTO)
+        buffer = await store.get("t/c/0", PROTO, RangeByteRequest(2, 4))
+        assert buffer is not None and buffer.to_bytes() == b"23"
+        assert io.bytes_read == 2 and io.requests == 3
+
+    run(main)
+
+
+def test_a_blosc_frame_whose_header_disagrees_with_its_size_is_refused() -> None:
+    frame = Blosc(cname="lz4").encode(np.arange(1000, dtype="<u4"))
+
+    async def main() -> None:
+        raw = await memory_store({"t/c/0": frame + b"extra", "t/c/1": frame, "u/c/0": b"x" * 3})
+        store, _ = await guarded(raw)
+        store.check_blosc_frames(["t/"])
+        with pytest.raises(CorruptChunkError, match="not a whole Blosc frame"):
+            await store.get("t/c/0", PROTO)
+        assert (await store.get("t/c/1", PROTO)) is not None
+        assert (await store.get("u/c/0", PROTO)) is not None  # not a Blosc array: not checked
+
+    run(main)
+
+
+def test_shard_indexes_are_read_once_and_failures_and_bad_ones_forgotten() -> None:
+    async def main() -> None:
+        faulty = FaultyStore(await memory_store({"t/c/0": b"a" * 64}))
+        store, io = await guarded(faulty, max_attempts=1)
+        faulty.configure(transient_rate=1.0)
+        with pytest.raises(TransientStorageError):
+            await store.get("t/c/0", PROTO, SuffixByteRequest(16))
+        faulty.configure(transient_rate=0.0)  # healed: the failure was not cached
+        results = await asyncio.gather(
+            *(store.get("t/c/0", PROTO, SuffixByteRequest(16)) for _ in range(5))
+        )
+        assert all(r is not None and r.to_bytes() == b"a" * 16 for r in results)
+        before = faulty.counts.requests
+        await store.get("t/c/0", PROTO, SuffixByteRequest(16))
+        assert faulty.counts.requests == before and io.cached_reads >= 1
+        store.forget_indexes()  # bytes under the index failed to decode: read it again
+        await store.get("t/c/0", PROTO, SuffixByteRequest(16))
+        assert faulty.counts.requests == before + 1
+
+    run(main)
+
+
+def test_copies_share_counters_limits_and_checks() -> None:
+    async def main() -> None:
+        store, io = await guarded(await memory_store({"t/c/0": b"abc"}))
+        store.check_blosc_frames(["t/"])
+        copy = store.with_read_only(True)
+        assert isinstance(copy, GuardedStore) and copy.io is io
+        with pytest.raises(CorruptChunkError, match="Blosc"):
+            await copy.get("t/c/0", PROTO)
+
+    run(main)
