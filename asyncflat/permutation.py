@@ -46,6 +46,10 @@ logger = logging.getLogger(__name__)
 # Below this size the plain Python path is fast enough (well under a millisecond) and never pays
 # for compiling the kernel.
 _SMALL_N = 2048
+# Until the kernel is compiled (~0.1 s, once per process), sizes up to this one take the Python
+# path (<= ~10 ms, holding the GIL) while the kernel compiles in the background, so that a
+# restart's first batch (one buffer's row permutation, typically 10^4 rows) never waits for it.
+_NO_WAIT_N = 1 << 16
 _Kernel = Callable[[np.uint64, np.uint64, np.ndarray], None]
 _kernel: _Kernel | None = None
 _kernel_lock = threading.Lock()
@@ -67,6 +71,9 @@ def permutation(seed: int, n: int) -> np.ndarray:
     bit_generator = np.random.Philox(seed)
     if n < _SMALL_N:
         return _small_permutation(bit_generator, n)
+    if _kernel is None and n <= _NO_WAIT_N:
+        warm_up(n)
+        return _small_permutation(bit_generator, n)
     state = bit_generator.state
     # The kernel replays the generator from its key, so it must start where numpy's would.
     if state["state"]["counter"].any() or state["buffer_pos"] != 4:
@@ -80,8 +87,8 @@ def permutation(seed: int, n: int) -> np.ndarray:
 def warm_up(n: int) -> None:
     """Start compiling the kernel on a background thread if permutations of ``n`` items need it.
 
-    Returns at once; the first :func:`permutation` that needs the kernel waits for this compile
-    instead of starting its own. The compile (~0.1 s) runs in LLVM with the GIL released, apart
+    Returns at once; a :func:`permutation` that needs the kernel before then waits for this
+    compile instead of starting its own (and one of at most 2**16 items does not wait at all). The compile (~0.1 s) runs in LLVM with the GIL released, apart
     from importing llvmlite, so a loader can call this in its constructor and open its store
     meanwhile.
     """

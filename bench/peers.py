@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE.parent), str(HERE)]  # this checkout's asyncflat, and bench/
 from _common import bench_dir, emit, ensure_dataset, out_dir  # noqa: E402
 
 SIZES: dict[str, dict[str, int]] = {
@@ -270,6 +270,41 @@ def run_child(args: argparse.Namespace, loader: str, phase: str, **extra: Any) -
     return figures
 
 
+def check_same_batches(args: argparse.Namespace) -> None:
+    """The seqax-style loader and asyncflat must serve identical batches (else no comparison)."""
+    from seqax_style import SeqaxStyleLoader
+
+    import asyncflat
+
+    reference = SeqaxStyleLoader(
+        args.path,
+        "train",
+        seq_len=args.seq_len,
+        batch=args.batch,
+        streams=1,
+        read_blocks_per_shuffle_buffer=args.rbpsb,
+        sequences_per_read_block=args.spb,
+    )
+    params = asyncflat.FlatTokensParams(
+        args.path, 1, args.rbpsb, args.spb, seed=0, sequence_packing=True
+    )
+    batch_params = asyncflat.TokenBatchParams(len=args.seq_len, batch=args.batch)
+    steps = sorted(
+        {0, args.boundaries[0] - 1, args.boundaries[0], args.restart_step, args.steps - 1}
+    )
+    with asyncflat.ShufflingLoader("train", params, batch_params) as loader:
+        for step in steps:
+            ours, theirs = loader.load(step), reference.load(step)
+            for name in ("targets", "is_seq_start"):
+                if not np.array_equal(
+                    np.asarray(getattr(ours, name)), np.asarray(getattr(theirs, name))
+                ):
+                    raise SystemExit(
+                        f"asyncflat and the seqax-style loader differ: step {step} {name}"
+                    )
+    print(f"  asyncflat and the seqax-style loader agree at steps {steps}", file=sys.stderr)
+
+
 def machine() -> dict[str, Any]:
     import jax
 
@@ -353,6 +388,8 @@ def parent(args: argparse.Namespace) -> None:
         f"{args.restart_step}, step {args.step_ms} ms; loaders {loaders}",
         file=sys.stderr,
     )
+    if args.check:
+        check_same_batches(args)
     results: dict[str, dict[str, Any]] = {name: {} for name in loaders}
     for phase in ("epoch", "steps"):
         for name in loaders:
@@ -406,6 +443,12 @@ def main() -> None:
     parser.add_argument("--layout", choices=("aligned", "seqax"), default="aligned")
     parser.add_argument("--step-ms", type=float, default=5.0)
     parser.add_argument("--restarts", type=int, default=3)
+    parser.add_argument(
+        "--no-check",
+        dest="check",
+        action="store_false",
+        help="skip checking that asyncflat and the seqax-style loader serve identical batches",
+    )
     parser.add_argument("--grain-threads", type=int, default=1)
     parser.add_argument("--grain-prefetch", type=int, default=16)
     for name in ("tokens", "seq_len", "batch", "spb", "rbpsb"):

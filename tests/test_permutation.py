@@ -29,6 +29,13 @@ GOLDEN = json.loads((Path(__file__).parent / "golden_permutations.json").read_te
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _compiled_kernel() -> None:
+    """Sizes from 2048 to 2**16 take the Python path until the kernel is compiled: compile it
+    first, so that the tests below check the kernel (the Python path is checked on its own)."""
+    impl._get_kernel()
+
+
 def slow_reference(seed: int, n: int) -> np.ndarray:
     """The frozen algorithm, written out literally."""
     swaps = np.random.Philox(seed).random_raw(n) % (np.arange(n, dtype=np.uint64) + 1)
@@ -210,6 +217,35 @@ def test_warm_up_returns_before_the_compile_finishes() -> None:
     assert float(returned_s) < 0.05
 
 
+def test_a_first_small_call_does_not_wait_for_the_compile() -> None:
+    # A restart's first batch needs one buffer's row permutation (~10^4 rows): the Python path
+    # gives it in milliseconds while the kernel compiles in the background for later calls.
+    script = (
+        "import sys\n"
+        "import numpy as np\n"
+        "import asyncflat.permutation\n"
+        "impl = sys.modules['asyncflat.permutation']\n"
+        "first = impl.permutation(3, 40_000)\n"
+        "compiled_then = impl._kernel is not None\n"
+        "impl._warm_up_thread.join(60)\n"
+        "assert impl._kernel is not None\n"
+        "again = impl.permutation(3, 40_000)\n"
+        "assert np.array_equal(first, again)\n"
+        "np.save(sys.stdout.buffer, first)\n"
+        "print(compiled_then, file=sys.stderr)\n"
+    )
+    full_env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=full_env, capture_output=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert proc.stderr.decode().strip() == "False"
+    np.testing.assert_array_equal(np.load(io.BytesIO(proc.stdout)), slow_reference(3, 40_000))
+
+
 def test_kernel_rejects_arrays_it_cannot_fill() -> None:
     kernel = impl._get_kernel()
     with pytest.raises(TypeError):
@@ -253,7 +289,7 @@ def test_releases_the_gil() -> None:
     # With a short switch interval, a worker holding the GIL through each ~25 ms call would leave
     # the main thread a few percent of its speed; with the GIL released it keeps most of it (half
     # if another process takes the second core). The best of three attempts absorbs noise.
-    permutation(0, impl._SMALL_N)  # compile outside the measurement
+    impl._get_kernel()  # compile outside the measurement
     interval = sys.getswitchinterval()
     sys.setswitchinterval(0.0005)
     try:
