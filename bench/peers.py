@@ -21,11 +21,13 @@ Figures per loader:
 
 * ``tokens_per_s``: one epoch, every step loaded back to back (no trainer work), from the
   loader's construction to the last batch;
-* ``median_ms`` / ``p999_ms`` / ``max_ms``: ``load`` latency (until the arrays are ready) of every
-  step but the first, over an epoch in which each step is followed by ``--step-ms`` of simulated
-  trainer work (a sleep: a trainer waiting on its accelerator), with ``gc.freeze()`` as JAX
-  trainers do; ``boundary_ms``: the worst first step of a minipoch (a shuffle-buffer refill;
-  for Grain the same step numbers, where nothing special happens);
+* ``first_ms``: the first step of an epoch from a fresh loader (seqax reads its whole first
+  buffer there; asyncflat only the rows that step needs); ``median_ms`` / ``p999_ms`` /
+  ``max_ms`` (``max_step``: where): ``load`` latency (until the arrays are ready) of every later
+  step, over an epoch in which each step is followed by ``--step-ms`` of simulated trainer work
+  (a sleep: a trainer waiting on its accelerator), with ``gc.freeze()`` as JAX trainers do;
+  ``boundary_ms``: the worst first step of a minipoch (a shuffle-buffer refill; for Grain the
+  same step numbers, where nothing special happens);
 * ``restart_s``: process start to the first batch of a step in the middle of the second
   minipoch, as a preempted job's restart sees it, median of ``--restarts`` fresh processes
   (interpreter start and every import included: ``jax`` dominates for every loader);
@@ -213,6 +215,8 @@ def child(args: argparse.Namespace) -> None:
         figures["tokens_per_s"] = args.steps * args.batch * args.seq_len / elapsed
     else:
         ms = np.array(latencies[1:]) * 1e3
+        figures["first_ms"] = latencies[0] * 1e3
+        figures["max_step"] = int(np.argmax(ms)) + 1
         figures["median_ms"] = float(np.median(ms))
         figures["p999_ms"] = float(np.quantile(ms, 0.999))
         figures["max_ms"] = float(ms.max())
@@ -330,15 +334,17 @@ def machine() -> dict[str, Any]:
 
 def table(size: str, results: dict[str, dict[str, Any]], buffer_mib: float) -> str:
     head = (
-        "| loader | tokens/s (epoch) | step median / p99.9 / max (ms) | worst boundary (ms) "
+        "| loader | tokens/s (epoch) | first step (ms) | later steps: median / p99.9 / max "
+        "(ms, at step) | worst boundary (ms) "
         "| restart (s): total = start+jax, imports, construct, first batch "
-        "| RSS growth (MiB, x buffer) |\n|---|---|---|---|---|---|"
+        "| RSS growth (MiB, x buffer) |\n|---|---|---|---|---|---|---|"
     )
     lines = [head]
     for name, r in results.items():
         lines.append(
-            f"| {name} | {r['tokens_per_s'] / 1e6:.0f}M | {r['median_ms']:.2f} / "
-            f"{r['p999_ms']:.2f} / {r['max_ms']:.1f} | {r['boundary_ms']:.1f} | "
+            f"| {name} | {r['tokens_per_s'] / 1e6:.0f}M | {r['first_ms']:.0f} | "
+            f"{r['median_ms']:.2f} / {r['p999_ms']:.2f} / {r['max_ms']:.1f} ({r['max_step']}) | "
+            f"{r['boundary_ms']:.1f} | "
             f"{r['restart_s']:.2f} = "
             + " + ".join(f"{p:.2f}" for p in r["restart_parts_s"])
             + f" | {r['rss_mib']:.0f} ({r['rss_mib'] / buffer_mib:.2f}x"
