@@ -1,10 +1,11 @@
 """The machine-code kernel behind :func:`asyncflat.permutation.permutation`.
 
 The kernel is written directly as LLVM IR with llvmlite (the code generator numba is built on) and
-compiled in-process on first use. That costs ~30 ms and no disk, where numba cost 0.6-1.1 s per
-process to compile the same loop (0.4-0.6 s even when loaded from numba's on-disk cache: loading a
-cached function still initialises numba's whole typing and lowering context), so a restart does
-not wait on it and there is no cache to keep safe under concurrent or read-only installs.
+compiled in-process on first use: 0.10-0.14 s of CPU, most of it in LLVM with the GIL released,
+where numba took 1.1-1.5 s per process to compile the same loop (and 0.55-0.63 s even when loaded
+from numba's on-disk cache, which still initialises numba's whole typing and lowering context).
+Nothing is written to disk, so there is no cache to keep safe under concurrent processes or
+read-only installs.
 
 It computes exactly what the frozen algorithm of :mod:`asyncflat.permutation` computes:
 Philox4x64-10 on the key of ``np.random.Philox(seed)`` (counter based, so raw draw ``i`` is lane
@@ -151,7 +152,7 @@ _engine: Any = None
 
 
 def compile_kernel() -> Kernel:
-    """Compile the kernel for this CPU and return it (~30 ms; call once per process)."""
+    """Compile the kernel for this CPU and return it (~0.1 s of CPU; call once per process)."""
     global _engine
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
