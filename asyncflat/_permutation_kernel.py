@@ -147,7 +147,8 @@ def _optimise(module: Any, machine: Any) -> None:
         manager.run(module)
 
 
-# The JIT engine owns the machine code: it must live as long as the function pointer.
+# The JIT engine owns the machine code: it must live as long as the function pointer, which a
+# daemon thread may still be running while the interpreter exits.
 _engine: Any = None
 
 
@@ -173,5 +174,8 @@ def compile_kernel() -> Kernel:
         None, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p
     )
     kernel = prototype(engine.get_function_address(_NAME))
+    # Never disposed: freeing the code at interpreter exit, under a thread still running it,
+    # would crash the process. It is a few kilobytes, once per process.
+    engine.detach()
     _engine = engine
     return kernel

@@ -28,6 +28,7 @@ no compilation.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import operator
 import threading
@@ -101,6 +102,9 @@ def warm_up(n: int) -> None:
                 target=_warm_up, name="asyncflat-permutation-compile", daemon=True
             )
             _warm_up_thread.start()
+            # LLVM's static destructors run at exit: a compile still going then crashes the
+            # process (seen: a short-lived process that only loaded one batch segfaulted at exit).
+            atexit.register(_warm_up_thread.join, 60)
 
 
 def _warm_up() -> None:

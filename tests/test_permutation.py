@@ -246,6 +246,22 @@ def test_a_first_small_call_does_not_wait_for_the_compile() -> None:
     np.testing.assert_array_equal(np.load(io.BytesIO(proc.stdout)), slow_reference(3, 40_000))
 
 
+def test_exit_waits_for_a_background_compile() -> None:
+    # LLVM's static destructors run when the process exits; a compile still running on the
+    # background thread then crashed short-lived processes (a restart that loaded one batch and
+    # exited segfaulted in ~1 of 4 runs). The exit must wait for the compile to finish.
+    script = (
+        "import atexit, sys\n"
+        "import asyncflat.permutation\n"
+        "impl = sys.modules['asyncflat.permutation']\n"
+        "def report():\n"  # registered first, so it runs after the module's own exit hook
+        "    print(impl._warm_up_thread.is_alive(), impl._kernel is not None)\n"
+        "atexit.register(report)\n"
+        "impl.permutation(5, 30_000)\n"  # Python path; starts the compile, then the script ends
+    )
+    assert _run_fresh(script).split() == ["False", "True"]
+
+
 def test_kernel_rejects_arrays_it_cannot_fill() -> None:
     kernel = impl._get_kernel()
     with pytest.raises(TypeError):
