@@ -95,7 +95,7 @@ def open_loader(args: argparse.Namespace, start: int) -> tuple[Any, Any]:
     if kind == "seqax":
         from seqax_style import SeqaxStyleLoader
 
-        loader = SeqaxStyleLoader(
+        reference = SeqaxStyleLoader(
             args.path,
             "train",
             seq_len=args.seq_len,
@@ -104,7 +104,7 @@ def open_loader(args: argparse.Namespace, start: int) -> tuple[Any, Any]:
             read_blocks_per_shuffle_buffer=args.rbpsb,
             sequences_per_read_block=args.spb,
         )
-        return (tuple(loader.load(s)) for s in range(start, args.steps)), lambda: None
+        return (tuple(reference.load(s)) for s in range(start, args.steps)), lambda: None
     if kind == "grain":
         return grain_batches(args, start), lambda: None
     raise ValueError(f"unknown loader {kind!r}")
@@ -235,7 +235,8 @@ def write_memmap(store: str) -> str:
 
     path = Path(store).with_suffix(".u32")
     if not path.exists():
-        tokens = zarr.open_group(store, mode="r")["train"]["encoded_tokens"]
+        group: Any = zarr.open_group(store, mode="r")
+        tokens = group["train"]["encoded_tokens"]
         partial = path.with_suffix(".u32.partial")
         with open(partial, "wb") as f:
             for lo in range(0, tokens.shape[0], 1 << 24):
@@ -378,7 +379,8 @@ def parent(args: argparse.Namespace) -> None:
                     pass
     import zarr
 
-    tokens = zarr.open_group(args.path, mode="r")["train"]["encoded_tokens"].shape[0]
+    group: Any = zarr.open_group(args.path, mode="r")
+    tokens = group["train"]["encoded_tokens"].shape[0]
     rows = tokens // args.seq_len // args.spb * args.spb
     args.steps = rows // args.batch
     seqs_per_buffer = args.rbpsb * args.spb

@@ -67,9 +67,9 @@ class SeqaxStyleLoader:
         import jax
         import zarr
 
-        group = zarr.open_group(path, mode="r")[split]
-        self.encoded_tokens = group["encoded_tokens"]
-        self.seq_starts = group["seq_starts"]
+        group: Any = zarr.open_group(path, mode="r")[split]  # zarr's union types: untyped here
+        self.encoded_tokens: Any = group["encoded_tokens"]
+        self.seq_starts: Any = group["seq_starts"]
         self.seq_len, self.batch, self.streams = seq_len, batch, streams
         self.rbpsb, self.spb = read_blocks_per_shuffle_buffer, sequences_per_read_block
         self.seed, self.packing = seed, sequence_packing
