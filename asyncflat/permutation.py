@@ -89,9 +89,9 @@ def warm_up(n: int) -> None:
     """Start compiling the kernel on a background thread if permutations of ``n`` items need it.
 
     Returns at once; a :func:`permutation` that needs the kernel before then waits for this
-    compile instead of starting its own (and one of at most 2**16 items does not wait at all). The compile (~0.1 s) runs in LLVM with the GIL released, apart
-    from importing llvmlite, so a loader can call this in its constructor and open its store
-    meanwhile.
+    compile instead of starting its own (one of at most 2**16 items does not wait at all). The
+    compile (~0.1 s) runs in LLVM with the GIL released, apart from importing llvmlite, so a
+    loader can call this in its constructor and open its store meanwhile.
     """
     global _warm_up_thread
     if n < _SMALL_N or _kernel is not None:
