@@ -94,12 +94,14 @@ def warm_up(n: int) -> None:
     loader can call this in its constructor and open its store meanwhile.
     """
     global _warm_up_thread
+    # The thread is the process's, not a loader's: it ends when the compile does, whatever
+    # becomes of the loader that started it (hence a name outside the loaders' "asyncflat-").
     if n < _SMALL_N or _kernel is not None:
         return
     with _warm_up_lock:
         if _warm_up_thread is None:
             _warm_up_thread = threading.Thread(
-                target=_warm_up, name="asyncflat-permutation-compile", daemon=True
+                target=_warm_up, name="permutation-kernel-compile", daemon=True
             )
             _warm_up_thread.start()
             # LLVM's static destructors run at exit: a compile still going then crashes the
