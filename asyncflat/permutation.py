@@ -17,16 +17,18 @@ numpy) must see the same data order as before. It was chosen to make that possib
 * ``raw % (i + 1)`` instead of rejection sampling needs exactly one raw draw per position. Because
   ``i + 1 <= n < 2**32``, the modulo bias of each draw is at most ``2**-32``, which is acceptable.
 
-Evaluated literally it takes about 0.4 s per million elements, so large ``n`` runs a numba kernel
-instead (compiled on first use; it runs with the GIL released, so a background thread can
-shuffle while the trainer runs Python). The kernel re-implements Philox4x64-10 on the key of
-``np.random.Philox(seed)`` (Philox is counter based, so draw ``i`` is lane ``i % 4`` of block
-``i // 4 + 1``); the tests check it against numpy's own ``random_raw``, the literal algorithm, and
-checked-in golden vectors. Small ``n`` takes a plain Python path that needs no compilation.
+Evaluated literally it takes about 0.4 s per million elements, so large ``n`` runs a machine-code
+kernel instead (:mod:`asyncflat._permutation_kernel`: LLVM IR compiled with llvmlite on first use
+in ~0.1 s, where numba took 0.6-1.1 s per process; it runs with the GIL released, so a background
+thread can shuffle while the trainer runs Python). The kernel re-implements Philox4x64-10 on the
+key of ``np.random.Philox(seed)``; the tests check it against numpy's own ``random_raw``, the
+literal algorithm, and checked-in golden vectors. Small ``n`` takes a plain Python path that needs
+no compilation.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import operator
 import threading
@@ -45,12 +47,15 @@ logger = logging.getLogger(__name__)
 # Below this size the plain Python path is fast enough (well under a millisecond) and never pays
 # for compiling the kernel.
 _SMALL_N = 2048
-# Swap targets computed per batch in the kernel: a multiple of 4 (one Philox block) that fits L1.
-_CHUNK = 4096
-
+# Until the kernel is compiled (~0.1 s, once per process), sizes up to this one take the Python
+# path (<= ~10 ms, holding the GIL) while the kernel compiles in the background, so that a
+# restart's first batch (one buffer's row permutation, typically 10^4 rows) never waits for it.
+_NO_WAIT_N = 1 << 16
 _Kernel = Callable[[np.uint64, np.uint64, np.ndarray], None]
 _kernel: _Kernel | None = None
 _kernel_lock = threading.Lock()
+_warm_up_thread: threading.Thread | None = None
+_warm_up_lock = threading.Lock()
 
 
 def permutation(seed: int, n: int) -> np.ndarray:
@@ -67,6 +72,9 @@ def permutation(seed: int, n: int) -> np.ndarray:
     bit_generator = np.random.Philox(seed)
     if n < _SMALL_N:
         return _small_permutation(bit_generator, n)
+    if _kernel is None and n <= _NO_WAIT_N:
+        warm_up(n)
+        return _small_permutation(bit_generator, n)
     state = bit_generator.state
     # The kernel replays the generator from its key, so it must start where numpy's would.
     if state["state"]["counter"].any() or state["buffer_pos"] != 4:
@@ -78,10 +86,34 @@ def permutation(seed: int, n: int) -> np.ndarray:
 
 
 def warm_up(n: int) -> None:
-    """Compile the kernel now if permutations of ``n`` items need it (~1 s once per process,
-    holding the GIL), so that it does not happen inside a first fill."""
-    if n >= _SMALL_N:
+    """Start compiling the kernel on a background thread if permutations of ``n`` items need it.
+
+    Returns at once; a :func:`permutation` that needs the kernel before then waits for this
+    compile instead of starting its own (one of at most 2**16 items does not wait at all). The
+    compile (~0.1 s) runs in LLVM with the GIL released, apart from importing llvmlite, so a
+    loader can call this in its constructor and open its store meanwhile.
+    """
+    global _warm_up_thread
+    # The thread is the process's, not a loader's: it ends when the compile does, whatever
+    # becomes of the loader that started it (hence a name outside the loaders' "asyncflat-").
+    if n < _SMALL_N or _kernel is not None:
+        return
+    with _warm_up_lock:
+        if _warm_up_thread is None:
+            _warm_up_thread = threading.Thread(
+                target=_warm_up, name="permutation-kernel-compile", daemon=True
+            )
+            _warm_up_thread.start()
+            # LLVM's static destructors run at exit: a compile still going then crashes the
+            # process (seen: a short-lived process that only loaded one batch segfaulted at exit).
+            atexit.register(_warm_up_thread.join, 60)
+
+
+def _warm_up() -> None:
+    try:
         _get_kernel()
+    except Exception as exc:  # noqa: BLE001  (the first real call compiles again and raises)
+        logger.debug("compiling the permutation kernel in the background failed: %r", exc)
 
 
 def _as_int(name: str, value: Any) -> int:
@@ -110,83 +142,23 @@ def _get_kernel() -> _Kernel:
     if _kernel is None:
         with _kernel_lock:
             if _kernel is None:
-                started = time.perf_counter()
-                kernel = _build_kernel()
-                kernel(np.uint64(0), np.uint64(0), np.empty(4, np.uint32))  # compile it now
-                elapsed = time.perf_counter() - started
-                logger.debug("compiled the permutation kernel in %.2fs", elapsed)
-                _kernel = kernel
+                _kernel = _load_kernel()
     return _kernel
 
 
-def _build_kernel() -> _Kernel:
-    """Define (not yet compile) the numba kernel; numba is imported only when first needed."""
-    import numba
-    from llvmlite import ir
-    from numba.core import types
-    from numba.extending import intrinsic
+def _load_kernel() -> _Kernel:
+    """Compile the machine-code kernel (llvmlite is imported only here)."""
+    started = time.perf_counter()
+    from . import _permutation_kernel
 
-    @intrinsic
-    def mulhilo(typingctx: Any, a: Any, b: Any) -> Any:
-        """(high, low) 64-bit halves of the 128-bit product ``a * b`` of two uint64."""
-        sig = types.UniTuple(types.uint64, 2)(types.uint64, types.uint64)
+    compiled = _permutation_kernel.compile_kernel()
+    chunk = _permutation_kernel.CHUNK
+    logger.debug("compiled the permutation kernel in %.3fs", time.perf_counter() - started)
 
-        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-            i64, i128 = ir.IntType(64), ir.IntType(128)
-            product = builder.mul(builder.zext(args[0], i128), builder.zext(args[1], i128))
-            high = builder.trunc(builder.lshr(product, ir.Constant(i128, 64)), i64)
-            low = builder.trunc(product, i64)
-            return context.make_tuple(builder, signature.return_type, [high, low])
-
-        return sig, codegen
-
-    # Philox4x64-10 constants (Salmon et al. 2011, Random123; numpy's philox.h).
-    m0, m1 = np.uint64(0xD2E7470EE14C6C93), np.uint64(0xCA5A826395121157)
-    w0, w1 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBB67AE8584CAA73B)
-    zero = np.uint64(0)
-
-    @numba.njit(inline="always")
-    def philox_block(counter: np.uint64, k0: np.uint64, k1: np.uint64) -> tuple:
-        c0, c1, c2, c3 = counter, zero, zero, zero
-        for r in range(10):
-            if r:
-                k0 += w0
-                k1 += w1
-            hi0, lo0 = mulhilo(m0, c0)
-            hi1, lo1 = mulhilo(m1, c2)
-            c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-        return c0, c1, c2, c3
-
-    @numba.njit(inline="always")
-    def bounded(x: np.uint64, i: int) -> np.uint64:
-        """``x % (i + 1)``, exactly; mostly via a float quotient (integer division is slow)."""
-        d = np.uint64(i + 1)
-        if i < 65536:  # keeps the float quotient below 2**48, safe to convert
-            return x % d
-        q = np.uint64(np.float64(x) / np.float64(d))
-        # q * d < x + 2**12. If q * d <= x, r is exact and r < d iff q is the true quotient; if
-        # q * d > x, r wraps to above 2**64 - 2**12 > d. So r < d exactly when r is right.
-        r = x - q * d
-        return r if r < d else x % d
-
-    @numba.njit(nogil=True, cache=False)
     def kernel(k0: np.uint64, k1: np.uint64, result: np.ndarray) -> None:
-        n = result.size
-        for i in range(n):
-            result[i] = i
-        # Positions are shuffled from the last down, a chunk at a time: first the chunk's swap
-        # targets raw[i] % (i + 1) (Philox can start at any block), then its swaps.
-        swaps = np.empty(_CHUNK, np.uint32)
-        end = n
-        for start in range((n - 1) // _CHUNK * _CHUNK, -1, -_CHUNK):
-            for block in range(start // 4, (end + 3) // 4):
-                lanes = philox_block(np.uint64(block + 1), k0, k1)
-                for lane in range(min(4, end - 4 * block)):
-                    i = 4 * block + lane
-                    swaps[i - start] = bounded(lanes[lane], i)
-            for i in range(end - 1, start - 1, -1):
-                j = swaps[i - start]
-                result[i], result[j] = result[j], result[i]
-            end = start
+        if result.dtype != np.uint32 or not result.flags.c_contiguous or not result.flags.writeable:
+            raise TypeError("the permutation kernel needs a writeable C-contiguous uint32 array")
+        scratch = np.empty(chunk, np.uint32)
+        compiled(int(k0), int(k1), result.ctypes.data, result.size, scratch.ctypes.data)
 
     return kernel
