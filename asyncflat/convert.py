@@ -225,6 +225,19 @@ def _text_value(value: Any, where: str, text_field: str) -> str:
     return value
 
 
+def _jsonl_text(line: str, where: str, text_field: str) -> str | None:
+    """The document of one ``.jsonl`` line; None for a blank line (not a document)."""
+    if not line.strip():
+        return None
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{where}: invalid JSON: {exc}") from exc
+    if not isinstance(record, dict) or text_field not in record:
+        raise ConfigError(f"{where}: no field {text_field!r} in this record")
+    return _text_value(record[text_field], where, text_field)
+
+
 def iter_documents(
     inputs: Sequence[str | os.PathLike[str]], *, text_field: str = "text", txt_mode: str = "line"
 ) -> Iterator[str]:
@@ -244,16 +257,9 @@ def iter_documents(
             elif suffix in (".jsonl", ".jsonl.gz"):
                 with _open_text(path) as f:
                     for lineno, line in enumerate(f, 1):
-                        if not line.strip():
-                            continue
-                        where = f"{path}:{lineno}"
-                        try:
-                            record = json.loads(line)
-                        except json.JSONDecodeError as exc:
-                            raise ConfigError(f"{where}: invalid JSON: {exc}") from exc
-                        if not isinstance(record, dict) or text_field not in record:
-                            raise ConfigError(f"{where}: no field {text_field!r} in this record")
-                        yield _text_value(record[text_field], where, text_field)
+                        text = _jsonl_text(line, f"{path}:{lineno}", text_field)
+                        if text is not None:
+                            yield text
             else:
                 yield from _iter_parquet(path, text_field)
         except UnicodeDecodeError as exc:
