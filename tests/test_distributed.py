@@ -360,3 +360,61 @@ def test_ray_driver_killed_then_rerun_resumes(
     assert report.units_resumed >= len(done_before) and report.units_resumed < report.units
     assert_same_store(out, ref)
     assert not work.exists()
+
+
+# -- into a bucket: the GCS emulator and moto's S3, written by the Ray workers ----------------------
+
+
+@pytest.mark.cloud
+@pytest.mark.parametrize("backend", ["gcs", "s3"])
+def test_ray_into_bucket_equals_local(
+    ray_cluster: str,
+    corpus: Path,
+    reference: dict[str, Path],
+    request: pytest.FixtureRequest,
+    backend: str,
+) -> None:
+    import fsspec
+
+    from asyncflat import FlatTokensParams, ShufflingLoader, TokenBatchParams
+
+    server = request.getfixturevalue("gcs_emulator" if backend == "gcs" else "s3_server")
+    options = server.storage_options()
+    protocol = "gs" if backend == "gcs" else "s3"
+    url = f"{protocol}://asyncflat-test/dist/out.zarr"
+    report = convert_distributed(
+        [corpus],
+        url,
+        engine="ray",
+        storage_options=options,
+        unit_bytes=5000,
+        write_run_tokens=20000,
+        **SPLIT,
+        **LAYOUTS["v3_sharded"],
+    )
+    assert report.output == url
+    fs = fsspec.filesystem(protocol, **options)
+    prefix = "asyncflat-test/dist/out.zarr"
+    fs.invalidate_cache()
+    got = {k.removeprefix(prefix + "/"): fs.cat_file(k) for k in fs.find(prefix)}
+    assert got == tree(reference["v3_sharded"])
+    assert not fs.find("asyncflat-test/dist/out.zarr.pieces")  # pieces removed
+
+    batch = TokenBatchParams(len=32, batch=8)
+
+    def params(path: str, opts: dict[str, Any] | None) -> FlatTokensParams:
+        return FlatTokensParams(path, 2, 3, 8, 5, True, storage_options=opts)
+
+    with (
+        ShufflingLoader("train", params(url, options), batch) as remote,
+        ShufflingLoader("train", params(str(reference["v3_sharded"]), None), batch) as here,
+    ):
+        assert remote.step_count == here.step_count and remote.max_token_id == here.max_token_id
+        for step in [*range(8), remote.step_count - 1]:
+            got, want = remote.load(step), here.load(step)
+            np.testing.assert_array_equal(np.asarray(got.targets), np.asarray(want.targets))
+            np.testing.assert_array_equal(
+                np.asarray(got.is_seq_start), np.asarray(want.is_seq_start)
+            )
+    with pytest.raises(ConfigError, match="already exists"):
+        convert_distributed([corpus], url, engine="local", storage_options=options, **SPLIT)
