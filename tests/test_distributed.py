@@ -418,3 +418,24 @@ def test_ray_into_bucket_equals_local(
             )
     with pytest.raises(ConfigError, match="already exists"):
         convert_distributed([corpus], url, engine="local", storage_options=options, **SPLIT)
+
+
+def test_cli_engine_ray(
+    ray_cluster: str,
+    corpus: Path,
+    reference: dict[str, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from asyncflat.cli import main
+
+    out = tmp_path / "cli.zarr"
+    args = ["convert", str(corpus), "-o", str(out), "--engine", "ray"]
+    args += ["--ray-address", ray_cluster, "--validation-fraction", "0.2", "--seed", "3"]
+    args += ["--chunk-tokens", "2048", "--shard-tokens", "8192", "--json", "--no-progress"]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["units"] >= 4 and report["parallelism"] == 2
+    assert_same_store(out, reference["v3_sharded"])
+    assert main(["convert", str(corpus), "-o", str(tmp_path / "x"), "--ray-address", "auto"]) != 0
+    assert "--ray-address and --work-dir need --engine ray" in capsys.readouterr().err
