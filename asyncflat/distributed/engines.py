@@ -52,6 +52,7 @@ class RayEngine:
     as its own type, and the other tasks are cancelled.
 
     If Ray is already initialised in this process, that connection is used and left open.
+    ``max_tasks`` caps the tasks running at once (default: two per CPU of the cluster queued).
     """
 
     def __init__(
@@ -59,6 +60,7 @@ class RayEngine:
         address: str | None = None,
         *,
         max_retries: int = 3,
+        max_tasks: int | None = None,
         init_options: dict[str, Any] | None = None,
     ) -> None:
         try:
@@ -77,6 +79,9 @@ class RayEngine:
             self._owned = True
         self.max_retries = max_retries
         self.parallelism = max(1, int(ray.cluster_resources().get("CPU", 1)))
+        if max_tasks is not None:
+            self.parallelism = min(self.parallelism, max_tasks)
+        self._max_tasks = max_tasks
         self._remote: dict[Callable[..., Any], Any] = {}
 
     def map(self, fn: Callable[[J], R], jobs: Sequence[J]) -> Iterator[tuple[int, R]]:
@@ -86,7 +91,8 @@ class RayEngine:
             remote = self._remote[fn] = ray.remote(
                 num_cpus=1, max_retries=self.max_retries, retry_exceptions=False
             )(fn)
-        limit = 2 * self.parallelism  # bounded in flight: the driver's memory stays small
+        # Bounded in flight, so the driver's memory stays small; max_tasks caps concurrency.
+        limit = self._max_tasks or 2 * self.parallelism
         pending: dict[Any, int] = {}
         next_job = 0
         try:
