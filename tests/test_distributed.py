@@ -208,6 +208,31 @@ def test_memory_url_output_commits_root_metadata_last(
         fs.rm("/asyncflat-dist-test", recursive=True)
 
 
+def test_failed_write_pass_leaves_no_output_and_keeps_pieces(
+    corpus: Path, reference: dict[str, Path], tmp_path: Path
+) -> None:
+    from asyncflat.distributed import InProcessEngine
+    from asyncflat.distributed.write import run_write_job
+
+    class DiskFullOnSecondWrite(InProcessEngine):
+        def map(self, fn: Any, jobs: Any) -> Iterator[tuple[int, Any]]:
+            for i, result in super().map(fn, jobs):
+                if fn is run_write_job and i == 1:
+                    raise OSError("disk full")
+                yield i, result
+
+    out = tmp_path / "out.zarr"
+    options: dict[str, Any] = dict(unit_bytes=3000, write_run_tokens=10000, **SPLIT)
+    with pytest.raises(OSError, match="disk full"):
+        convert_distributed(
+            [corpus], out, engine=DiskFullOnSecondWrite(), **options, **LAYOUTS["v3"]
+        )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.zarr.pieces"]
+    report = convert_distributed([corpus], out, engine="local", **options, **LAYOUTS["v3"])
+    assert report.units_resumed == report.units
+    assert_same_store(out, reference["v3"])
+
+
 # -- on a Ray cluster ---------------------------------------------------------------------------
 
 

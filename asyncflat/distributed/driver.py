@@ -128,7 +128,6 @@ def convert_distributed(
         pieces, resumed = _tokenize_pass(eng, plan, work, tok.spec, text_field, txt_mode, progress)
         layouts = _layouts(eng, pieces, work, validation_fraction, seed)
         shapes = {s: (layouts[s].tokens, layouts[s].sequences + 1) for s in SPLITS}
-        withheld = target.create(shapes, chunk_tokens=chunk_tokens, shard_tokens=shard_tokens)
         object_tokens = shard_tokens or chunk_tokens
         run_objects = max(1, write_run_tokens // object_tokens)
         tasks = [
@@ -136,10 +135,15 @@ def convert_distributed(
             for split in SPLITS
             for job in plan_writes(layouts[split], object_tokens, run_objects)
         ]
-        max_ids = dict.fromkeys(SPLITS, 0)
-        for _, (split, _array, max_id) in eng.map(run_write_job, tasks):
-            max_ids[split] = max(max_ids[split], max_id)
-        target.commit(max_ids, withheld)
+        try:
+            withheld = target.create(shapes, chunk_tokens=chunk_tokens, shard_tokens=shard_tokens)
+            max_ids = dict.fromkeys(SPLITS, 0)
+            for _, (split, _array, max_id) in eng.map(run_write_job, tasks):
+                max_ids[split] = max(max_ids[split], max_id)
+            target.commit(max_ids, withheld)
+        except BaseException:
+            target.discard()
+            raise
         log.info("committed %s (%d write tasks)", out.root, len(tasks))
         if not keep_pieces:
             work.remove_all()

@@ -94,6 +94,12 @@ class OutputTarget:
                     self.staging.fs.rm(self.staging.path(name))
         return withheld
 
+    def discard(self) -> None:
+        """After a failed write pass: remove a local staging directory. (In a bucket the objects
+        stay, uncommitted: no root metadata, so no dataset; a rerun replaces them.)"""
+        if self.staging.local and self.staging.root != self.output.root:
+            shutil.rmtree(self.staging.root, ignore_errors=True)
+
     def commit(self, max_token_ids: dict[str, int], withheld: dict[str, bytes]) -> None:
         store = self.store()
         for split in SPLITS:
