@@ -233,6 +233,41 @@ def test_failed_write_pass_leaves_no_output_and_keeps_pieces(
     assert_same_store(out, reference["v3"])
 
 
+def test_local_tiktoken_file(corpus: Path, tmp_path: Path) -> None:
+    import base64
+
+    import tiktoken
+    from tiktoken_ext.openai_public import r50k_pat_str
+
+    from asyncflat.convert import load_tokenizer
+
+    ranks = {bytes([i]): i for i in range(256)}
+    for merged in (b"th", b"the", b" t", b" the", b"al", b"alpha", "é".encode()):
+        ranks[merged] = len(ranks)
+    path = tmp_path / "r50k_base.tiktoken"
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in ranks.items()))
+    tok = load_tokenizer(str(path))
+    want = tiktoken.Encoding(
+        "r50k_base",
+        pat_str=r50k_pat_str,
+        mergeable_ranks=ranks,
+        special_tokens={"<|endoftext|>": 50256},
+    )
+    texts = ["the alpha béta", "", "then <|endoftext|> the"]
+    assert [t.tolist() for t in tok.encode_batch(texts)] == [want.encode_ordinary(t) for t in texts]
+    assert tok.encode_batch(["the"])[0].tolist() == [ranks[b"the"]]
+    out, ref = tmp_path / "out.zarr", tmp_path / "ref.zarr"
+    convert_files([corpus], ref, tokenizer=str(path), **SPLIT)
+    convert_distributed(
+        [corpus], out, tokenizer=str(path), engine="local", unit_bytes=5000, **SPLIT
+    )
+    assert_same_store(out, ref)
+    bad = tmp_path / "mine.tiktoken"
+    bad.write_bytes(path.read_bytes())
+    with pytest.raises(ConfigError, match=r"name a \.tiktoken file after its encoding"):
+        load_tokenizer(str(bad))
+
+
 # -- on a Ray cluster ---------------------------------------------------------------------------
 
 
