@@ -18,7 +18,7 @@ from ..format import SPLITS, TOKEN_ID_LIMIT
 from ..writer import _positive_int
 from .engines import Engine, InProcessEngine, RayEngine
 from .layout import SplitLayout, StatsJob, plan_writes, split_stats
-from .pieces import PieceInfo, TokenizeJob, read_manifest, tokenize_unit
+from .pieces import PieceInfo, TokenizeJob, read_manifests, tokenize_unit
 from .plan import Plan, make_plan
 from .progress import Progress
 from .storage import Location, is_url
@@ -207,8 +207,9 @@ def _tokenize_pass(
     pieces: dict[int, PieceInfo] = {}
     todo = []
     try:
+        finished = read_manifests(work, [u.index for u in plan.units], plan.digest)
         for unit in plan.units:
-            info = read_manifest(work, unit.index, plan.digest)
+            info = finished.get(unit.index)
             if info is None:
                 todo.append(TokenizeJob(unit, plan.digest, spec, text_field, txt_mode, work))
             else:

@@ -24,7 +24,7 @@ from ..errors import ConfigError
 from .plan import Unit
 from .storage import Location
 
-__all__ = ["PieceInfo", "TokenizeJob", "piece_name", "read_manifest", "tokenize_unit"]
+__all__ = ["PieceInfo", "TokenizeJob", "piece_name", "read_manifests", "tokenize_unit"]
 
 
 def piece_name(index: int, what: str) -> str:
@@ -53,18 +53,22 @@ class TokenizeJob:
     work: Location
 
 
-def read_manifest(work: Location, index: int, plan_digest: str) -> PieceInfo | None:
-    """The manifest of piece ``index`` if it is finished and belongs to this plan."""
-    raw = work.get(piece_name(index, "json"))
-    if raw is None:
-        return None
-    try:
-        record = json.loads(raw)
-    except ValueError:
-        return None
-    if record.get("plan") != plan_digest:
-        return None
-    return PieceInfo(**record["piece"])
+def read_manifests(work: Location, indices: list[int], plan_digest: str) -> dict[int, PieceInfo]:
+    """The finished pieces among ``indices`` that belong to this plan, read in batches (one
+    concurrent request per piece on an object store)."""
+    found: dict[int, PieceInfo] = {}
+    for lo in range(0, len(indices), 4096):
+        batch = indices[lo : lo + 4096]
+        paths = [work.path(piece_name(i, "json")) for i in batch]
+        for raw in work.fs.cat(paths, on_error="omit").values():
+            try:
+                record = json.loads(raw)
+            except ValueError:
+                continue  # not a finished manifest
+            if record.get("plan") == plan_digest:
+                info = PieceInfo(**record["piece"])
+                found[info.index] = info
+    return found
 
 
 _tokenizers: dict[str, Tokenizer] = {}
