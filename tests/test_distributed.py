@@ -169,6 +169,18 @@ def test_changed_tokenizer_is_refused_on_resume(corpus: Path, tmp_path: Path) ->
     assert not (tmp_path / "o2.zarr").exists() and not (tmp_path / "o3.zarr").exists()
 
 
+def test_wrong_argument_types_are_clear(corpus: Path, tmp_path: Path) -> None:
+    from asyncflat.errors import ArgumentTypeError
+
+    with pytest.raises(ArgumentTypeError, match="unit_bytes"):
+        convert_distributed([corpus], tmp_path / "o.zarr", engine="local", unit_bytes="64M")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="engine must be 'ray', 'local' or an Engine"):
+        convert_distributed([corpus], tmp_path / "o.zarr", engine="dask")
+    with pytest.raises(ConfigError, match="unit_bytes must be an integer >= 1"):
+        convert_distributed([corpus], tmp_path / "o.zarr", engine="local", unit_bytes=0)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bad_json_names_file_and_line_of_a_later_range(tmp_path: Path) -> None:
     lines = [json.dumps({"text": f"document {i}"}) for i in range(400)]
     lines[321] = '{"text": "truncated'
@@ -271,9 +283,10 @@ def test_local_tiktoken_file(corpus: Path, tmp_path: Path) -> None:
 # -- on a Ray cluster ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[str]:
-    """A local Ray cluster with 2 worker CPUs on 127.0.0.1, for the whole session."""
+    """A local Ray cluster with 2 worker CPUs on 127.0.0.1, started once (only this module uses
+    it) and stopped after the module, so its ~10 processes do not linger under later tests."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("RAY_USAGE_STATS_ENABLED", "0")
         # Ray advertises (and binds) the loopback address only when its 'cluster' mode is off;

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from .._typecheck import checked
 from ..convert import ConvertReport, load_tokenizer, validation_mask
 from ..errors import ConfigError
 from ..format import SPLITS, TOKEN_ID_LIMIT
@@ -42,6 +43,7 @@ class DistributedReport(ConvertReport):
     work_dir: str = ""
 
 
+@checked
 def convert_distributed(
     inputs: Sequence[str | os.PathLike[str]],
     output: str | os.PathLike[str],
@@ -93,6 +95,8 @@ def convert_distributed(
             tok.spec,
         )
     validation_mask(np.zeros(0), validation_fraction, seed)
+    if isinstance(engine, str) and engine not in ("ray", "local"):
+        raise ConfigError(f"engine must be 'ray', 'local' or an Engine, got {engine!r}")
     chunk_tokens = _positive_int("chunk_tokens", chunk_tokens)
     write_run_tokens = _positive_int("write_run_tokens", write_run_tokens)
     if isinstance(zarr_format, bool) or zarr_format not in (2, 3):
@@ -116,14 +120,12 @@ def convert_distributed(
     _claim_work_dir(work, plan)
 
     eng: Engine
-    if engine == "ray":
-        eng = RayEngine(ray_address)
-    elif engine == "local":
-        eng = InProcessEngine()
-    elif isinstance(engine, str):
-        raise ConfigError(f"engine must be 'ray', 'local' or an Engine, got {engine!r}")
-    else:
+    if not isinstance(engine, str):
         eng = engine
+    elif engine == "ray":
+        eng = RayEngine(ray_address)
+    else:
+        eng = InProcessEngine()
     try:
         pieces, resumed = _tokenize_pass(eng, plan, work, tok.spec, text_field, txt_mode, progress)
         layouts = _layouts(eng, pieces, work, validation_fraction, seed)
