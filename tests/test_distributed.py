@@ -161,12 +161,16 @@ def test_changed_tokenizer_is_refused_on_resume(corpus: Path, tmp_path: Path) ->
         [corpus], out, tokenizer=str(tok), overwrite=True, keep_pieces=True, **options
     )
     assert again.units_resumed == again.units > 3  # every piece reused
+    (work / "mine.txt").write_text("a file of the user's")
     with pytest.raises(ConfigError, match=r"different conversion \(changed since: tokenizer\)"):
         convert_distributed([corpus], tmp_path / "o2.zarr", tokenizer="bytes", **options)
     tok.write_text(tok.read_text().replace('"alpha"', '"ALPHA"'))  # same path, new contents
     with pytest.raises(ConfigError, match=r"changed since: tokenizer\)"):
         convert_distributed([corpus], tmp_path / "o3.zarr", tokenizer=str(tok), **options)
     assert not (tmp_path / "o2.zarr").exists() and not (tmp_path / "o3.zarr").exists()
+    (work / "plan.json").unlink()  # start afresh in the same directory
+    convert_distributed([corpus], out, tokenizer=str(tok), overwrite=True, **options)
+    assert sorted(p.name for p in work.iterdir()) == ["mine.txt"]  # only our own files removed
 
 
 def test_wrong_argument_types_are_clear(corpus: Path, tmp_path: Path) -> None:

@@ -148,7 +148,7 @@ def convert_distributed(
             raise
         log.info("committed %s (%d write tasks)", out.root, len(tasks))
         if not keep_pieces:
-            work.remove_all()
+            work.remove("pieces", "plan.json")
     finally:
         if eng is not engine:
             eng.close()

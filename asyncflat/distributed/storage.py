@@ -84,3 +84,15 @@ class Location:
     def remove_all(self) -> None:
         if self.fs.exists(self.root):
             self.fs.rm(self.root, recursive=True)
+
+    def remove(self, *names: str) -> None:
+        """Remove these entries (directories recursively), then the root if it is left empty:
+        never anything else a user keeps there."""
+        for name in names:
+            if self.fs.exists(self.path(name)):
+                self.fs.rm(self.path(name), recursive=True)
+        if self.local:
+            try:
+                os.rmdir(self.root)
+            except OSError:
+                pass  # not empty: it holds something of the user's
