@@ -173,6 +173,21 @@ def test_changed_tokenizer_is_refused_on_resume(corpus: Path, tmp_path: Path) ->
     assert sorted(p.name for p in work.iterdir()) == ["mine.txt"]  # only our own files removed
 
 
+def test_progress_is_logged(corpus: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="asyncflat.distributed"):
+        report = convert_distributed(
+            [corpus], tmp_path / "o.zarr", engine="local", unit_bytes=20000
+        )
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tokenized")]
+    total = sum(report.tokens.values())
+    assert lines[-1].startswith(f"tokenized {report.units}/{report.units} units (0 resumed), ")
+    tokens = int(lines[-1].split(", ")[1].removesuffix(" tokens"))
+    assert tokens == total
+    assert "tokens/s, ETA 0 s" in lines[-1]
+
+
 def test_wrong_argument_types_are_clear(corpus: Path, tmp_path: Path) -> None:
     from asyncflat.errors import ArgumentTypeError
 
