@@ -4,7 +4,8 @@ A jsonl corpus of text-like documents (about ``--mib`` MiB) and a byte-level BPE
 trained on a sample of it (both generated locally, cached under ``$ASYNCFLAT_BENCH_DIR``):
 
 * ``raw``: ``tokenizers``' ``encode_batch`` on the same documents, already in memory, in
-  ``--workers`` processes (batches of 512 documents, one rayon thread each): the ceiling;
+  ``--workers`` processes (batches of 512 documents, one rayon thread each): the ceiling
+  (and in 1 process: ``raw_n_vs_1`` is how far this machine lets N processes scale now);
   the single-machine converter (reading, tokenizing and writing, same process count, its
   pool's start included); alternated, best of ``--rounds`` each; target: converter >= 0.8x raw.
 * Ray: ``convert_distributed`` on a local Ray cluster of 2 CPUs (units of ``--unit-mib``),
@@ -187,10 +188,11 @@ def main() -> None:
     parser.add_argument("--skip-ray", action="store_true")
     args = parser.parse_args()
     corpus, tok = ensure_corpus(args.mib)
-    raw = conv = 0.0
+    raw = raw_one = conv = 0.0
     for _ in range(args.rounds):  # alternated, best of each: the machine is noisy
         rate, raw_tokens = raw_tokens_per_s(corpus, tok, args.workers)
         raw = max(raw, rate)
+        raw_one = max(raw_one, raw_tokens_per_s(corpus, tok, 1)[0])
         rate, conv_tokens = converter_tokens_per_s(corpus, tok, args.workers)
         conv = max(conv, rate)
         assert raw_tokens == conv_tokens, (raw_tokens, conv_tokens)
@@ -202,6 +204,9 @@ def main() -> None:
         "rounds": args.rounds,
         "load_average_1min": os.getloadavg()[0],
         "raw_tokenizer_tokens_per_s": round(raw),
+        # what this machine gives N processes over one, right now (a busy machine: < N)
+        "raw_tokenizer_1_process_tokens_per_s": round(raw_one),
+        "raw_n_vs_1": round(raw / raw_one, 3),
         "converter_tokens_per_s": round(conv),
         "converter_vs_raw": round(conv / raw, 3),
         "converter_fixed_s": round(converter_fixed_s(args.workers), 2),
@@ -216,6 +221,10 @@ def main() -> None:
                 "ray_1_worker_tokens_per_s": round(ray_run["one"]),
                 "ray_2_workers_tokens_per_s": round(ray_run["two"]),
                 "ray_2_vs_1": round(ray_run["two"] / ray_run["one"], 3),
+                # ray_2_vs_1 against the raw tokenizer's own 2-vs-1 (meaningful for --workers 2)
+                "ray_scaling_vs_raw_scaling": round(
+                    ray_run["two"] / ray_run["one"] / (raw / raw_one), 3
+                ),
                 "ray_init_s": round(ray_run["init_s"], 2),
                 "ray_first_task_s": round(ray_run["first_task_s"], 2),
                 "ray_shutdown_s": round(ray_run["shutdown_s"], 2),
