@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -312,12 +313,16 @@ def ray_cluster() -> Iterator[str]:
         # it reads this when first imported.
         patch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         ray = pytest.importorskip("ray")
-        context = ray.init(
-            num_cpus=2,
-            include_dashboard=False,
-            log_to_driver=False,
-            runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"}},
-        )
+        with warnings.catch_warnings():
+            # Ray starts its processes with subprocess's preexec_fn, which runs jax's at-fork
+            # hook; the child execs at once, so jax's deadlock warning does not apply.
+            warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)
+            context = ray.init(
+                num_cpus=2,
+                include_dashboard=False,
+                log_to_driver=False,
+                runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"}},
+            )
         try:
             address = context.address_info["address"]
             assert address.startswith("127.0.0.1:"), address
