@@ -414,6 +414,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     if bool(args.inputs) == bool(args.hf_dataset):
         raise ConfigError("give either input files/directories or --hf-dataset PATH (not both)")
+    if args.engine != "ray" and (args.ray_address or args.work_dir):
+        raise ConfigError("--ray-address and --work-dir need --engine ray")
+    if args.engine == "ray" and args.hf_dataset:
+        raise ConfigError("--engine ray converts files; --hf-dataset runs on this machine only")
     options = dict(
         tokenizer=args.tokenizer,
         validation_fraction=args.validation_fraction,
@@ -430,6 +434,20 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
         report = convert_hf_dataset(
             args.hf_dataset, args.output, name=args.hf_name, text_field=args.text_field, **options
+        )
+    elif args.engine == "ray":
+        from .distributed import convert_distributed
+
+        del options["workers"]  # the cluster's CPUs are the workers
+        report = convert_distributed(
+            args.inputs,
+            args.output,
+            text_field=args.text_field,
+            txt_mode=args.txt_mode,
+            engine="ray",
+            ray_address=args.ray_address,
+            work_dir=args.work_dir,
+            **options,
         )
     else:
         from .convert import convert_files
@@ -757,6 +775,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     conv.add_argument("--shard-tokens", type=_positive, help="tokens per shard (zarr 3)")
     conv.add_argument("--overwrite", action="store_true", help="replace an existing dataset")
+    conv.add_argument(
+        "--engine",
+        choices=("local", "ray"),
+        default="local",
+        help="local: worker processes on this machine; ray: tasks on a Ray cluster "
+        "(pip install 'asyncflat[distributed]'); same output (default local)",
+    )
+    conv.add_argument(
+        "--ray-address",
+        metavar="ADDR",
+        help="--engine ray: the cluster to join (host:port, or 'auto'); default: a new local one",
+    )
+    conv.add_argument(
+        "--work-dir",
+        metavar="PATH_OR_URL",
+        help="--engine ray: where tokenized pieces go, reachable by every worker; a rerun "
+        "resumes from them (default OUTPUT.pieces)",
+    )
     conv.add_argument("--json", action="store_true", help="print the report as JSON")
     conv.add_argument("--no-progress", action="store_true", help="no progress bar")
     conv.set_defaults(func=cmd_convert)

@@ -121,7 +121,7 @@ class TiktokenTokenizer:
 
     zero_reserved = False
 
-    def __init__(self, spec: str, name: str) -> None:
+    def __init__(self, spec: str, name: str, path: Path | None = None) -> None:
         try:
             import tiktoken
             import tiktoken.load
@@ -129,6 +129,11 @@ class TiktokenTokenizer:
             raise ConfigError(
                 f"tokenizer {spec!r} needs the 'tiktoken' package: pip install 'asyncflat[convert]'"
             ) from exc
+        if path is not None:
+            self._encoding = _tiktoken_from_file(spec, path)
+            self.spec = spec
+            self.vocab_size = int(self._encoding.n_vocab)
+            return
 
         original = tiktoken.load.read_file
 
@@ -162,19 +167,53 @@ class TiktokenTokenizer:
         ]
 
 
+def _tiktoken_from_file(spec: str, path: Path) -> Any:
+    """A local ``NAME.tiktoken`` file of tiktoken's encoding NAME: the ranks from the file, the
+    split pattern and special tokens from tiktoken's own definition of NAME (no download)."""
+    import tiktoken
+    import tiktoken.load
+    import tiktoken_ext.openai_public as public
+
+    name = path.name[: -len(".tiktoken")]
+    known = sorted(set(public.ENCODING_CONSTRUCTORS) - {"gpt2"})  # gpt2 is not a .tiktoken file
+    if name not in known:
+        raise ConfigError(
+            f"tokenizer {spec!r}: name a .tiktoken file after its encoding ({', '.join(known)}), "
+            f"so its split pattern and special tokens are known; got {name!r}"
+        )
+    if not path.is_file():
+        raise ConfigError(f"tokenizer {spec!r}: no such file")
+    try:
+        ranks = tiktoken.load.load_tiktoken_bpe(str(path))
+    except Exception as exc:
+        raise ConfigError(f"cannot load tokenizer {path}: {type(exc).__name__}: {exc}") from exc
+    original = public.load_tiktoken_bpe
+    public.load_tiktoken_bpe = lambda *args, **kwargs: ranks
+    try:
+        params = public.ENCODING_CONSTRUCTORS[name]()
+    finally:
+        public.load_tiktoken_bpe = original
+    params.pop("explicit_n_vocab", None)
+    return tiktoken.Encoding(**params)
+
+
 def load_tokenizer(spec: str) -> Tokenizer:
-    """``"bytes"``, ``"tiktoken:NAME"``, or a path to a ``tokenizer.json`` (or a directory with one)."""
+    """``"bytes"``, ``"tiktoken:NAME"``, a local ``NAME.tiktoken`` file, or a path to a
+    ``tokenizer.json`` (or a directory with one)."""
     if spec == "bytes":
         return BytesTokenizer()
     if spec.startswith("tiktoken:"):
         return TiktokenTokenizer(spec, spec.removeprefix("tiktoken:"))
+    if spec.endswith(".tiktoken"):
+        return TiktokenTokenizer(spec, "", Path(spec))
     path = Path(spec)
     if path.is_dir():
         path = path / "tokenizer.json"
     if not path.is_file():
         raise ConfigError(
-            f"tokenizer must be 'bytes', 'tiktoken:NAME' or a local tokenizer.json (or a directory "
-            f"holding one); {spec!r} is none of these (asyncflat never downloads tokenizers)"
+            f"tokenizer must be 'bytes', 'tiktoken:NAME', a local NAME.tiktoken file or a local "
+            f"tokenizer.json (or a directory holding one); {spec!r} is none of these (asyncflat "
+            "never downloads tokenizers)"
         )
     return HuggingFaceTokenizer(spec, str(path))
 
@@ -225,6 +264,19 @@ def _text_value(value: Any, where: str, text_field: str) -> str:
     return value
 
 
+def _jsonl_text(line: str, where: str, text_field: str) -> str | None:
+    """The document of one ``.jsonl`` line; None for a blank line (not a document)."""
+    if not line.strip():
+        return None
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{where}: invalid JSON: {exc}") from exc
+    if not isinstance(record, dict) or text_field not in record:
+        raise ConfigError(f"{where}: no field {text_field!r} in this record")
+    return _text_value(record[text_field], where, text_field)
+
+
 def iter_documents(
     inputs: Sequence[str | os.PathLike[str]], *, text_field: str = "text", txt_mode: str = "line"
 ) -> Iterator[str]:
@@ -244,16 +296,9 @@ def iter_documents(
             elif suffix in (".jsonl", ".jsonl.gz"):
                 with _open_text(path) as f:
                     for lineno, line in enumerate(f, 1):
-                        if not line.strip():
-                            continue
-                        where = f"{path}:{lineno}"
-                        try:
-                            record = json.loads(line)
-                        except json.JSONDecodeError as exc:
-                            raise ConfigError(f"{where}: invalid JSON: {exc}") from exc
-                        if not isinstance(record, dict) or text_field not in record:
-                            raise ConfigError(f"{where}: no field {text_field!r} in this record")
-                        yield _text_value(record[text_field], where, text_field)
+                        text = _jsonl_text(line, f"{path}:{lineno}", text_field)
+                        if text is not None:
+                            yield text
             else:
                 yield from _iter_parquet(path, text_field)
         except UnicodeDecodeError as exc:

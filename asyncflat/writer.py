@@ -52,6 +52,66 @@ _ARRAY_CONFIG = {"write_empty_chunks": True}
 _BATCH_TOKENS = 1 << 22
 
 
+def create_split_arrays(
+    group: zarr.Group,
+    shape: tuple[int, int] = (0, 0),
+    *,
+    zarr_format: int,
+    chunk_tokens: int,
+    shard_tokens: int | None,
+) -> tuple[zarr.Array, zarr.Array]:
+    """Create one split's ``encoded_tokens`` and ``seq_starts`` arrays in ``group``.
+
+    ``shape`` is (tokens, seq_starts entries). Shared with the distributed converter so both
+    write the same array metadata and codecs, hence the same chunk bytes.
+    """
+    if zarr_format == 2:
+        # seqax's exact layout, so seqax (zarr 2.x) can read what we write.
+        compressor = Blosc(cname="lz4", clevel=5, shuffle=Blosc.BITSHUFFLE)
+        tokens = group.create_array(
+            "encoded_tokens",
+            shape=(shape[0],),
+            chunks=(chunk_tokens,),
+            dtype="<u4",
+            fill_value=None,
+            compressors=compressor,
+            filters=None,
+            config=_ARRAY_CONFIG,
+        )
+        starts = group.create_array(
+            "seq_starts",
+            shape=(shape[1],),
+            chunks=(SEQ_STARTS_CHUNK,),
+            dtype="<u8",
+            fill_value=0,
+            compressors=compressor,
+            filters=[Delta(dtype="<i8", astype="<i8")],
+            config=_ARRAY_CONFIG,
+        )
+    else:
+        codec = BloscCodec(cname="lz4", clevel=5, shuffle="bitshuffle")
+        tokens = group.create_array(
+            "encoded_tokens",
+            shape=(shape[0],),
+            chunks=(chunk_tokens,),
+            shards=(shard_tokens,) if shard_tokens else None,
+            dtype="uint32",
+            fill_value=0,
+            compressors=codec,
+            config=_ARRAY_CONFIG,
+        )
+        starts = group.create_array(
+            "seq_starts",
+            shape=(shape[1],),
+            chunks=(SEQ_STARTS_CHUNK,),
+            dtype="uint64",
+            fill_value=0,
+            compressors=codec,
+            config=_ARRAY_CONFIG,
+        )
+    return tokens, starts
+
+
 class _SplitWriter:
     """Buffers one split's tokens and offsets and writes them out in whole stored objects."""
 
@@ -66,50 +126,9 @@ class _SplitWriter:
     ) -> None:
         self.split = split
         self.group = group
-        if zarr_format == 2:
-            # seqax's exact layout, so seqax (zarr 2.x) can read what we write.
-            compressor = Blosc(cname="lz4", clevel=5, shuffle=Blosc.BITSHUFFLE)
-            self.tokens = group.create_array(
-                "encoded_tokens",
-                shape=(0,),
-                chunks=(chunk_tokens,),
-                dtype="<u4",
-                fill_value=None,
-                compressors=compressor,
-                filters=None,
-                config=_ARRAY_CONFIG,
-            )
-            self.starts = group.create_array(
-                "seq_starts",
-                shape=(0,),
-                chunks=(SEQ_STARTS_CHUNK,),
-                dtype="<u8",
-                fill_value=0,
-                compressors=compressor,
-                filters=[Delta(dtype="<i8", astype="<i8")],
-                config=_ARRAY_CONFIG,
-            )
-        else:
-            codec = BloscCodec(cname="lz4", clevel=5, shuffle="bitshuffle")
-            self.tokens = group.create_array(
-                "encoded_tokens",
-                shape=(0,),
-                chunks=(chunk_tokens,),
-                shards=(shard_tokens,) if shard_tokens else None,
-                dtype="uint32",
-                fill_value=0,
-                compressors=codec,
-                config=_ARRAY_CONFIG,
-            )
-            self.starts = group.create_array(
-                "seq_starts",
-                shape=(0,),
-                chunks=(SEQ_STARTS_CHUNK,),
-                dtype="uint64",
-                fill_value=0,
-                compressors=codec,
-                config=_ARRAY_CONFIG,
-            )
+        self.tokens, self.starts = create_split_arrays(
+            group, zarr_format=zarr_format, chunk_tokens=chunk_tokens, shard_tokens=shard_tokens
+        )
         # A whole shard is the unit of writing when sharded: writing part of one would make zarr
         # read, modify and rewrite it.
         self.token_buf = _Buffer(self.tokens, shard_tokens or chunk_tokens, np.uint32)

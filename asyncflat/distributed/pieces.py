@@ -1,0 +1,194 @@
+"""Tokenizing one unit to a piece, and reading pieces back.
+
+A piece is three objects under ``<work_dir>/pieces/``: ``NNNNNNNN.tokens`` (the unit's token ids,
+uint32 little-endian, documents back to back), ``NNNNNNNN.lengths`` (one int64 per document,
+empty documents included: they count in the split assignment) and ``NNNNNNNN.json``, the
+manifest, written last. A piece without a manifest (or whose manifest names another plan) is
+not done, so a task killed mid-write is simply redone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import io
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from ..convert import DOCS_PER_BATCH, Tokenizer, _jsonl_text, _text_value, _tokenize, load_tokenizer
+from ..errors import ConfigError
+from .plan import Unit
+from .storage import Location
+
+__all__ = ["PieceInfo", "TokenizeJob", "piece_name", "read_manifests", "tokenize_unit"]
+
+
+def piece_name(index: int, what: str) -> str:
+    return f"pieces/{index:08d}.{what}"
+
+
+@dataclasses.dataclass(frozen=True)
+class PieceInfo:
+    """A finished piece, as its manifest records it."""
+
+    index: int
+    documents: int
+    empty_documents: int
+    tokens: int
+    max_token_id: int
+    input_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizeJob:
+    unit: Unit
+    plan_digest: str
+    tokenizer: str
+    text_field: str
+    txt_mode: str
+    work: Location
+
+
+def read_manifests(work: Location, indices: list[int], plan_digest: str) -> dict[int, PieceInfo]:
+    """The finished pieces among ``indices`` that belong to this plan, read in batches (one
+    concurrent request per piece on an object store)."""
+    found: dict[int, PieceInfo] = {}
+    for lo in range(0, len(indices), 4096):
+        batch = indices[lo : lo + 4096]
+        paths = [work.path(piece_name(i, "json")) for i in batch]
+        for raw in work.fs.cat(paths, on_error="omit").values():
+            try:
+                record = json.loads(raw)
+            except ValueError:
+                continue  # not a finished manifest
+            if record.get("plan") == plan_digest:
+                info = PieceInfo(**record["piece"])
+                found[info.index] = info
+    return found
+
+
+_tokenizers: dict[str, Tokenizer] = {}
+
+
+def _worker_tokenizer(spec: str) -> Tokenizer:
+    tok = _tokenizers.get(spec)
+    if tok is None:
+        # One task is one core's worth of work: keep the tokenizers library's own thread pool
+        # from multiplying that by the number of cores.
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        os.environ.setdefault("RAYON_NUM_THREADS", "1")
+        tok = _tokenizers[spec] = load_tokenizer(spec)
+    return tok
+
+
+def tokenize_unit(job: TokenizeJob) -> PieceInfo:
+    """Read, tokenize and store one unit; returns its manifest. Input errors raise ConfigError."""
+    tok = _worker_tokenizer(job.tokenizer)
+    unit = job.unit
+    docs = list(unit_documents(unit, job.text_field, job.txt_mode))
+    ids_parts: list[np.ndarray] = []
+    len_parts: list[np.ndarray] = []
+    for start in range(0, len(docs), DOCS_PER_BATCH):
+        ids, lengths = _tokenize(tok, docs[start : start + DOCS_PER_BATCH])
+        ids_parts.append(ids)
+        len_parts.append(lengths)
+    ids = np.concatenate(ids_parts) if ids_parts else np.zeros(0, np.uint32)
+    lengths = np.concatenate(len_parts) if len_parts else np.zeros(0, np.int64)
+    info = PieceInfo(
+        index=unit.index,
+        documents=int(lengths.size),
+        empty_documents=int(np.count_nonzero(lengths == 0)),
+        tokens=int(ids.size),
+        max_token_id=int(ids.max()) if ids.size else 0,
+        input_bytes=unit.size,
+    )
+    job.work.put(piece_name(unit.index, "tokens"), ids.astype("<u4", copy=False).tobytes())
+    job.work.put(piece_name(unit.index, "lengths"), lengths.astype("<i8", copy=False).tobytes())
+    manifest = {"plan": job.plan_digest, "piece": dataclasses.asdict(info)}
+    job.work.put(piece_name(unit.index, "json"), json.dumps(manifest).encode())
+    return info
+
+
+# --------------------------------------------------------------------------------------------
+# Reading a unit's documents: the same rules as asyncflat.convert.iter_documents
+# --------------------------------------------------------------------------------------------
+
+
+def unit_documents(unit: Unit, text_field: str, txt_mode: str) -> Iterator[str]:
+    try:
+        if unit.kind == "parquet":
+            yield from _parquet_documents(unit, text_field)
+            return
+        with _open_unit(unit) as f:
+            if unit.kind == "txt":
+                if txt_mode == "file":
+                    yield f.read()
+                else:
+                    for line in f:
+                        yield line.rstrip("\r\n")
+            else:
+                for lineno, line in enumerate(f, 1):
+                    try:
+                        text = _jsonl_text(line, "", text_field)
+                    except ConfigError:
+                        # Name the line of the file, not of the range: count the lines before it.
+                        where = f"{unit.path}:{_lines_before(unit) + lineno}"
+                        _jsonl_text(line, where, text_field)
+                        raise
+                    if text is not None:
+                        yield text
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{unit.path}: not valid UTF-8 text: {exc}") from exc
+
+
+def _open_unit(unit: Unit) -> io.TextIOBase:
+    if unit.gz:
+        return gzip.open(unit.path, "rt", encoding="utf-8", newline="")
+    with open(unit.path, "rb") as raw:
+        raw.seek(unit.start)
+        data = raw.read(unit.end - unit.start)
+    return io.TextIOWrapper(io.BytesIO(data), encoding="utf-8", newline="")
+
+
+def _lines_before(unit: Unit) -> int:
+    if unit.gz or unit.start == 0:
+        return 0
+    with open(unit.path, "rb") as raw:
+        prefix = raw.read(unit.start)
+    return sum(1 for _ in io.TextIOWrapper(io.BytesIO(prefix), encoding="utf-8", newline=""))
+
+
+def _parquet_documents(unit: Unit, text_field: str) -> Iterator[str]:
+    import pyarrow.parquet as pq
+
+    table = pq.ParquetFile(unit.path).read_row_group(unit.start, columns=[text_field])
+    for i, value in enumerate(table.column(0).to_pylist()):
+        yield _text_value(value, f"{unit.path} row {unit.first_row + i}", text_field)
+
+
+# --------------------------------------------------------------------------------------------
+# Reading pieces back
+# --------------------------------------------------------------------------------------------
+
+
+def read_lengths(work: Location, index: int) -> np.ndarray:
+    raw = work.get(piece_name(index, "lengths"))
+    if raw is None:
+        raise ConfigError(f"piece {work.path(piece_name(index, 'lengths'))} is missing")
+    return np.frombuffer(raw, "<i8")
+
+
+def read_token_ranges(work: Location, index: int, ranges: list[tuple[int, int]]) -> np.ndarray:
+    """Token ids ``[a, b)`` of piece ``index`` for each (a, b), concatenated."""
+    blobs = work.get_ranges(piece_name(index, "tokens"), [(4 * a, 4 * b) for a, b in ranges])
+    if not blobs:
+        return np.zeros(0, np.uint32)
+    return np.frombuffer(b"".join(blobs), "<u4")
+
+
+def describe(info: PieceInfo) -> dict[str, Any]:
+    return dataclasses.asdict(info)

@@ -1,0 +1,98 @@
+"""Where pieces and output live: a local path or any fsspec URL, reached the same way."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+__all__ = ["Location", "is_url"]
+
+
+def is_url(target: str) -> bool:
+    return "://" in target and not target.startswith("file://")
+
+
+class Location:
+    """A directory-like root (local or fsspec URL) with whole-object reads and writes.
+
+    Picklable: tasks on other machines rebuild the filesystem from the URL and options.
+    """
+
+    def __init__(self, root: str, storage_options: dict[str, Any] | None = None) -> None:
+        if not is_url(root):
+            root = os.path.abspath(root.removeprefix("file://"))
+        self.root = root.rstrip("/")
+        self.storage_options = dict(storage_options or {})
+        self._fs: fsspec.AbstractFileSystem | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"root": self.root, "storage_options": self.storage_options, "_fs": None}
+
+    @property
+    def fs(self) -> fsspec.AbstractFileSystem:
+        if self._fs is None:
+            self._fs, _ = fsspec.core.url_to_fs(self.root, **self.storage_options)
+        return self._fs
+
+    @property
+    def local(self) -> bool:
+        return isinstance(self.fs, LocalFileSystem)
+
+    def path(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def put(self, name: str, data: bytes) -> None:
+        """Write one object whole: atomically (temp file + rename) on a local disk."""
+        path = self.path(name)
+        if self.local:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.tmp-{secrets.token_hex(4)}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        else:
+            self.fs.pipe_file(path, data)
+
+    def get(self, name: str) -> bytes | None:
+        """The object's bytes, or None if it does not exist."""
+        try:
+            return self.fs.cat_file(self.path(name))
+        except FileNotFoundError:
+            return None
+
+    def get_ranges(self, name: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        if not ranges:
+            return []
+        path = self.path(name)
+        if self.local:
+            out = []
+            with open(path, "rb") as f:
+                for start, end in ranges:
+                    out.append(os.pread(f.fileno(), end - start, start))
+            return out
+        return list(
+            self.fs.cat_ranges([path] * len(ranges), [r[0] for r in ranges], [r[1] for r in ranges])
+        )
+
+    def exists(self, name: str = "") -> bool:
+        return bool(self.fs.exists(self.path(name) if name else self.root))
+
+    def remove_all(self) -> None:
+        if self.fs.exists(self.root):
+            self.fs.rm(self.root, recursive=True)
+
+    def remove(self, *names: str) -> None:
+        """Remove these entries (directories recursively), then the root if it is left empty:
+        never anything else a user keeps there."""
+        for name in names:
+            if self.fs.exists(self.path(name)):
+                self.fs.rm(self.path(name), recursive=True)
+        if self.local:
+            try:
+                os.rmdir(self.root)
+            except OSError:
+                pass  # not empty: it holds something of the user's

@@ -1,0 +1,538 @@
+"""Distributed conversion (asyncflat.distributed): equal to the single-machine converter, byte for
+byte, in this process and on a local two-worker Ray cluster; resumable; input errors fail fast."""
+
+from __future__ import annotations
+
+import gzip
+import itertools
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zarr
+
+from asyncflat.convert import convert_files
+from asyncflat.distributed import convert_distributed
+from asyncflat.distributed.plan import make_plan
+from asyncflat.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYOUTS = {
+    "v3": dict(zarr_format=3, chunk_tokens=4096),
+    "v3_sharded": dict(zarr_format=3, chunk_tokens=2048, shard_tokens=8192),
+    "v2": dict(zarr_format=2, chunk_tokens=4096),
+}
+SPLIT = dict(validation_fraction=0.2, seed=3)
+WORDS = ["alpha", "béta", "γάμμα", "дельта", "🙂", "", "x" * 40, "tab\there", "日本語"]
+
+
+def _doc(rng: random.Random) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(0, 25)))
+
+
+def make_corpus(root: Path, scale: int = 1) -> Path:
+    """txt (with CRLF and empty lines), jsonl.gz, jsonl, multi-row-group parquet (with nulls)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = random.Random(0)
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / "a.txt", "w", encoding="utf-8", newline="") as f:
+        for i in range(600 * scale):
+            f.write(_doc(rng) + ("\r\n" if i % 7 == 0 else "\n"))
+    with gzip.open(root / "b.jsonl.gz", "wt", encoding="utf-8") as f:
+        for i in range(300 * scale):
+            f.write(json.dumps({"text": _doc(rng)}) + "\n" + ("\n" if i % 50 == 0 else ""))
+    with open(root / "c.jsonl", "w", encoding="utf-8") as f:
+        for i in range(400 * scale):
+            f.write(json.dumps({"text": _doc(rng), "id": i}, ensure_ascii=i % 2 == 0) + "\n")
+    texts = [_doc(rng) if i % 40 else None for i in range(500 * scale)]
+    pq.write_table(pa.table({"text": texts}), root / "d.parquet", row_group_size=150 * scale)
+    (root / "e.txt").write_text("")  # an empty file: no documents
+    return root
+
+
+def tree(path: Path) -> dict[str, bytes]:
+    """Every object of a local store, by relative path."""
+    return {
+        str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()
+    }
+
+
+def assert_same_store(got: Path, want: Path) -> None:
+    a, b = tree(got), tree(want)
+    assert sorted(a) == sorted(b)
+    assert [k for k in a if a[k] != b[k]] == []
+    for split in ("train", "validation"):
+        g, w = (
+            zarr.open_group(str(got / split), mode="r"),
+            zarr.open_group(str(want / split), mode="r"),
+        )
+        assert dict(g.attrs) == dict(w.attrs)
+        for name in ("encoded_tokens", "seq_starts"):
+            np.testing.assert_array_equal(g[name][:], w[name][:])
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_corpus(tmp_path_factory.mktemp("corpus") / "in")
+
+
+@pytest.fixture(scope="module")
+def reference(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The single-machine converter's output for each layout."""
+    root = tmp_path_factory.mktemp("reference")
+    out = {}
+    for name, layout in LAYOUTS.items():
+        out[name] = root / f"{name}.zarr"
+        convert_files([corpus], out[name], **SPLIT, **layout)
+    return out
+
+
+# -- planning ---------------------------------------------------------------------------------
+
+
+def test_plan_units_are_bounded_and_line_aligned(corpus: Path) -> None:
+    plan = make_plan(
+        [corpus], tokenizer="bytes", text_field="text", txt_mode="line", unit_bytes=4000
+    )
+    by_file: dict[str, list[Any]] = {}
+    for unit in plan.units:
+        by_file.setdefault(Path(unit.path).name, []).append(unit)
+    assert [u.index for u in plan.units] == list(range(len(plan.units)))
+    assert list(by_file) == ["a.txt", "b.jsonl.gz", "c.jsonl", "d.parquet"]  # e.txt: no unit
+    assert len(by_file["b.jsonl.gz"]) == 1  # gzip: one unit
+    assert [u.start for u in by_file["d.parquet"]] == [0, 1, 2, 3]  # one per row group
+    assert [u.first_row for u in by_file["d.parquet"]] == [0, 150, 300, 450]
+    for name in ("a.txt", "c.jsonl"):
+        data = (corpus / name).read_bytes()
+        units = by_file[name]
+        assert len(units) > 3
+        assert units[0].start == 0 and units[-1].end == len(data)
+        for prev, unit in itertools.pairwise(units):
+            assert prev.end == unit.start and data[unit.start - 1 : unit.start] == b"\n"
+        # a unit ends at the first newline after unit_bytes: at most one line longer
+        assert max(u.end - u.start for u in units) < 4000 + 2000
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("unit_bytes", [3000, 1 << 20])
+def test_in_process_engine_equals_single_machine(
+    corpus: Path, reference: dict[str, Path], tmp_path: Path, layout: str, unit_bytes: int
+) -> None:
+    out = tmp_path / "out.zarr"
+    report = convert_distributed(
+        [corpus],
+        out,
+        engine="local",
+        unit_bytes=unit_bytes,
+        write_run_tokens=10000,  # several write tasks per split, not aligned to anything
+        **SPLIT,
+        **LAYOUTS[layout],
+    )
+    assert_same_store(out, reference[layout])
+    want = convert_files([corpus], tmp_path / "again.zarr", **SPLIT, **LAYOUTS[layout])
+    for field in ("documents", "empty_documents", "sequences", "tokens", "max_token_id"):
+        assert getattr(report, field) == getattr(want, field)
+    assert report.documents > 1500 and report.empty_documents > 10
+    assert not (tmp_path / "out.zarr.pieces").exists()  # pieces removed after the commit
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["again.zarr", "out.zarr"]
+
+
+def test_changed_tokenizer_is_refused_on_resume(corpus: Path, tmp_path: Path) -> None:
+    from test_convert import make_tokenizer_json
+
+    tok = make_tokenizer_json(tmp_path, [_doc(random.Random(i)) for i in range(50)])
+    out, work = tmp_path / "out.zarr", tmp_path / "work"
+    options: dict[str, Any] = dict(engine="local", work_dir=str(work), unit_bytes=3000, **SPLIT)
+    first = convert_distributed([corpus], out, tokenizer=str(tok), keep_pieces=True, **options)
+    assert first.units_resumed == 0 and (work / "plan.json").exists()
+    again = convert_distributed(
+        [corpus], out, tokenizer=str(tok), overwrite=True, keep_pieces=True, **options
+    )
+    assert again.units_resumed == again.units > 3  # every piece reused
+    (work / "mine.txt").write_text("a file of the user's")
+    with pytest.raises(ConfigError, match=r"different conversion \(changed since: tokenizer\)"):
+        convert_distributed([corpus], tmp_path / "o2.zarr", tokenizer="bytes", **options)
+    tok.write_text(tok.read_text().replace('"alpha"', '"ALPHA"'))  # same path, new contents
+    with pytest.raises(ConfigError, match=r"changed since: tokenizer\)"):
+        convert_distributed([corpus], tmp_path / "o3.zarr", tokenizer=str(tok), **options)
+    assert not (tmp_path / "o2.zarr").exists() and not (tmp_path / "o3.zarr").exists()
+    (work / "plan.json").unlink()  # start afresh in the same directory
+    convert_distributed([corpus], out, tokenizer=str(tok), overwrite=True, **options)
+    assert sorted(p.name for p in work.iterdir()) == ["mine.txt"]  # only our own files removed
+
+
+def test_progress_is_logged(corpus: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="asyncflat.distributed"):
+        report = convert_distributed(
+            [corpus], tmp_path / "o.zarr", engine="local", unit_bytes=20000
+        )
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tokenized")]
+    total = sum(report.tokens.values())
+    assert lines[-1].startswith(f"tokenized {report.units}/{report.units} units (0 resumed), ")
+    tokens = int(lines[-1].split(", ")[1].removesuffix(" tokens"))
+    assert tokens == total
+    assert "tokens/s, ETA 0 s" in lines[-1]
+
+
+def test_wrong_argument_types_are_clear(corpus: Path, tmp_path: Path) -> None:
+    from asyncflat.errors import ArgumentTypeError
+
+    with pytest.raises(ArgumentTypeError, match="unit_bytes"):
+        convert_distributed([corpus], tmp_path / "o.zarr", engine="local", unit_bytes="64M")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="engine must be 'ray', 'local' or an Engine"):
+        convert_distributed([corpus], tmp_path / "o.zarr", engine="dask")
+    with pytest.raises(ConfigError, match="unit_bytes must be an integer >= 1"):
+        convert_distributed([corpus], tmp_path / "o.zarr", engine="local", unit_bytes=0)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_json_names_file_and_line_of_a_later_range(tmp_path: Path) -> None:
+    lines = [json.dumps({"text": f"document {i}"}) for i in range(400)]
+    lines[321] = '{"text": "truncated'
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ConfigError, match=rf"{path}:322: invalid JSON"):
+        convert_distributed([path], tmp_path / "o.zarr", engine="local", unit_bytes=1000)
+    lines[321] = json.dumps({"body": "no text field"})
+    path.write_text("\n".join(lines) + "\n")
+    # The first run's pieces are of another input now: refused, and the message says why.
+    with pytest.raises(ConfigError, match=r"different conversion \(changed since: inputs\)"):
+        convert_distributed([path], tmp_path / "o.zarr", engine="local", unit_bytes=1000)
+    with pytest.raises(ConfigError, match=rf"{path}:322: no field 'text'"):
+        convert_distributed([path], tmp_path / "o2.zarr", engine="local", unit_bytes=1000)
+    assert not (tmp_path / "o.zarr").exists() and not (tmp_path / "o2.zarr").exists()
+
+
+def test_memory_url_output_commits_root_metadata_last(
+    corpus: Path, reference: dict[str, Path]
+) -> None:
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    url = "memory://asyncflat-dist-test/out.zarr"
+    try:
+        convert_distributed(
+            [corpus], url, engine="local", unit_bytes=5000, **SPLIT, **LAYOUTS["v3_sharded"]
+        )
+        want = tree(reference["v3_sharded"])
+        got = {
+            k.removeprefix("/asyncflat-dist-test/out.zarr/"): fs.cat_file(k)
+            for k in fs.find("/asyncflat-dist-test/out.zarr")
+        }
+        assert got == want
+        assert not fs.exists("/asyncflat-dist-test/out.zarr.pieces")
+    finally:
+        fs.rm("/asyncflat-dist-test", recursive=True)
+
+
+def test_failed_write_pass_leaves_no_output_and_keeps_pieces(
+    corpus: Path, reference: dict[str, Path], tmp_path: Path
+) -> None:
+    from asyncflat.distributed import InProcessEngine
+    from asyncflat.distributed.write import run_write_job
+
+    class DiskFullOnSecondWrite(InProcessEngine):
+        def map(self, fn: Any, jobs: Any) -> Iterator[tuple[int, Any]]:
+            for i, result in super().map(fn, jobs):
+                if fn is run_write_job and i == 1:
+                    raise OSError("disk full")
+                yield i, result
+
+    out = tmp_path / "out.zarr"
+    options: dict[str, Any] = dict(unit_bytes=3000, write_run_tokens=10000, **SPLIT)
+    with pytest.raises(OSError, match="disk full"):
+        convert_distributed(
+            [corpus], out, engine=DiskFullOnSecondWrite(), **options, **LAYOUTS["v3"]
+        )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.zarr.pieces"]
+    report = convert_distributed([corpus], out, engine="local", **options, **LAYOUTS["v3"])
+    assert report.units_resumed == report.units
+    assert_same_store(out, reference["v3"])
+
+
+def test_local_tiktoken_file(corpus: Path, tmp_path: Path) -> None:
+    import base64
+
+    import tiktoken
+    from tiktoken_ext.openai_public import r50k_pat_str
+
+    from asyncflat.convert import load_tokenizer
+
+    ranks = {bytes([i]): i for i in range(256)}
+    for merged in (b"th", b"the", b" t", b" the", b"al", b"alpha", "é".encode()):
+        ranks[merged] = len(ranks)
+    path = tmp_path / "r50k_base.tiktoken"
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in ranks.items()))
+    tok = load_tokenizer(str(path))
+    want = tiktoken.Encoding(
+        "r50k_base",
+        pat_str=r50k_pat_str,
+        mergeable_ranks=ranks,
+        special_tokens={"<|endoftext|>": 50256},
+    )
+    texts = ["the alpha béta", "", "then <|endoftext|> the"]
+    assert [t.tolist() for t in tok.encode_batch(texts)] == [want.encode_ordinary(t) for t in texts]
+    assert tok.encode_batch(["the"])[0].tolist() == [ranks[b"the"]]
+    out, ref = tmp_path / "out.zarr", tmp_path / "ref.zarr"
+    convert_files([corpus], ref, tokenizer=str(path), **SPLIT)
+    convert_distributed(
+        [corpus], out, tokenizer=str(path), engine="local", unit_bytes=5000, **SPLIT
+    )
+    assert_same_store(out, ref)
+    bad = tmp_path / "mine.tiktoken"
+    bad.write_bytes(path.read_bytes())
+    with pytest.raises(ConfigError, match=r"name a \.tiktoken file after its encoding"):
+        load_tokenizer(str(bad))
+
+
+# -- on a Ray cluster ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[str]:
+    """A local Ray cluster with 2 worker CPUs on 127.0.0.1, started once (only this module uses
+    it) and stopped after the module, so its ~10 processes do not linger under later tests."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+        # Ray advertises (and binds) the loopback address only when its 'cluster' mode is off;
+        # it reads this when first imported.
+        patch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        ray = pytest.importorskip("ray")
+        with warnings.catch_warnings():
+            # Ray starts its processes with subprocess's preexec_fn, which runs jax's at-fork
+            # hook; the child execs at once, so jax's deadlock warning does not apply.
+            warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)
+            context = ray.init(
+                num_cpus=2,
+                include_dashboard=False,
+                log_to_driver=False,
+                runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"}},
+            )
+        try:
+            address = context.address_info["address"]
+            assert address.startswith("127.0.0.1:"), address
+            yield address
+        finally:
+            ray.shutdown()
+
+
+def test_ray_equals_single_machine(
+    ray_cluster: str, corpus: Path, reference: dict[str, Path], tmp_path: Path
+) -> None:
+    for layout in ("v3", "v3_sharded"):
+        out = tmp_path / f"{layout}.zarr"
+        report = convert_distributed(
+            [corpus],
+            out,
+            engine="ray",
+            unit_bytes=3000,
+            write_run_tokens=10000,
+            **SPLIT,
+            **LAYOUTS[layout],
+        )
+        assert report.parallelism == 2 and report.units > 10
+        assert_same_store(out, reference[layout])
+
+
+def test_ray_input_error_fails_fast_naming_line(ray_cluster: str, tmp_path: Path) -> None:
+    lines = [json.dumps({"text": f"document {i}"}) for i in range(400)]
+    lines[250] = "not json"
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError, match=rf"{path}:251: invalid JSON"):
+        convert_distributed([path], tmp_path / "o.zarr", engine="ray", unit_bytes=1000)
+    assert time.perf_counter() - t0 < 30
+    assert not (tmp_path / "o.zarr").exists()
+
+
+def _tokenize_workers() -> list[int]:
+    """Pids of Ray workers executing tokenize_unit right now (Ray names the process after it)."""
+    pids = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                    if f.read().startswith(b"ray::tokenize_unit"):
+                        pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+@pytest.fixture(scope="module")
+def big_corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """A corpus of ~40 units, a word-level tokenizer, and the single-machine output for both."""
+    from test_convert import make_tokenizer_json
+
+    root = tmp_path_factory.mktemp("big")
+    corpus = make_corpus(root / "in", scale=8)
+    tok = make_tokenizer_json(root, [" ".join(WORDS)])
+    ref = root / "ref.zarr"
+    convert_files([corpus], ref, tokenizer=str(tok), **SPLIT, **LAYOUTS["v3_sharded"])
+    return corpus, tok, ref
+
+
+def test_ray_worker_killed_mid_task_is_retried(
+    ray_cluster: str, big_corpus: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    corpus, tok, ref = big_corpus
+    killed: list[int] = []
+    stop = threading.Event()
+
+    def killer() -> None:
+        while not stop.is_set() and not killed:
+            for pid in _tokenize_workers():
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+                break
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    try:
+        out = tmp_path / "out.zarr"
+        convert_distributed(
+            [corpus],
+            out,
+            tokenizer=str(tok),
+            engine="ray",
+            unit_bytes=2000,
+            **SPLIT,
+            **LAYOUTS["v3_sharded"],
+        )
+    finally:
+        stop.set()
+        thread.join()
+    assert killed, "no tokenize task was seen running"
+    assert_same_store(out, ref)
+
+
+def test_ray_driver_killed_then_rerun_resumes(
+    ray_cluster: str, big_corpus: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    corpus, tok, ref = big_corpus
+    out, work = tmp_path / "out.zarr", tmp_path / "work"
+    options = dict(
+        tokenizer=str(tok), work_dir=str(work), unit_bytes=2000, **SPLIT, **LAYOUTS["v3_sharded"]
+    )
+    script = (
+        "import sys, json; from asyncflat.distributed import convert_distributed; "
+        "convert_distributed([sys.argv[1]], sys.argv[2], engine='ray', ray_address=sys.argv[3], "
+        "**json.loads(sys.argv[4]))"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    driver = subprocess.Popen(
+        [sys.executable, "-c", script, str(corpus), str(out), ray_cluster, json.dumps(options)],
+        env=env,
+        cwd=ROOT,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while len(list(work.glob("pieces/*.json"))) < 4:
+            assert driver.poll() is None, "the driver finished before it could be killed"
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        driver.kill()
+        driver.wait()
+    done_before = {p.name: p.stat().st_mtime_ns for p in work.glob("pieces/*.json")}
+    assert not out.exists()
+    report = convert_distributed([corpus], out, engine="ray", **options)
+    assert len(done_before) >= 4
+    assert report.units_resumed >= len(done_before) and report.units_resumed < report.units
+    assert_same_store(out, ref)
+    assert not work.exists()
+
+
+# -- into a bucket: the GCS emulator and moto's S3, written by the Ray workers ----------------------
+
+
+@pytest.mark.cloud
+@pytest.mark.parametrize("backend", ["gcs", "s3"])
+def test_ray_into_bucket_equals_local(
+    ray_cluster: str,
+    corpus: Path,
+    reference: dict[str, Path],
+    request: pytest.FixtureRequest,
+    backend: str,
+) -> None:
+    import fsspec
+
+    from asyncflat import FlatTokensParams, ShufflingLoader, TokenBatchParams
+
+    server = request.getfixturevalue("gcs_emulator" if backend == "gcs" else "s3_server")
+    options = server.storage_options()
+    protocol = "gs" if backend == "gcs" else "s3"
+    url = f"{protocol}://asyncflat-test/dist/out.zarr"
+    report = convert_distributed(
+        [corpus],
+        url,
+        engine="ray",
+        storage_options=options,
+        unit_bytes=5000,
+        write_run_tokens=20000,
+        **SPLIT,
+        **LAYOUTS["v3_sharded"],
+    )
+    assert report.output == url
+    fs = fsspec.filesystem(protocol, **options)
+    prefix = "asyncflat-test/dist/out.zarr"
+    fs.invalidate_cache()
+    got = {k.removeprefix(prefix + "/"): fs.cat_file(k) for k in fs.find(prefix)}
+    assert got == tree(reference["v3_sharded"])
+    assert not fs.find("asyncflat-test/dist/out.zarr.pieces")  # pieces removed
+
+    batch = TokenBatchParams(len=32, batch=8)
+
+    def params(path: str, opts: dict[str, Any] | None) -> FlatTokensParams:
+        return FlatTokensParams(path, 2, 3, 8, 5, True, storage_options=opts)
+
+    with (
+        ShufflingLoader("train", params(url, options), batch) as remote,
+        ShufflingLoader("train", params(str(reference["v3_sharded"]), None), batch) as here,
+    ):
+        assert remote.step_count == here.step_count and remote.max_token_id == here.max_token_id
+        for step in [*range(8), remote.step_count - 1]:
+            got, want = remote.load(step), here.load(step)
+            np.testing.assert_array_equal(np.asarray(got.targets), np.asarray(want.targets))
+            np.testing.assert_array_equal(
+                np.asarray(got.is_seq_start), np.asarray(want.is_seq_start)
+            )
+    with pytest.raises(ConfigError, match="already exists"):
+        convert_distributed([corpus], url, engine="local", storage_options=options, **SPLIT)
+
+
+def test_cli_engine_ray(
+    ray_cluster: str,
+    corpus: Path,
+    reference: dict[str, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from asyncflat.cli import main
+
+    out = tmp_path / "cli.zarr"
+    args = ["convert", str(corpus), "-o", str(out), "--engine", "ray"]
+    args += ["--ray-address", ray_cluster, "--validation-fraction", "0.2", "--seed", "3"]
+    args += ["--chunk-tokens", "2048", "--shard-tokens", "8192", "--json", "--no-progress"]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["units"] >= 4 and report["parallelism"] == 2
+    assert_same_store(out, reference["v3_sharded"])
+    assert main(["convert", str(corpus), "-o", str(tmp_path / "x"), "--ray-address", "auto"]) != 0
+    assert "--ray-address and --work-dir need --engine ray" in capsys.readouterr().err
