@@ -7,6 +7,8 @@ so a restart resumes by step number alone. asyncflat shuffles the next hand whil
 one is dealt, so the trainer never waits at a round boundary.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from .config import (
     EngineOptions,
     FlatTokensParams,
@@ -27,12 +29,27 @@ from .errors import (
     StorageError,
     TransientStorageError,
 )
-from .loader import ShufflingLoader, TokenBatch, default_sharding, get_loader
 from .permutation import permutation
 from .plan import ShufflePlan
 from .writer import FlatTokensWriter, write_flat_tokens
 
 __version__ = "0.1.0"
+
+# The loader's names need jax; they are imported on first use, so that importing the package
+# for writing or converting (``asyncflat.writer``, ``asyncflat convert``) does not load jax.
+_LOADER_NAMES = ("ShufflingLoader", "TokenBatch", "default_sharding", "get_loader")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LOADER_NAMES:
+        from . import loader
+
+        return getattr(loader, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+if TYPE_CHECKING:
+    from .loader import ShufflingLoader, TokenBatch, default_sharding, get_loader
 
 __all__ = [
     "ArgumentTypeError",
