@@ -389,7 +389,8 @@ def _as_array(i: int, seq: Any) -> np.ndarray:
             f"sequence {i} is not a 1-D sequence of integers: {reprlib.repr(seq)} ({exc})"
         ) from None
     if arr.ndim == 1 and arr.size and arr.dtype.kind not in "iu":
-        bad = next((v for v in arr.tolist() if not _is_int(v)), None)
+        values = arr.tolist() if isinstance(seq, np.ndarray) else list(seq)
+        bad = next((v for v in values if not _is_int(v)), values[0])
         raise ConfigError(
             f"sequence {i}: token ids must be integers, got {bad!r} (dtype {arr.dtype}) in "
             f"{reprlib.repr(seq)}"
