@@ -46,6 +46,9 @@ SUFFIXES = (".txt.gz", ".jsonl.gz", ".txt", ".jsonl", ".parquet")
 #: The default bound on one document's UTF-8 size: a long book is a few MiB, and a document
 #: is tokenized whole in memory (several times its size for a Hugging Face tokenizer).
 DEFAULT_MAX_DOCUMENT_BYTES = 16 << 20
+#: A ``.jsonl`` line may be this many times ``max_document_bytes`` (plus 1 MiB): JSON escapes
+#: (``\\u00e9``) make the record longer than its text.
+_JSON_RECORD_FACTOR = 4
 #: Rows per parquet batch read.
 _PARQUET_BATCH_ROWS = 1024
 
@@ -97,7 +100,10 @@ def _walk(root: Path, follow_symlinks: bool) -> list[Path]:
     for dirpath, dirnames, filenames in os.walk(root, followlinks=follow_symlinks):
         kept = []
         for name in dirnames:
-            real = os.path.realpath(os.path.join(dirpath, name))
+            link = Path(dirpath, name)
+            real = os.path.realpath(link)
+            if link.is_symlink() and not follow_symlinks and not _inside(link, real_root):
+                _warn_outside(link, root)
             if real not in seen_dirs:  # a symlink cycle is walked once
                 seen_dirs.add(real)
                 kept.append(name)
@@ -107,16 +113,20 @@ def _walk(root: Path, follow_symlinks: bool) -> list[Path]:
             if not file_suffix(path) or not path.is_file():  # FIFOs, devices, dangling links
                 continue
             if path.is_symlink() and not follow_symlinks and not _inside(path, real_root):
-                log.warning(
-                    "skipping %s: a symlink to %s, outside the input directory %s "
-                    "(--follow-symlinks / follow_symlinks=True reads it)",
-                    path,
-                    os.path.realpath(path),
-                    root,
-                )
+                _warn_outside(path, root)
                 continue
             found.append(path)
     return sorted(found)
+
+
+def _warn_outside(link: Path, root: Path) -> None:
+    log.warning(
+        "skipping %s: a symlink to %s, outside the input directory %s "
+        "(--follow-symlinks / follow_symlinks=True reads it)",
+        link,
+        os.path.realpath(link),
+        root,
+    )
 
 
 def _inside(path: Path, real_root: str) -> bool:
@@ -136,19 +146,27 @@ def _open_text(path: Path, raw: io.BufferedIOBase | None = None) -> io.TextIOBas
     return io.TextIOWrapper(binary, encoding="utf-8", newline="")
 
 
-def check_document_size(text: str, limit: int, where: str) -> None:
+def check_document_size(text: str, limit: int, where: str, what: str = "document") -> None:
     """Raise ConfigError when ``text`` is over ``limit`` bytes of UTF-8 (cheap for short texts)."""
     if len(text) * 4 <= limit:  # a character is at most 4 bytes
         return
     size = len(text) if len(text) > limit else len(text.encode("utf-8", "surrogatepass"))
     if size > limit:
+        bound = "max_document_bytes" if what == "document" else "the JSON record bound"
         raise ConfigError(
-            f"{where}: document of at least {size:,} bytes is over max_document_bytes "
-            f"({limit:,}; --max-document-bytes on the command line)"
+            f"{where}: {what} of at least {size:,} bytes is over {bound} "
+            f"({limit:,}; set by max_document_bytes, --max-document-bytes on the command line)"
         )
 
 
-def _bounded_lines(f: io.TextIOBase, limit: int, where: str) -> Iterator[tuple[int, str]]:
+def json_record_limit(max_document_bytes: int) -> int:
+    """The longest ``.jsonl`` line read: room for JSON escapes of the text and other fields."""
+    return _JSON_RECORD_FACTOR * max_document_bytes + (1 << 20)
+
+
+def _bounded_lines(
+    f: io.TextIOBase, limit: int, where: str, what: str = "document"
+) -> Iterator[tuple[int, str]]:
     """``(line number, line without its ending)``, reading no line longer than ``limit``."""
     lineno = 0
     while True:
@@ -157,7 +175,7 @@ def _bounded_lines(f: io.TextIOBase, limit: int, where: str) -> Iterator[tuple[i
             return
         lineno += 1
         text = line.rstrip("\r\n")
-        check_document_size(text, limit, f"{where}:{lineno}")
+        check_document_size(text, limit, f"{where}:{lineno}", what)
         yield lineno, text
 
 
@@ -224,11 +242,16 @@ def iter_file_documents(
                             progress.done = start + raw.tell()
                         yield text
                 else:
-                    for lineno, line in _bounded_lines(f, max_document_bytes, str(path)):
+                    record_limit = json_record_limit(max_document_bytes)
+                    lines = _bounded_lines(f, record_limit, str(path), "JSON record")
+                    for lineno, line in lines:
                         if progress is not None:
                             progress.done = start + raw.tell()
                         if line.strip():
-                            yield _json_text(line, f"{path}:{lineno}", text_field)
+                            where = f"{path}:{lineno}"
+                            text = _json_text(line, where, text_field)
+                            check_document_size(text, max_document_bytes, where)
+                            yield text
         except UnicodeDecodeError as exc:
             raise ConfigError(f"{path}: not valid UTF-8 text: {exc}") from None
         except (gzip.BadGzipFile, EOFError) as exc:
