@@ -306,6 +306,7 @@ class ObjectOutput(Output):
             ) from None
         self.store = GuardedStore(raw, display=self.display, defer_metadata=True)
         self._raw = raw
+        self._committed = self._aborted = False
         try:
             self._run(self._prepare(overwrite))
         except BaseException:
@@ -342,6 +343,7 @@ class ObjectOutput(Output):
     def commit(self) -> None:
         try:
             self._run(self._write_metadata())
+            self._committed = True
         finally:
             self._close()
 
@@ -363,6 +365,9 @@ class ObjectOutput(Output):
 
     def abort(self) -> None:
         self.store.stop()
+        if self._committed or self._aborted:
+            return  # a committed dataset is not this writer's to remove any more
+        self._aborted = True
         try:
             self._run(self._raw.delete_dir(""))
         except Exception as exc:  # noqa: BLE001 -- best effort: the abort's cause is what to report

@@ -35,7 +35,7 @@ import logging
 import multiprocessing
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
@@ -144,7 +144,7 @@ def _tokenize_in_worker(texts: Sequence[str], first: int = 0) -> tuple[np.ndarra
 
 def _tokenized_batches(
     tokenizer: Tokenizer, batches: Iterable[list[str]], workers: int
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+) -> Generator[tuple[np.ndarray, np.ndarray], None, None]:
     """Tokenize ``batches`` in order, with at most ``4 * workers`` batches in flight.
 
     With workers, a failure anywhere (a tokenizer error, a worker that died, the consumer

@@ -210,10 +210,10 @@ def load_tokenizer(spec: str) -> Tokenizer:
     if spec.startswith("tiktoken:"):
         name = spec.removeprefix("tiktoken:")
         if "=" in name:
-            pattern, path = name.split("=", 1)
-            if not os.path.isfile(path):
-                raise ConfigError(f"tokenizer {spec!r}: {path} is not a file")
-            return TiktokenFileTokenizer(spec, path, pattern)
+            pattern, ranks_file = name.split("=", 1)
+            if not os.path.isfile(ranks_file):
+                raise ConfigError(f"tokenizer {spec!r}: {ranks_file} is not a file")
+            return TiktokenFileTokenizer(spec, ranks_file, pattern)
         return TiktokenTokenizer(spec, name)
     path = Path(spec)
     if path.is_file() and path.name.endswith(".tiktoken"):

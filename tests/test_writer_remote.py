@@ -139,6 +139,9 @@ def test_reader_sees_no_dataset_until_commit(remote: Remote) -> None:
         assert_no_dataset(url, remote.options)
         writer.append("validation", VALIDATION)
     assert int(read_split(url, remote.options, "train")["seq_starts"][-1]) == sum(map(len, TRAIN))
+    writer.abort()  # after the commit: nothing to discard, the dataset stays
+    writer.close()
+    assert int(read_split(url, remote.options, "train")["seq_starts"][-1]) == sum(map(len, TRAIN))
 
 
 def test_failed_write_leaves_nothing(remote: Remote) -> None:
