@@ -48,6 +48,10 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LOADER_NAMES})
+
+
 if TYPE_CHECKING:
     from .loader import ShufflingLoader, TokenBatch, default_sharding, get_loader
 

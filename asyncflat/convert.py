@@ -276,8 +276,9 @@ def _warn_small_splits(report: ConvertReport, chunk_tokens: int, fraction: float
             )
         elif sequences < _TINY_SEQUENCES or tokens < chunk_tokens:
             log.warning(
-                "split %r of %s is tiny: %d sequences, %d tokens (less than one %d-token chunk "
-                "is less than one default read block); adjust --validation-fraction or add data",
+                "split %r of %s is tiny: %d sequences, %d tokens (a loader reading blocks "
+                "of one %d-token chunk may get no full block from it); adjust "
+                "--validation-fraction or add data",
                 split,
                 report.output,
                 sequences,

@@ -49,6 +49,8 @@ DEFAULT_MAX_DOCUMENT_BYTES = 16 << 20
 #: A ``.jsonl`` line may be this many times ``max_document_bytes`` (plus 1 MiB): JSON escapes
 #: (``\\u00e9``) make the record longer than its text.
 _JSON_RECORD_FACTOR = 4
+#: Lines between progress updates (``tell()`` is a system call).
+_PROGRESS_LINES = 1024
 #: Rows per parquet batch read.
 _PARQUET_BATCH_ROWS = 1024
 
@@ -175,7 +177,8 @@ def _bounded_lines(
             return
         lineno += 1
         text = line.rstrip("\r\n")
-        check_document_size(text, limit, f"{where}:{lineno}", what)
+        if len(text) * 4 > limit:  # the cheap test first: this runs for every line
+            check_document_size(text, limit, f"{where}:{lineno}", what)
         yield lineno, text
 
 
@@ -237,15 +240,15 @@ def iter_file_documents(
                     check_document_size(text, max_document_bytes, str(path))
                     yield text
                 elif suffix in (".txt", ".txt.gz"):
-                    for _, text in _bounded_lines(f, max_document_bytes, str(path)):
-                        if progress is not None:
+                    for lineno, text in _bounded_lines(f, max_document_bytes, str(path)):
+                        if progress is not None and not lineno % _PROGRESS_LINES:
                             progress.done = start + raw.tell()
                         yield text
                 else:
                     record_limit = json_record_limit(max_document_bytes)
                     lines = _bounded_lines(f, record_limit, str(path), "JSON record")
                     for lineno, line in lines:
-                        if progress is not None:
+                        if progress is not None and not lineno % _PROGRESS_LINES:
                             progress.done = start + raw.tell()
                         if line.strip():
                             where = f"{path}:{lineno}"
