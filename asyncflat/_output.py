@@ -39,7 +39,7 @@ from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.core.sync import sync
 from zarr.storage import FsspecStore, LocalStore, WrapperStore
 
-from .errors import ConfigError, StorageError
+from .errors import AsyncflatError, ConfigError, StorageError
 
 __all__ = [
     "GuardedStore",
@@ -84,9 +84,12 @@ def is_remote(path: str | os.PathLike[str]) -> bool:
     return "://" in text and not text.startswith("file://")
 
 
-def _storage_error(exc: OSError, what: str) -> StorageError:
-    reason = exc.strerror or str(exc) or type(exc).__name__
-    return StorageError(f"{what}: {reason} ({type(exc).__name__}, errno {exc.errno})")
+def _storage_error(exc: Exception, what: str) -> StorageError:
+    if isinstance(exc, OSError) and exc.errno is not None:
+        reason = f"{exc.strerror or exc} ({type(exc).__name__}, errno {exc.errno})"
+    else:
+        reason = f"{type(exc).__name__}: {exc}"
+    return StorageError(f"{what}: {reason}")
 
 
 class GuardedStore(WrapperStore[Store]):
@@ -121,9 +124,9 @@ class GuardedStore(WrapperStore[Store]):
             self._in_flight += 1
         try:
             await self._store.set(key, value)
-        except OSError as exc:
-            if isinstance(exc, StorageError):
-                raise
+        except AsyncflatError:
+            raise
+        except Exception as exc:  # gcsfs's HttpError is no OSError
             raise _storage_error(exc, f"cannot write {self.display}/{key}") from exc
         finally:
             with self._cond:
@@ -316,9 +319,9 @@ class ObjectOutput(Output):
     def _run(self, coro: Any) -> Any:
         try:
             return sync(coro)
-        except OSError as exc:
-            if isinstance(exc, StorageError):
-                raise
+        except AsyncflatError:
+            raise
+        except Exception as exc:  # filesystems raise their own error types
             raise _storage_error(exc, self.display) from exc
 
     async def _names(self, prefix: str) -> list[str]:

@@ -20,7 +20,7 @@ import pytest
 from conftest import random_sequences
 from zarr.core.buffer import default_buffer_prototype
 
-from asyncflat.errors import ConfigError, DatasetFormatError
+from asyncflat.errors import ConfigError, DatasetFormatError, StorageError
 from asyncflat.format import SPLITS, open_split
 from asyncflat.source import _close_filesystem, _make_store
 from asyncflat.writer import FlatTokensWriter, OutputExistsError, write_flat_tokens
@@ -192,3 +192,18 @@ def test_storage_options_on_a_local_path_is_refused(tmp_path: Path) -> None:
 def test_unknown_protocol_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match=r"cannot write to foo://b/x.zarr"):
         FlatTokensWriter("foo://b/x.zarr")
+
+
+@pytest.mark.parametrize("kind", ["gcs", "s3"])
+def test_write_to_a_missing_bucket_is_a_storage_error_naming_the_object(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    server = request.getfixturevalue("gcs_emulator" if kind == "gcs" else "s3_server")
+    url = ("gs" if kind == "gcs" else "s3") + "://no-such-bucket-asyncflat/d.zarr"
+    with pytest.raises(StorageError, match=rf"cannot write {url}/train/encoded_tokens/c/\d+: "):
+        write_flat_tokens(
+            url,
+            {"train": [[1, 2, 3]] * 100},
+            chunk_tokens=16,
+            storage_options=server.storage_options(),
+        )
