@@ -176,6 +176,8 @@ def _tokenized_batches(
         while in_flight:
             yield _result(in_flight.popleft(), tokenizer)
         finished = True
+    except BrokenProcessPool:  # from submit(), once a dead worker has broken the pool
+        raise _worker_died(tokenizer) from None
     finally:
         _stop_pool(pool, kill=not finished)
 
@@ -186,10 +188,14 @@ def _result(
     try:
         return future.result()
     except BrokenProcessPool:
-        raise TokenizerError(
-            f"a tokenizer worker process ({tokenizer.spec}) died: killed, out of memory, or a "
-            "crash inside the tokenizer"
-        ) from None
+        raise _worker_died(tokenizer) from None
+
+
+def _worker_died(tokenizer: Tokenizer) -> TokenizerError:
+    return TokenizerError(
+        f"a tokenizer worker process ({tokenizer.spec}) died: killed, out of memory, or a "
+        "crash inside the tokenizer"
+    )
 
 
 def _stop_pool(pool: ProcessPoolExecutor, *, kill: bool) -> None:
@@ -335,7 +341,6 @@ def convert_documents(
             batch_splits.append(splits)
             yield [text for _, text in batch]
 
-    bar = _progress_bar(progress, input_progress)
     writer = FlatTokensWriter(
         output,
         zarr_format=zarr_format,
@@ -344,6 +349,7 @@ def convert_documents(
         overwrite=overwrite,
         storage_options=storage_options,
     )
+    bar = _progress_bar(progress, input_progress)
     try:
         # closing(): on any failure the workers are killed now, not when the traceback dies.
         with writer, contextlib.closing(_tokenized_batches(tok, texts_only(), workers)) as batches:
