@@ -7,7 +7,8 @@ so a restart resumes by step number alone. asyncflat shuffles the next hand whil
 one is dealt, so the trainer never waits at a round boundary.
 """
 
-from .batch import TokenBatch, default_sharding
+from typing import TYPE_CHECKING, Any
+
 from .config import (
     EngineOptions,
     FlatTokensParams,
@@ -15,7 +16,6 @@ from .config import (
     RetryPolicy,
     TokenBatchParams,
 )
-from .epochs import iter_epochs
 from .errors import (
     ArgumentTypeError,
     AsyncflatError,
@@ -29,12 +29,39 @@ from .errors import (
     StorageError,
     TransientStorageError,
 )
-from .loader import ShufflingLoader, get_loader
 from .permutation import permutation
 from .plan import ShufflePlan, epoch_seed
 from .writer import FlatTokensWriter, write_flat_tokens
 
 __version__ = "0.1.0"
+
+# The loader's names need jax; they are imported on first use, so that importing the package
+# for writing or converting (``asyncflat.writer``, ``asyncflat convert``) does not load jax.
+_LAZY_NAMES = {
+    "ShufflingLoader": "loader",
+    "get_loader": "loader",
+    "TokenBatch": "batch",
+    "default_sharding": "batch",
+    "iter_epochs": "epochs",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_NAMES:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY_NAMES[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY_NAMES})
+
+
+if TYPE_CHECKING:
+    from .batch import TokenBatch, default_sharding
+    from .epochs import iter_epochs
+    from .loader import ShufflingLoader, get_loader
 
 __all__ = [
     "ArgumentTypeError",

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .errors import AsyncflatError, ConfigError
+from .errors import AsyncflatError, ConfigError, StorageError
 
 __all__ = ["build_parser", "main"]
 
@@ -418,43 +418,18 @@ def cmd_convert(args: argparse.Namespace) -> int:
         raise ConfigError("--ray-address and --work-dir need --engine ray")
     if args.engine == "ray" and args.hf_dataset:
         raise ConfigError("--engine ray converts files; --hf-dataset runs on this machine only")
-    options = dict(
-        tokenizer=args.tokenizer,
-        validation_fraction=args.validation_fraction,
-        seed=args.seed,
-        workers=args.workers,
-        zarr_format=args.format,
-        chunk_tokens=args.chunk_tokens,
-        shard_tokens=args.shard_tokens,
-        overwrite=args.overwrite,
-        progress=not args.no_progress,
-    )
-    if args.hf_dataset:
-        from .hf import convert_hf_dataset
+    from .writer import OutputExistsError
 
-        report = convert_hf_dataset(
-            args.hf_dataset, args.output, name=args.hf_name, text_field=args.text_field, **options
-        )
-    elif args.engine == "ray":
-        from .distributed import convert_distributed
-
-        del options["workers"]  # the cluster's CPUs are the workers
-        report = convert_distributed(
-            args.inputs,
-            args.output,
-            text_field=args.text_field,
-            txt_mode=args.txt_mode,
-            engine="ray",
-            ray_address=args.ray_address,
-            work_dir=args.work_dir,
-            **options,
-        )
-    else:
-        from .convert import convert_files
-
-        report = convert_files(
-            args.inputs, args.output, text_field=args.text_field, txt_mode=args.txt_mode, **options
-        )
+    try:
+        report = _run_convert(args)
+    except OutputExistsError as exc:
+        raise ConfigError(f"{exc.where} already exists (pass --overwrite to replace it)") from None
+    except OSError as exc:
+        if isinstance(exc, AsyncflatError):
+            raise
+        # An I/O failure outside the writer (reading an input, a tokenizer file): one line.
+        where = f" {exc.filename}" if exc.filename else ""
+        raise StorageError(f"{exc.strerror or exc}{where}") from exc
     if args.json:
         _print_json(report.to_dict())
         return 0
@@ -467,6 +442,61 @@ def cmd_convert(args: argparse.Namespace) -> int:
         f"{report.tokens_per_s / 1e6:.2f} M tokens/s"
     )
     return 0
+
+
+def _run_convert(args: argparse.Namespace) -> Any:
+    storage_options = None
+    if args.storage_options:
+        try:
+            storage_options = json.loads(args.storage_options)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--storage-options must be a JSON object: {exc}") from None
+        if not isinstance(storage_options, dict):
+            raise ConfigError("--storage-options must be a JSON object")
+    options = dict(
+        tokenizer=args.tokenizer,
+        validation_fraction=args.validation_fraction,
+        seed=args.seed,
+        workers=args.workers,
+        zarr_format=args.format,
+        chunk_tokens=args.chunk_tokens,
+        shard_tokens=args.shard_tokens,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
+        storage_options=storage_options,
+        max_document_bytes=args.max_document_bytes,
+    )
+    if args.hf_dataset:
+        from .hf import convert_hf_dataset
+
+        return convert_hf_dataset(
+            args.hf_dataset, args.output, name=args.hf_name, text_field=args.text_field, **options
+        )
+    if args.engine == "ray":
+        from .distributed import convert_distributed
+
+        del options["workers"]  # the cluster's CPUs are the workers
+        del options["max_document_bytes"]  # not yet enforced by the distributed reader
+        return convert_distributed(
+            args.inputs,
+            args.output,
+            text_field=args.text_field,
+            txt_mode=args.txt_mode,
+            engine="ray",
+            ray_address=args.ray_address,
+            work_dir=args.work_dir,
+            **options,
+        )
+    from .convert import convert_files
+
+    return convert_files(
+        args.inputs,
+        args.output,
+        text_field=args.text_field,
+        txt_mode=args.txt_mode,
+        follow_symlinks=args.follow_symlinks,
+        **options,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -725,7 +755,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--hf-dataset PATH. The dataset appears at --output only when complete.",
     )
     conv.add_argument("inputs", nargs="*", help="input files or directories, in order")
-    conv.add_argument("-o", "--output", required=True, help="new dataset directory")
+    conv.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        help="the new dataset: a local directory or an fsspec URL (gs://, s3://, ...)",
+    )
+    conv.add_argument(
+        "--storage-options",
+        metavar="JSON",
+        help="fsspec options for an --output URL, as a JSON object (e.g. an endpoint_url)",
+    )
     conv.add_argument(
         "--tokenizer",
         default="bytes",
@@ -759,8 +799,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--seed", type=int, default=0, help="seed of the validation choice (default 0)"
     )
     conv.add_argument(
+        "--max-document-bytes",
+        type=_positive,
+        default=16 << 20,
+        help="largest document accepted, in UTF-8 bytes, checked while reading (default 16 MiB)",
+    )
+    conv.add_argument(
+        "--follow-symlinks",
+        action="store_true",
+        help="read symlinks under an input directory that lead outside it (skipped by default)",
+    )
+    conv.add_argument(
         "--workers",
-        type=int,
+        type=_positive,
         default=min(os.cpu_count() or 1, 16),
         help="tokenizer processes; 1 tokenizes in-process (default: the CPU count, at most 16)",
     )
@@ -774,7 +825,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens per chunk; match the loader's read block (default 1048576)",
     )
     conv.add_argument("--shard-tokens", type=_positive, help="tokens per shard (zarr 3)")
-    conv.add_argument("--overwrite", action="store_true", help="replace an existing dataset")
+    conv.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing flat-tokens dataset (or an empty directory); anything else "
+        "at the output is refused",
+    )
     conv.add_argument(
         "--engine",
         choices=("local", "ray"),

@@ -1,18 +1,23 @@
 """Convert text corpora to flat-tokens datasets: ``asyncflat convert`` as library calls.
 
-The pipeline: documents are read in order from the inputs, cut into batches, tokenized in worker
-processes (results are collected in submission order, so the output does not depend on the
-number of workers), assigned to a split, and appended through :class:`FlatTokensWriter`, whose
-staged commit means a conversion that fails or is killed leaves no store at the output path.
+The pipeline: documents are read in order from the inputs (:mod:`asyncflat.corpus`), cut into
+batches, tokenized in worker processes (:mod:`asyncflat.tokenizer`; results are collected in
+submission order, so the output does not depend on the number of workers), assigned to a split,
+and appended through :class:`FlatTokensWriter`, whose staged commit means a conversion that
+fails or is killed leaves no dataset at the output (a local path or any fsspec URL).
 
 * Inputs (:func:`iter_documents`): ``.txt`` (one document per line, or per file with
   ``txt_mode="file"``), ``.jsonl`` (one JSON object per line, text in ``text_field``) and
   ``.parquet`` (a string column ``text_field``, read with pyarrow); ``.txt.gz`` and ``.jsonl.gz``
-  too. A directory stands for the supported files under it, in sorted order.
+  too. A directory stands for the supported files under it, in sorted order; symlinks leading
+  out of it are skipped unless ``follow_symlinks``. No document may exceed
+  ``max_document_bytes`` (checked while reading).
 * Tokenizers (:func:`load_tokenizer`): ``"bytes"`` (UTF-8 bytes, id = byte + 1, so id 0 stays
   free for padding, as seqax's ``bytes_utf8``); a local Hugging Face ``tokenizer.json`` (or a
   directory holding one), via the ``tokenizers`` library; ``"tiktoken:NAME"`` when tiktoken's
-  encoding file is already in its local cache. Nothing is ever downloaded.
+  encoding file is already in its local cache, or a local ``.tiktoken`` file. Nothing is ever
+  downloaded. A tokenizer failure in any worker is a :class:`TokenizerError`; the workers are
+  stopped and the partial output removed.
 * Splits: document ``i`` (counting every document read, empty ones included) goes to
   ``validation`` when ``splitmix64(seed, i) / 2**64 < validation_fraction``, else to ``train``:
   deterministic, independent of batching and workers, and stable when the corpus grows at its
@@ -24,28 +29,52 @@ The stored ``max_token_id`` is the largest id that occurs in each split (the wri
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
-import gzip
-import io
-import json
 import logging
 import multiprocessing
 import os
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from pathlib import Path
-from typing import Any, Protocol
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any
 
 import numpy as np
 from tqdm.auto import tqdm
 
+from .corpus import (
+    DEFAULT_MAX_DOCUMENT_BYTES,
+    InputProgress,
+    check_document_size,
+    check_max_document_bytes,
+    expand_inputs,
+    iter_documents,
+    iter_file_documents,
+)
 from .errors import ConfigError
 from .format import SPLITS, TOKEN_ID_LIMIT
+from .tokenizer import (  # the tokenizer classes are re-exported for existing callers
+    BytesTokenizer,
+    HuggingFaceTokenizer,
+    TiktokenFileTokenizer,
+    TiktokenTokenizer,
+    Tokenizer,
+    TokenizerError,
+    load_tokenizer,
+    tokenize_batch,
+)
 from .writer import FlatTokensWriter
 
 __all__ = [
+    "DEFAULT_MAX_DOCUMENT_BYTES",
+    "BytesTokenizer",
     "ConvertReport",
+    "HuggingFaceTokenizer",
+    "TiktokenFileTokenizer",
+    "TiktokenTokenizer",
     "Tokenizer",
+    "TokenizerError",
     "convert_documents",
     "convert_files",
     "convert_texts",
@@ -59,268 +88,11 @@ log = logging.getLogger(__name__)
 #: Documents per tokenization task: large enough to amortise inter-process transfer, small
 #: enough that a few tasks per worker in flight keep memory bounded.
 DOCS_PER_BATCH = 512
-#: Input file suffixes, most specific first.
-_SUFFIXES = (".txt.gz", ".jsonl.gz", ".txt", ".jsonl", ".parquet")
-
-
-# --------------------------------------------------------------------------------------------
-# Tokenizers
-# --------------------------------------------------------------------------------------------
-
-
-class Tokenizer(Protocol):
-    """What the converter needs from a tokenizer."""
-
-    #: The spec it was loaded from (re-loaded from it in each worker process).
-    spec: str
-    #: Ids are in [0, vocab_size).
-    vocab_size: int
-    #: Whether id 0 is reserved (never an ordinary token): non-packed rows are padded with id 0.
-    zero_reserved: bool
-
-    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]: ...
-
-
-class BytesTokenizer:
-    """UTF-8 bytes, shifted by one: id = byte + 1 (ids 1..256), id 0 reserved."""
-
-    spec = "bytes"
-    vocab_size = 257
-    zero_reserved = True
-
-    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-        return [np.frombuffer(t.encode("utf-8"), np.uint8).astype(np.uint32) + 1 for t in texts]
-
-
-class HuggingFaceTokenizer:
-    """A local ``tokenizer.json`` loaded with the ``tokenizers`` library (no special tokens added)."""
-
-    def __init__(self, spec: str, path: str) -> None:
-        try:
-            import tokenizers
-        except ImportError as exc:
-            raise ConfigError(
-                f"tokenizer {spec!r} needs the 'tokenizers' package: pip install 'asyncflat[hf]'"
-            ) from exc
-        try:
-            self._tokenizer = tokenizers.Tokenizer.from_file(path)
-        except Exception as exc:
-            raise ConfigError(f"cannot load tokenizer {path}: {type(exc).__name__}: {exc}") from exc
-        self.spec = spec
-        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
-        added = self._tokenizer.get_added_tokens_decoder()
-        self.zero_reserved = 0 in added and bool(added[0].special)
-
-    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-        encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
-        return [np.asarray(e.ids, dtype=np.uint32) for e in encodings]
-
-
-class TiktokenTokenizer:
-    """A tiktoken encoding whose files are already cached locally (``encode_ordinary``)."""
-
-    zero_reserved = False
-
-    def __init__(self, spec: str, name: str, path: Path | None = None) -> None:
-        try:
-            import tiktoken
-            import tiktoken.load
-        except ImportError as exc:
-            raise ConfigError(
-                f"tokenizer {spec!r} needs the 'tiktoken' package: pip install 'asyncflat[convert]'"
-            ) from exc
-        if path is not None:
-            self._encoding = _tiktoken_from_file(spec, path)
-            self.spec = spec
-            self.vocab_size = int(self._encoding.n_vocab)
-            return
-
-        original = tiktoken.load.read_file
-
-        def offline_read_file(blobpath: str) -> bytes:
-            # tiktoken only calls read_file on a cache miss; a URL there would be a download.
-            if "://" in blobpath:
-                cache = os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR")
-                raise ConfigError(
-                    f"tiktoken encoding {name!r} needs {blobpath}, which is not in tiktoken's cache "
-                    f"({'TIKTOKEN_CACHE_DIR=' + cache if cache else 'the default cache directory'}); "
-                    "asyncflat never downloads: fetch it once on a machine with network access and "
-                    "copy tiktoken's cache (or set TIKTOKEN_CACHE_DIR), or use a local tokenizer.json"
-                )
-            return original(blobpath)
-
-        tiktoken.load.read_file = offline_read_file
-        try:
-            self._encoding = tiktoken.get_encoding(name)
-        except ConfigError:
-            raise
-        except ValueError as exc:  # unknown encoding name
-            raise ConfigError(f"tokenizer {spec!r}: {exc}") from exc
-        finally:
-            tiktoken.load.read_file = original
-        self.spec = spec
-        self.vocab_size = int(self._encoding.n_vocab)
-
-    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-        return [
-            np.asarray(ids, np.uint32) for ids in self._encoding.encode_ordinary_batch(list(texts))
-        ]
-
-
-def _tiktoken_from_file(spec: str, path: Path) -> Any:
-    """A local ``NAME.tiktoken`` file of tiktoken's encoding NAME: the ranks from the file, the
-    split pattern and special tokens from tiktoken's own definition of NAME (no download)."""
-    import tiktoken
-    import tiktoken.load
-    import tiktoken_ext.openai_public as public
-
-    name = path.name[: -len(".tiktoken")]
-    known = sorted(set(public.ENCODING_CONSTRUCTORS) - {"gpt2"})  # gpt2 is not a .tiktoken file
-    if name not in known:
-        raise ConfigError(
-            f"tokenizer {spec!r}: name a .tiktoken file after its encoding ({', '.join(known)}), "
-            f"so its split pattern and special tokens are known; got {name!r}"
-        )
-    if not path.is_file():
-        raise ConfigError(f"tokenizer {spec!r}: no such file")
-    try:
-        ranks = tiktoken.load.load_tiktoken_bpe(str(path))
-    except Exception as exc:
-        raise ConfigError(f"cannot load tokenizer {path}: {type(exc).__name__}: {exc}") from exc
-    original = public.load_tiktoken_bpe
-    public.load_tiktoken_bpe = lambda *args, **kwargs: ranks
-    try:
-        params = public.ENCODING_CONSTRUCTORS[name]()
-    finally:
-        public.load_tiktoken_bpe = original
-    params.pop("explicit_n_vocab", None)
-    return tiktoken.Encoding(**params)
-
-
-def load_tokenizer(spec: str) -> Tokenizer:
-    """``"bytes"``, ``"tiktoken:NAME"``, a local ``NAME.tiktoken`` file, or a path to a
-    ``tokenizer.json`` (or a directory with one)."""
-    if spec == "bytes":
-        return BytesTokenizer()
-    if spec.startswith("tiktoken:"):
-        return TiktokenTokenizer(spec, spec.removeprefix("tiktoken:"))
-    if spec.endswith(".tiktoken"):
-        return TiktokenTokenizer(spec, "", Path(spec))
-    path = Path(spec)
-    if path.is_dir():
-        path = path / "tokenizer.json"
-    if not path.is_file():
-        raise ConfigError(
-            f"tokenizer must be 'bytes', 'tiktoken:NAME', a local NAME.tiktoken file or a local "
-            f"tokenizer.json (or a directory holding one); {spec!r} is none of these (asyncflat "
-            "never downloads tokenizers)"
-        )
-    return HuggingFaceTokenizer(spec, str(path))
-
-
-# --------------------------------------------------------------------------------------------
-# Inputs
-# --------------------------------------------------------------------------------------------
-
-
-def _suffix(path: Path) -> str | None:
-    name = path.name.lower()
-    return next((s for s in _SUFFIXES if name.endswith(s)), None)
-
-
-def _expand(inputs: Sequence[str | os.PathLike[str]]) -> list[Path]:
-    files = []
-    for item in inputs:
-        path = Path(item)
-        if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file() and _suffix(p))
-            if not found:
-                raise ConfigError(f"input directory {path} holds no {', '.join(_SUFFIXES)} files")
-            files.extend(found)
-        elif path.is_file():
-            if not _suffix(path):
-                raise ConfigError(
-                    f"input {path}: unsupported file type (expected one of {', '.join(_SUFFIXES)})"
-                )
-            files.append(path)
-        else:
-            raise ConfigError(f"input {path} does not exist")
-    return files
-
-
-def _open_text(path: Path) -> io.TextIOBase:
-    if path.name.lower().endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8", newline="")  # type: ignore[return-value]
-    return open(path, encoding="utf-8", newline="")
-
-
-def _text_value(value: Any, where: str, text_field: str) -> str:
-    if value is None:
-        return ""  # a null text is an empty document (skipped)
-    if not isinstance(value, str):
-        raise ConfigError(
-            f"{where}: field {text_field!r} is {type(value).__name__}, expected a string"
-        )
-    return value
-
-
-def _jsonl_text(line: str, where: str, text_field: str) -> str | None:
-    """The document of one ``.jsonl`` line; None for a blank line (not a document)."""
-    if not line.strip():
-        return None
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{where}: invalid JSON: {exc}") from exc
-    if not isinstance(record, dict) or text_field not in record:
-        raise ConfigError(f"{where}: no field {text_field!r} in this record")
-    return _text_value(record[text_field], where, text_field)
-
-
-def iter_documents(
-    inputs: Sequence[str | os.PathLike[str]], *, text_field: str = "text", txt_mode: str = "line"
-) -> Iterator[str]:
-    """Yield the documents of ``inputs`` in order (see the module docstring for the formats)."""
-    if txt_mode not in ("line", "file"):
-        raise ConfigError(f"txt_mode must be 'line' or 'file', got {txt_mode!r}")
-    for path in _expand(inputs):
-        suffix = _suffix(path)
-        try:
-            if suffix in (".txt", ".txt.gz"):
-                with _open_text(path) as f:
-                    if txt_mode == "file":
-                        yield f.read()
-                    else:
-                        for line in f:
-                            yield line.rstrip("\r\n")
-            elif suffix in (".jsonl", ".jsonl.gz"):
-                with _open_text(path) as f:
-                    for lineno, line in enumerate(f, 1):
-                        text = _jsonl_text(line, f"{path}:{lineno}", text_field)
-                        if text is not None:
-                            yield text
-            else:
-                yield from _iter_parquet(path, text_field)
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"{path}: not valid UTF-8 text: {exc}") from exc
-
-
-def _iter_parquet(path: Path, text_field: str) -> Iterator[str]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError as exc:
-        raise ConfigError(
-            f"{path}: reading parquet needs pyarrow: pip install 'asyncflat[convert]'"
-        ) from exc
-    parquet = pq.ParquetFile(path)
-    names = parquet.schema_arrow.names
-    if text_field not in names:
-        raise ConfigError(f"{path}: no column {text_field!r} (columns: {', '.join(names)})")
-    row = 0
-    for batch in parquet.iter_batches(batch_size=4096, columns=[text_field]):
-        for value in batch.column(0).to_pylist():
-            yield _text_value(value, f"{path} row {row}", text_field)
-            row += 1
+#: Characters per tokenization task at most (a batch ends at whichever bound comes first), so
+#: a batch of long documents does not multiply the per-document bound by 512.
+CHARS_PER_BATCH = 8 << 20
+#: A split with fewer sequences than this is reported as tiny.
+_TINY_SEQUENCES = 16
 
 
 # --------------------------------------------------------------------------------------------
@@ -358,37 +130,85 @@ def _init_worker(spec: str) -> None:
     _worker_tokenizer = load_tokenizer(spec)
 
 
-def _tokenize(tokenizer: Tokenizer, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+def _tokenize(
+    tokenizer: Tokenizer, texts: Sequence[str], first: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
     """Token ids of ``texts``, concatenated (uint32), and their lengths (int64)."""
-    seqs = tokenizer.encode_batch(texts)
-    lengths = np.fromiter((len(s) for s in seqs), np.int64, count=len(seqs))
-    ids = np.concatenate(seqs).astype(np.uint32, copy=False) if seqs else np.zeros(0, np.uint32)
-    return ids, lengths
+    return tokenize_batch(tokenizer, texts, first)
 
 
-def _tokenize_in_worker(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+def _tokenize_in_worker(texts: Sequence[str], first: int = 0) -> tuple[np.ndarray, np.ndarray]:
     assert _worker_tokenizer is not None, "worker initializer did not run"
-    return _tokenize(_worker_tokenizer, texts)
+    return tokenize_batch(_worker_tokenizer, texts, first)
 
 
 def _tokenized_batches(
     tokenizer: Tokenizer, batches: Iterable[list[str]], workers: int
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Tokenize ``batches`` in order, with at most ``4 * workers`` batches in flight."""
+) -> Generator[tuple[np.ndarray, np.ndarray], None, None]:
+    """Tokenize ``batches`` in order, with at most ``4 * workers`` batches in flight.
+
+    With workers, a failure anywhere (a tokenizer error, a worker that died, the consumer
+    giving up) kills every worker before this generator finishes: nothing keeps running.
+    """
+    first = 0
     if workers <= 1:
         for texts in batches:
-            yield _tokenize(tokenizer, texts)
+            yield tokenize_batch(tokenizer, texts, first)
+            first += len(texts)
         return
     # spawn, not fork: the parent may run jax and other threads, which fork would break.
-    context = multiprocessing.get_context("spawn")
-    with context.Pool(workers, initializer=_init_worker, initargs=(tokenizer.spec,)) as pool:
-        in_flight: collections.deque[Any] = collections.deque()
+    # concurrent.futures, not multiprocessing.Pool: a worker that dies breaks the pool and
+    # fails its futures, where Pool would replace the worker and wait forever for the result.
+    pool = ProcessPoolExecutor(
+        workers,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_init_worker,
+        initargs=(tokenizer.spec,),
+    )
+    finished = False
+    try:
+        in_flight: collections.deque[Future[tuple[np.ndarray, np.ndarray]]] = collections.deque()
         for texts in batches:
-            in_flight.append(pool.apply_async(_tokenize_in_worker, (texts,)))
+            in_flight.append(pool.submit(_tokenize_in_worker, texts, first))
+            first += len(texts)
             if len(in_flight) >= 4 * workers:
-                yield in_flight.popleft().get()
+                yield _result(in_flight.popleft(), tokenizer)
         while in_flight:
-            yield in_flight.popleft().get()
+            yield _result(in_flight.popleft(), tokenizer)
+        finished = True
+    except BrokenProcessPool:  # from submit(), once a dead worker has broken the pool
+        raise _worker_died(tokenizer) from None
+    finally:
+        _stop_pool(pool, kill=not finished)
+
+
+def _result(
+    future: Future[tuple[np.ndarray, np.ndarray]], tokenizer: Tokenizer
+) -> tuple[np.ndarray, np.ndarray]:
+    try:
+        return future.result()
+    except BrokenProcessPool:
+        raise _worker_died(tokenizer) from None
+
+
+def _worker_died(tokenizer: Tokenizer) -> TokenizerError:
+    return TokenizerError(
+        f"a tokenizer worker process ({tokenizer.spec}) died: killed, out of memory, or a "
+        "crash inside the tokenizer"
+    )
+
+
+def _stop_pool(pool: ProcessPoolExecutor, *, kill: bool) -> None:
+    """Shut ``pool`` down; with ``kill``, first kill its workers (a task may never end)."""
+    if kill:
+        # No public way before Python 3.14 (terminate_workers); the processes are what we need.
+        processes = list((getattr(pool, "_processes", None) or {}).values())
+        pool.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            process.kill()
+        for process in processes:
+            process.join(timeout=10)
+    pool.shutdown(wait=True, cancel_futures=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -419,15 +239,58 @@ class ConvertReport:
         return out
 
 
-def _batched(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
+def _batched(items: Iterable[Any], size: int, chars: int = CHARS_PER_BATCH) -> Iterator[list[Any]]:
+    """``(split, text)`` items in lists of at most ``size`` items and about ``chars`` characters."""
     batch: list[Any] = []
+    batch_chars = 0
     for item in items:
         batch.append(item)
-        if len(batch) == size:
+        batch_chars += len(item[1])
+        if len(batch) == size or batch_chars >= chars:
             yield batch
-            batch = []
+            batch, batch_chars = [], 0
     if batch:
         yield batch
+
+
+def _check_options(tok: Tokenizer, validation_fraction: float, workers: Any) -> None:
+    if tok.vocab_size > TOKEN_ID_LIMIT:
+        raise ConfigError(f"tokenizer {tok.spec!r} has {tok.vocab_size} ids, over the 2**31 limit")
+    if not tok.zero_reserved:
+        log.warning(
+            "tokenizer %s uses id 0 for an ordinary token; flat-tokens loaders pad non-packed rows "
+            "with id 0, so padding will look like that token",
+            tok.spec,
+        )
+    validation_mask(np.zeros(0), validation_fraction, seed=0)  # validate the fraction up front
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+        raise ConfigError(f"workers must be an integer >= 0, got {workers!r}")
+
+
+def _warn_small_splits(report: ConvertReport, chunk_tokens: int, fraction: float) -> None:
+    """A split that is empty or tiny is almost always a mistake; say so, with the figures."""
+    for split in SPLITS:
+        sequences, tokens = report.sequences[split], report.tokens[split]
+        if sequences == 0:
+            log.warning(
+                "split %r of %s is empty (%d documents, validation_fraction=%g): a loader "
+                "cannot read it; adjust --validation-fraction",
+                split,
+                report.output,
+                report.documents,
+                fraction,
+            )
+        elif sequences < _TINY_SEQUENCES or tokens < chunk_tokens:
+            log.warning(
+                "split %r of %s is tiny: %d sequences, %d tokens (a loader reading blocks "
+                "of one %d-token chunk may get no full block from it); adjust "
+                "--validation-fraction or add data",
+                split,
+                report.output,
+                sequences,
+                tokens,
+                chunk_tokens,
+            )
 
 
 def convert_documents(
@@ -443,25 +306,21 @@ def convert_documents(
     shard_tokens: int | None = None,
     overwrite: bool = False,
     progress: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
+    max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES,
+    input_progress: InputProgress | None = None,
 ) -> ConvertReport:
     """Tokenize ``(split, text)`` pairs and write them as a flat-tokens dataset at ``output``.
 
     ``split`` is ``"train"``, ``"validation"`` or None (assigned by :func:`validation_mask`
-    from the document's index). The other arguments are those of :func:`convert_texts`.
+    from the document's index). The other arguments are those of :func:`convert_texts`;
+    ``input_progress`` (filled by :func:`iter_documents`) makes the progress bar count input
+    bytes towards their total.
     """
     t0 = time.perf_counter()
     tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
-    if tok.vocab_size > TOKEN_ID_LIMIT:
-        raise ConfigError(f"tokenizer {tok.spec!r} has {tok.vocab_size} ids, over the 2**31 limit")
-    if not tok.zero_reserved:
-        log.warning(
-            "tokenizer %s uses id 0 for an ordinary token; flat-tokens loaders pad non-packed rows "
-            "with id 0, so padding will look like that token",
-            tok.spec,
-        )
-    validation_mask(np.zeros(0), validation_fraction, seed)  # validate the fraction up front
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
-        raise ConfigError(f"workers must be an integer >= 0, got {workers!r}")
+    _check_options(tok, validation_fraction, workers)
+    check_max_document_bytes(max_document_bytes)
 
     counts = {"documents": 0, "empty": 0}
     sequences = dict.fromkeys(SPLITS, 0)
@@ -471,24 +330,30 @@ def convert_documents(
 
     def texts_only() -> Iterator[list[str]]:
         # Batches go to the workers as bare texts; their splits wait here, in order.
+        index = 0
         for batch in _batched(documents, DOCS_PER_BATCH):
             splits = [s for s, _ in batch]
-            for split in splits:
+            for split, text in batch:
                 if split is not None and split not in SPLITS:
                     raise ConfigError(f"split must be one of {SPLITS} or None, got {split!r}")
+                check_document_size(text, max_document_bytes, f"document {index}")
+                index += 1
             batch_splits.append(splits)
             yield [text for _, text in batch]
 
-    bar = tqdm(unit=" docs", desc="convert", disable=not progress, dynamic_ncols=True)
+    writer = FlatTokensWriter(
+        output,
+        zarr_format=zarr_format,
+        chunk_tokens=chunk_tokens,
+        shard_tokens=shard_tokens,
+        overwrite=overwrite,
+        storage_options=storage_options,
+    )
+    bar = _progress_bar(progress, input_progress)
     try:
-        with FlatTokensWriter(
-            output,
-            zarr_format=zarr_format,
-            chunk_tokens=chunk_tokens,
-            shard_tokens=shard_tokens,
-            overwrite=overwrite,
-        ) as writer:
-            for ids, lengths in _tokenized_batches(tok, texts_only(), workers):
+        # closing(): on any failure the workers are killed now, not when the traceback dies.
+        with writer, contextlib.closing(_tokenized_batches(tok, texts_only(), workers)) as batches:
+            for ids, lengths in batches:
                 splits = batch_splits.popleft()
                 first = counts["documents"]
                 counts["documents"] += len(lengths)
@@ -508,12 +373,14 @@ def convert_documents(
                         writer.append(split, split_seqs)
                         sequences[split] += len(split_seqs)
                         tokens[split] += sum(s.size for s in split_seqs)
-                bar.update(len(lengths))
-                bar.set_postfix(tokens=sum(tokens.values()), refresh=False)
+                bar.update(_advance(bar, len(lengths), input_progress))
+                bar.set_postfix(
+                    docs=counts["documents"], tokens=sum(tokens.values()), refresh=False
+                )
     finally:
         bar.close()
     report = ConvertReport(
-        output=os.path.abspath(os.fspath(output)),
+        output=writer.path,
         tokenizer=tok.spec,
         documents=counts["documents"],
         empty_documents=counts["empty"],
@@ -530,7 +397,28 @@ def convert_documents(
         report.tokens,
         report.tokens_per_s,
     )
+    _warn_small_splits(report, chunk_tokens, validation_fraction)
     return report
+
+
+def _progress_bar(enabled: bool, input_progress: InputProgress | None) -> Any:
+    """Counts input bytes towards their total when reading files, else documents."""
+    if input_progress is not None:
+        return tqdm(
+            total=input_progress.total or None,
+            unit="B",
+            unit_scale=True,
+            desc="convert",
+            disable=not enabled,
+            dynamic_ncols=True,
+        )
+    return tqdm(unit=" docs", desc="convert", disable=not enabled, dynamic_ncols=True)
+
+
+def _advance(bar: Any, documents: int, input_progress: InputProgress | None) -> int:
+    if input_progress is None:
+        return documents
+    return max(0, input_progress.done - int(bar.n))
 
 
 def convert_texts(
@@ -546,17 +434,25 @@ def convert_texts(
     shard_tokens: int | None = None,
     overwrite: bool = False,
     progress: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
+    max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES,
+    input_progress: InputProgress | None = None,
 ) -> ConvertReport:
     """Tokenize ``texts`` (documents, in order) and write them as a flat-tokens dataset.
 
+    * ``output``: a local path or an fsspec URL (``gs://``, ``s3://``, ...; see
+      :class:`FlatTokensWriter`), with ``storage_options`` for its filesystem.
     * ``tokenizer``: see :func:`load_tokenizer`.
     * ``validation_fraction`` / ``seed``: which documents go to ``validation`` (module docstring).
     * ``workers``: tokenizer processes; 0 or 1 tokenizes in this process. The output is the same
       for every value.
     * ``zarr_format``, ``chunk_tokens``, ``shard_tokens``, ``overwrite``: as
       :class:`FlatTokensWriter` (match ``chunk_tokens`` to the loader's read block).
+    * ``max_document_bytes``: the largest document accepted (UTF-8 bytes); a larger one is a
+      :class:`ConfigError` naming it.
 
-    Nothing appears at ``output`` unless the whole conversion succeeds.
+    Nothing appears at ``output`` unless the whole conversion succeeds. Afterwards an empty or
+    tiny split is reported as a warning.
     """
     return convert_documents(
         ((None, text) for text in texts),
@@ -570,6 +466,9 @@ def convert_texts(
         shard_tokens=shard_tokens,
         overwrite=overwrite,
         progress=progress,
+        storage_options=storage_options,
+        max_document_bytes=max_document_bytes,
+        input_progress=input_progress,
     )
 
 
@@ -579,11 +478,33 @@ def convert_files(
     *,
     text_field: str = "text",
     txt_mode: str = "line",
+    follow_symlinks: bool = False,
     **options: Any,
 ) -> ConvertReport:
     """Convert ``.txt`` / ``.jsonl`` / ``.parquet`` files (see :func:`iter_documents`); the other
-    keyword arguments are those of :func:`convert_texts`."""
-    _expand(inputs)  # fail on a missing or unsupported input before creating anything
-    return convert_texts(
-        iter_documents(inputs, text_field=text_field, txt_mode=txt_mode), output, **options
+    keyword arguments are those of :func:`convert_texts`. With ``progress`` the bar counts input
+    bytes towards their total."""
+    # Fail on a missing or unsupported input before creating anything.
+    files = expand_inputs(inputs, follow_symlinks=follow_symlinks)
+    max_document_bytes = check_max_document_bytes(
+        options.get("max_document_bytes", DEFAULT_MAX_DOCUMENT_BYTES)
     )
+    if txt_mode not in ("line", "file"):
+        raise ConfigError(f"txt_mode must be 'line' or 'file', got {txt_mode!r}")
+    input_progress = InputProgress(total=sum(p.stat().st_size for p in files))
+
+    def documents() -> Iterator[str]:
+        for path in files:
+            yield from iter_file_documents(
+                path,
+                text_field=text_field,
+                txt_mode=txt_mode,
+                max_document_bytes=max_document_bytes,
+                progress=input_progress,
+            )
+
+    return convert_texts(documents(), output, input_progress=input_progress, **options)
+
+
+# Names kept for callers of the helpers that moved to asyncflat.corpus.
+_expand = expand_inputs

@@ -1,14 +1,17 @@
-"""Writing flat-tokens datasets to local disk, crash-safely and in bounded memory.
+"""Writing flat-tokens datasets to local disk or an object store, crash-safely, in bounded memory.
 
 :class:`FlatTokensWriter` appends ragged sequences to the ``train`` and ``validation`` splits,
 buffering at most one stored object (a chunk, or a shard) of tokens per split and writing whole
 objects as they fill, so a dataset larger than memory can be written from a stream.
 
-Nothing is written at the target path until the writer commits: all data goes into a staging
-directory beside it (``<path>.partial-<random>``) which ``close()`` renames into place in one
-``os.rename``. A writer that is killed, or whose ``with`` block raises, therefore leaves either
-the previous dataset or nothing at the target; never a half-written store that would open as
-valid. (A killed writer may leave its ``*.partial-*`` directory behind; it is safe to delete.)
+Nothing that opens as a dataset appears at the target until the writer commits. Locally, all
+data goes into a staging directory beside it (``<path>.partial-<random>``) which ``close()``
+renames into place in one ``os.rename``; on an object store (any fsspec URL) the metadata objects
+are written last (see :mod:`asyncflat._output`). A writer that is killed, or whose ``with`` block
+raises, therefore leaves either the previous dataset or nothing at the target; never a
+half-written store that would open as valid. (A killed local writer may leave its
+``*.partial-*`` directory behind; it is safe to delete. A killed object-store writer leaves
+chunk objects without metadata under the URL; ``overwrite=True`` replaces them.)
 
 Choosing ``chunk_tokens``: a reader decodes whole chunks, so make a chunk the size of the
 loader's read block, ``sequences_per_read_block * len`` tokens for packed data (512 * 2048 =
@@ -22,10 +25,8 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
-import shutil
-import weakref
-from collections.abc import Iterable, Mapping
+import reprlib
+from collections.abc import Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -33,11 +34,13 @@ import numpy as np
 import zarr
 from numcodecs import Blosc, Delta
 from zarr.codecs import BloscCodec
+from zarr.core.array_spec import ArrayConfig
 
+from ._output import OutputExistsError, open_output
 from .errors import ConfigError, LoaderClosedError
 from .format import SPLITS, encode_sequences
 
-__all__ = ["FlatTokensWriter", "write_flat_tokens"]
+__all__ = ["FlatTokensWriter", "OutputExistsError", "write_flat_tokens"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +49,7 @@ SEQ_STARTS_CHUNK = 65536
 
 # Chunks equal to the fill value are still written: readers that fetch objects directly (not
 # through zarr) must find every object, and an all-zero token chunk is legitimate data.
-_ARRAY_CONFIG = {"write_empty_chunks": True}
+_ARRAY_CONFIG = ArrayConfig(order="C", write_empty_chunks=True)
 
 #: Tokens per ``append`` call that ``write_flat_tokens`` batches a lazy iterable into.
 _BATCH_TOKENS = 1 << 22
@@ -161,7 +164,7 @@ class _Buffer:
     def __init__(self, array: zarr.Array, unit: int, dtype: type) -> None:
         self.array = array
         self.unit = unit
-        self.buf = np.empty(unit, dtype)
+        self.buf: np.ndarray = np.empty(unit, dtype)
         self.fill = 0
         self.written = 0
 
@@ -193,7 +196,7 @@ class _Buffer:
 
 
 class FlatTokensWriter:
-    """Write a new flat-tokens dataset at a local ``path``; use as a context manager.
+    """Write a new flat-tokens dataset at ``path``; use as a context manager.
 
     ``append(split, sequences)`` adds ragged token-id sequences to ``"train"`` or
     ``"validation"``. Leaving the ``with`` block cleanly (or calling :meth:`close`) writes the
@@ -203,6 +206,10 @@ class FlatTokensWriter:
     ``max_token_id == 0``), so the dataset always has both splits.
 
     Arguments:
+      * ``path``: a local path (missing parent directories are created) or any fsspec URL
+        (``gs://``, ``s3://``, ``memory://``; ``file://`` is local). On an object store, which
+        has no rename, the metadata objects are written last: a reader finds no dataset until
+        the commit, then the complete one.
       * ``zarr_format``: 3 (default; Blosc lz4 bitshuffle) or 2 (seqax's exact layout: Blosc lz4
         clevel 5 bitshuffle, ``fill_value`` null, a ``Delta('<i8')`` filter on ``seq_starts``),
         for stores seqax's own zarr-2 tooling must read.
@@ -210,11 +217,17 @@ class FlatTokensWriter:
         the loader's read block (see the module docstring). seqax used 4,194,304.
       * ``shard_tokens``: format 3 only, a multiple of ``chunk_tokens``; groups chunks into one
         stored object each (fewer, larger objects for object stores). Memory then holds a shard.
-      * ``overwrite``: replace an existing dataset at ``path``. Without it an existing path is a
-        :class:`ConfigError` (raised at construction, and again at commit if one appeared since).
-        The old dataset is moved aside, the new one renamed into place, then the old removed, so
-        a crash never leaves a mixture.
+      * ``overwrite``: replace an existing flat-tokens store (or an empty directory) at
+        ``path``; anything else there is refused, naming what was found. Without it an existing
+        path is an :class:`OutputExistsError` (a :class:`ConfigError`; raised at construction,
+        and locally again at commit if one appeared since). Locally the old dataset is moved
+        aside, the new one renamed into place, then the old removed, so a crash never leaves a
+        mixture; on an object store the old dataset is removed (root metadata first) before
+        anything new is written.
+      * ``storage_options``: passed to fsspec for a URL (credentials, ``endpoint_url``, ...).
 
+    A failed write (a full disk, a lost connection) is a :class:`StorageError` naming the
+    object; every write in flight has ended before the partial output is removed.
     Memory stays at about one stored object per split plus the batch passed to ``append``.
     A writer is not thread-safe.
     """
@@ -227,6 +240,7 @@ class FlatTokensWriter:
         chunk_tokens: int = 1 << 20,
         shard_tokens: int | None = None,
         overwrite: bool = False,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         chunk_tokens = _positive_int("chunk_tokens", chunk_tokens)
         if isinstance(zarr_format, bool) or zarr_format not in (2, 3):
@@ -245,22 +259,27 @@ class FlatTokensWriter:
                 )
         if not isinstance(overwrite, bool):
             raise ConfigError(f"FlatTokensWriter.overwrite must be a bool, got {overwrite!r}")
+        if not isinstance(path, (str, os.PathLike)):
+            raise ConfigError(
+                f"FlatTokensWriter.path must be a str or os.PathLike, got {reprlib.repr(path)}"
+            )
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise ConfigError(
+                "FlatTokensWriter.storage_options must be a mapping, "
+                f"got {type(storage_options).__name__}"
+            )
 
-        self.path = os.path.abspath(os.fspath(path))
+        self._output = open_output(
+            path,
+            overwrite=overwrite,
+            storage_options=dict(storage_options) if storage_options else None,
+        )
+        self.path = self._output.display
         self.overwrite = overwrite
-        self._check_target()
-        parent = os.path.dirname(self.path)
-        if not os.path.isdir(parent):
-            raise ConfigError(f"FlatTokensWriter: parent directory {parent} does not exist")
-
-        self._staging = f"{self.path}.partial-{secrets.token_hex(6)}"
-        os.mkdir(self._staging)
-        # If the writer is dropped without close()/abort(), still remove the staging directory.
-        self._cleanup = weakref.finalize(self, shutil.rmtree, self._staging, ignore_errors=True)
         self._closed = False
         try:
             root = zarr.open_group(
-                zarr.storage.LocalStore(self._staging), mode="w", zarr_format=zarr_format
+                self._output.store, mode="w", zarr_format=2 if zarr_format == 2 else 3
             )
             self._splits = {
                 split: _SplitWriter(
@@ -275,7 +294,7 @@ class FlatTokensWriter:
         except BaseException:
             self.abort()
             raise
-        logger.debug("writing flat-tokens dataset %s via %s", self.path, self._staging)
+        logger.debug("writing flat-tokens dataset %s", self.path)
 
     def append(self, split: str, sequences: Iterable[Any]) -> None:
         """Encode and append ``sequences`` (1-D non-negative int sequences, ids < 2**31)."""
@@ -283,7 +302,7 @@ class FlatTokensWriter:
         writer = self._splits.get(split)
         if writer is None:
             raise ConfigError(f"split must be one of {SPLITS}, got {split!r}")
-        encoded, lengths = encode_sequences(sequences)
+        encoded, lengths = encode_sequences(_as_arrays(sequences))
         writer.append(encoded, lengths)
 
     def close(self) -> None:
@@ -293,13 +312,11 @@ class FlatTokensWriter:
         try:
             for writer in self._splits.values():
                 writer.finish()
-            _fsync_tree(self._staging)
-            self._commit()
+            self._output.commit()
         except BaseException:
             self.abort()
             raise
         self._closed = True
-        self._cleanup.detach()
         for writer in self._splits.values():
             logger.info(
                 "wrote %s/%s: %d sequences, %d tokens, max_token_id %d",
@@ -311,9 +328,12 @@ class FlatTokensWriter:
             )
 
     def abort(self) -> None:
-        """Discard everything written so far; ``path`` is left as it was (idempotent)."""
+        """Discard everything written so far; ``path`` is left as it was (idempotent).
+
+        Every write still in flight ends before the partial output is removed.
+        """
         self._closed = True
-        self._cleanup()
+        self._output.abort()
 
     def __enter__(self) -> FlatTokensWriter:
         return self
@@ -333,54 +353,85 @@ class FlatTokensWriter:
         if self._closed:
             raise LoaderClosedError(f"FlatTokensWriter for {self.path} is closed")
 
-    def _check_target(self) -> None:
-        if not self.overwrite and os.path.lexists(self.path):
-            raise ConfigError(
-                f"FlatTokensWriter: {self.path} already exists (pass overwrite=True to replace it)"
-            )
-
-    def _commit(self) -> None:
-        self._check_target()
-        old = None
-        if os.path.lexists(self.path):
-            old = f"{self.path}.old-{secrets.token_hex(6)}"
-            os.rename(self.path, old)
-        try:
-            os.rename(self._staging, self.path)
-        except BaseException:
-            if old is not None:
-                os.rename(old, self.path)  # put the previous dataset back
-            raise
-        _fsync_dir(os.path.dirname(self.path))
-        if old is not None:
-            if os.path.isdir(old) and not os.path.islink(old):
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.remove(old)
-
 
 def write_flat_tokens(
     path: str | os.PathLike[str], splits: Mapping[str, Iterable[Any]], **writer_kwargs: Any
 ) -> None:
     """Write a whole dataset in one call: ``splits`` maps split name to its sequences.
 
-    The sequences may be a lazy iterable (a generator over a corpus): they are appended in
-    batches of about ``_BATCH_TOKENS`` tokens, so memory stays bounded whatever the corpus size.
+    ``path`` and the keyword arguments are those of :class:`FlatTokensWriter`. The sequences
+    may be a lazy iterable (a generator over a corpus): they are appended in batches of about
+    ``_BATCH_TOKENS`` tokens, so memory stays bounded whatever the corpus size.
     """
+    if not isinstance(splits, Mapping):
+        raise ConfigError(
+            f"write_flat_tokens: splits must map split name to sequences, got {reprlib.repr(splits)}"
+        )
     with FlatTokensWriter(path, **writer_kwargs) as writer:
         for split, sequences in splits.items():
             if isinstance(sequences, np.ndarray):
                 writer.append(split, sequences)
                 continue
-            batch: list[Any] = []
+            batch: list[np.ndarray] = []
             batch_tokens = 0
-            for seq in sequences:
-                batch.append(seq)
-                batch_tokens += len(seq)
+            for i, seq in enumerate(_iterate(sequences)):
+                arr = _as_array(i, seq)
+                batch.append(arr)
+                batch_tokens += arr.size
                 if batch_tokens >= _BATCH_TOKENS:
                     writer.append(split, batch)
                     batch, batch_tokens = [], 0
             writer.append(split, batch)
+
+
+def _iterate(sequences: Any) -> Iterator[Any]:
+    if isinstance(sequences, (str, bytes)) or sequences is None:
+        raise ConfigError(
+            f"sequences must be an iterable of 1-D integer sequences, got {reprlib.repr(sequences)}"
+        )
+    try:
+        return iter(sequences)
+    except TypeError:
+        raise ConfigError(
+            f"sequences must be an iterable of 1-D integer sequences, got {reprlib.repr(sequences)}"
+        ) from None
+
+
+def _as_array(i: int, seq: Any) -> np.ndarray:
+    """Sequence ``i`` as a numpy array, or a ConfigError quoting it (ragged, None, not numbers)."""
+    if seq is None or isinstance(seq, (str, bytes)):
+        raise ConfigError(f"sequence {i} must be a 1-D sequence of token ids, got {seq!r}")
+    try:
+        arr = np.asarray(seq)
+    except (ValueError, TypeError) as exc:  # ragged nesting, unconvertible objects
+        raise ConfigError(
+            f"sequence {i} is not a 1-D sequence of integers: {reprlib.repr(seq)} ({exc})"
+        ) from None
+    if arr.ndim == 1 and arr.size and arr.dtype.kind not in "iu":
+        values = arr.tolist() if isinstance(seq, np.ndarray) else list(seq)
+        bad = next((v for v in values if not _is_int(v)), values[0])
+        raise ConfigError(
+            f"sequence {i}: token ids must be integers, got {bad!r} (dtype {arr.dtype}) in "
+            f"{reprlib.repr(seq)}"
+        )
+    return arr
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _as_arrays(sequences: Any) -> Any:
+    """``sequences`` checked element by element (a 2-D integer array passes through whole)."""
+    if isinstance(sequences, np.ndarray) and sequences.ndim == 2:
+        if sequences.dtype.kind not in "iu":
+            bad = sequences.reshape(-1)[:1].tolist()
+            raise ConfigError(
+                f"sequences: token ids must be integers, got dtype {sequences.dtype} "
+                f"(first value {bad[0] if bad else None!r})"
+            )
+        return sequences
+    return [_as_array(i, seq) for i, seq in enumerate(_iterate(sequences))]
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -389,23 +440,3 @@ def _positive_int(name: str, value: Any) -> int:
     if value < 1:
         raise ConfigError(f"FlatTokensWriter.{name} must be >= 1, got {value}")
     return int(value)
-
-
-def _fsync_tree(root: str) -> None:
-    """Flush every file and directory under ``root`` so the rename commits durable data."""
-    for dirpath, _dirnames, filenames in os.walk(root):
-        for filename in filenames:
-            fd = os.open(os.path.join(dirpath, filename), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(dirpath)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -294,3 +294,95 @@ def test_cli_convert(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert main(["convert", "-o", str(tmp_path / "x"), "--no-progress"]) == 1
     assert "either input files" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "x")
+
+
+# -- what a user meets ------------------------------------------------------------------------
+
+
+def test_jsonl_missing_field_lists_the_fields_present(tmp_path: Path) -> None:
+    (tmp_path / "in.jsonl").write_text('{"title": "t", "body": "b"}\n')
+    with pytest.raises(ConfigError, match=r"no field 'text' .*\(fields: 'title', 'body'\)"):
+        convert_files([tmp_path / "in.jsonl"], tmp_path / "o")
+    (tmp_path / "in.jsonl").write_text("[1, 2]\n")
+    with pytest.raises(ConfigError, match=r"in.jsonl:1: expected a JSON object .* got a list"):
+        convert_files([tmp_path / "in.jsonl"], tmp_path / "o")
+
+
+def test_empty_and_tiny_splits_are_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    docs = [f"document {i}" for i in range(151)]
+    with caplog.at_level(logging.WARNING, logger="asyncflat"):
+        report = convert_texts(docs, tmp_path / "a", validation_fraction=0.0, chunk_tokens=64)
+    assert report.sequences["validation"] == 0
+    (record,) = [r for r in caplog.records if "validation" in r.getMessage()]
+    assert "'validation'" in record.getMessage() and "is empty" in record.getMessage()
+    assert "151 documents" in record.getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="asyncflat"):
+        report = convert_texts(docs, tmp_path / "b", validation_fraction=0.02, chunk_tokens=64)
+    assert 0 < report.sequences["validation"] < 16
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("'validation'" in m and "is tiny" in m for m in messages), messages
+    assert not any("'train'" in m for m in messages), messages  # train is big enough
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="asyncflat"):
+        convert_texts(docs * 20, tmp_path / "c", validation_fraction=0.3, chunk_tokens=64)
+    assert caplog.records == []
+
+
+def test_progress_bar_has_a_total(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "a.txt").write_text("".join(f"line {i}\n" for i in range(5000)))
+    with gzip.open(tmp_path / "b.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(5000))
+    size = (tmp_path / "a.txt").stat().st_size + (tmp_path / "b.jsonl.gz").stat().st_size
+    convert_files([tmp_path], tmp_path / "o.zarr", progress=True)
+    err = capsys.readouterr().err
+    final = err.replace("\r", "\n").strip().splitlines()[-1]
+    assert "100%" in final, err  # a percentage is shown only against a total
+    assert f"{size / 1000:.1f}k" in final or f"{size / 1000:.0f}k" in final, final
+
+
+# -- tiktoken from a local file -----------------------------------------------------------------
+
+
+def write_tiktoken_file(path: Path) -> dict[bytes, int]:
+    """Ranks for every byte plus a few merges, in tiktoken's base64 format."""
+    import base64
+
+    ranks = {bytes([b]): b for b in range(256)}
+    for merge in (b"he", b"ll", b"hell", b"hello", b" w", b"or"):
+        ranks[merge] = len(ranks)
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in ranks.items()))
+    return ranks
+
+
+def test_tiktoken_from_a_local_file(tmp_path: Path) -> None:
+    import tiktoken
+    from tiktoken_ext.openai_public import r50k_pat_str
+
+    file = tmp_path / "r50k_base.tiktoken"
+    ranks = write_tiktoken_file(file)
+    reference = tiktoken.Encoding(
+        name="ref", pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens={}
+    )
+    text = "hello world, hello"
+    for spec in (str(file), f"tiktoken:r50k_base={file}"):
+        tok = load_tokenizer(spec)
+        assert tok.vocab_size == len(ranks)
+        (ids,) = tok.encode_batch([text])
+        assert ids.tolist() == reference.encode_ordinary(text)
+        assert ids.tolist()[0] == ranks[b"hello"]
+    out = tmp_path / "out.zarr"
+    convert_texts([text, "hello"], out, tokenizer=str(file), validation_fraction=0.0, workers=2)
+    assert read_split(out, "train") == [reference.encode_ordinary(t) for t in (text, "hello")]
+
+    other = tmp_path / "mine.tiktoken"
+    other.write_bytes(file.read_bytes())
+    with pytest.raises(ConfigError, match=r"'mine' names no tiktoken encoding"):
+        load_tokenizer(str(other))
+    (tmp_path / "cl100k_base.tiktoken").write_text("not base64 at all\n")
+    with pytest.raises(ConfigError, match=r"cannot read tiktoken ranks file"):
+        load_tokenizer(str(tmp_path / "cl100k_base.tiktoken"))

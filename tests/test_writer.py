@@ -19,7 +19,13 @@ from helpers.seqax_v2 import write_seqax_v2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncflat.errors import AsyncflatError, ConfigError, DatasetFormatError, LoaderClosedError
+from asyncflat.errors import (
+    AsyncflatError,
+    ConfigError,
+    DatasetFormatError,
+    LoaderClosedError,
+    StorageError,
+)
 from asyncflat.format import SplitArrays, decode, open_split
 from asyncflat.writer import FlatTokensWriter, write_flat_tokens
 
@@ -334,7 +340,7 @@ def test_bad_append_inside_with_leaves_nothing(tmp_path: Path) -> None:
 
 def test_existing_path_without_overwrite_is_config_error(tmp_path: Path) -> None:
     write_flat_tokens(tmp_path / "d", {"train": [[1]]})
-    with pytest.raises(ConfigError, match="already exists.*overwrite=True") as info:
+    with pytest.raises(ConfigError, match=r"already exists.*overwrite=True") as info:
         FlatTokensWriter(tmp_path / "d")
     assert isinstance(info.value, AsyncflatError)
     assert open_local(tmp_path / "d").token_count == 1  # untouched
@@ -360,8 +366,38 @@ def test_overwrite_replaces_dataset(tmp_path: Path) -> None:
     assert leftovers(tmp_path) == []
 
 
-def test_overwrite_replaces_a_file(tmp_path: Path) -> None:
+def test_overwrite_refuses_a_file_and_a_symlink(tmp_path: Path) -> None:
     (tmp_path / "d").write_text("not a dataset")
+    with pytest.raises(ConfigError, match=r"d exists and is a file, not a flat-tokens store"):
+        write_flat_tokens(tmp_path / "d", {"train": [[4]]}, overwrite=True)
+    assert (tmp_path / "d").read_text() == "not a dataset"
+    write_flat_tokens(tmp_path / "real", {"train": [[1]]})
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    with pytest.raises(ConfigError, match=r"link exists and is a symlink"):
+        write_flat_tokens(tmp_path / "link", {"train": [[4]]}, overwrite=True)
+    assert open_local(tmp_path / "real").token_count == 1
+    assert leftovers(tmp_path) == []
+
+
+def test_overwrite_refuses_a_directory_that_is_not_a_store(tmp_path: Path) -> None:
+    project = tmp_path / "project"
+    (project / "src").mkdir(parents=True)
+    (project / "README.md").write_text("mine")
+    (project / "train").mkdir()
+    with pytest.raises(ConfigError, match=r"not a flat-tokens store \(it holds README.md, src\)"):
+        write_flat_tokens(project, {"train": [[4]]}, overwrite=True)
+    assert sorted(p.name for p in project.iterdir()) == ["README.md", "src", "train"]
+    # A flat-tokens name at the top with a foreign file below it is refused too, naming it.
+    (project / "README.md").unlink()
+    (project / "src").rmdir()
+    (project / "train" / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match=r"it holds train/notes.txt"):
+        write_flat_tokens(project, {"train": [[4]]}, overwrite=True)
+    assert leftovers(tmp_path) == []
+
+
+def test_overwrite_replaces_an_empty_directory(tmp_path: Path) -> None:
+    (tmp_path / "d").mkdir()
     write_flat_tokens(tmp_path / "d", {"train": [[4]]}, overwrite=True)
     assert open_local(tmp_path / "d").token_count == 1
 
@@ -465,9 +501,16 @@ def test_invalid_arguments(tmp_path: Path, kwargs: dict[str, Any], match: str) -
     assert list(tmp_path.iterdir()) == []
 
 
-def test_missing_parent_directory(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="parent directory .* does not exist"):
-        FlatTokensWriter(tmp_path / "no" / "such" / "d")
+def test_missing_parent_directories_are_created(tmp_path: Path) -> None:
+    write_flat_tokens(tmp_path / "no" / "such" / "d", {"train": [[5, 6]]})
+    assert open_local(tmp_path / "no" / "such" / "d").token_count == 2
+    assert [p.name for p in (tmp_path / "no" / "such").iterdir()] == ["d"]
+
+
+def test_unwritable_parent_is_a_storage_error_naming_it(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(StorageError, match=r"cannot create the parent directory .*file/sub"):
+        FlatTokensWriter(tmp_path / "file" / "sub" / "d")
 
 
 @pytest.mark.parametrize(

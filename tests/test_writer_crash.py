@@ -46,7 +46,7 @@ def batches(seed, count):
 
 CHILD = """
 import os, signal, sys
-import asyncflat.writer as writer
+import asyncflat._output as output
 from asyncflat import FlatTokensWriter
 
 path, seed, count, overwrite, kill_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", sys.argv[5]
@@ -64,9 +64,9 @@ def rename(src, dst):
     if kill_at == f"rename{renames}":
         die()
 
-writer.os.rename = rename  # this child only
+output.os.rename = rename  # this child only
 if kill_at == "fsync":
-    writer._fsync_tree = lambda root: die()
+    output._fsync_tree = lambda root: die()
 
 with FlatTokensWriter(path, chunk_tokens=256, overwrite=overwrite) as w:
     print("writing", flush=True)

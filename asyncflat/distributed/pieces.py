@@ -19,12 +19,20 @@ from typing import Any
 
 import numpy as np
 
-from ..convert import DOCS_PER_BATCH, Tokenizer, _jsonl_text, _text_value, _tokenize, load_tokenizer
+from ..convert import DOCS_PER_BATCH, Tokenizer, _tokenize, load_tokenizer
+from ..corpus import _json_text, _text_value
 from ..errors import ConfigError
 from .plan import Unit
 from .storage import Location
 
 __all__ = ["PieceInfo", "TokenizeJob", "piece_name", "read_manifests", "tokenize_unit"]
+
+
+def _jsonl_text(line: str, where: str, text_field: str) -> str | None:
+    """The document of one ``.jsonl`` line; None for a blank line (not a document)."""
+    if not line.strip():
+        return None
+    return _json_text(line, where, text_field)
 
 
 def piece_name(index: int, what: str) -> str:

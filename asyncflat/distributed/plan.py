@@ -21,7 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..convert import _expand, _suffix
+from ..convert import _expand
+from ..corpus import file_suffix as _suffix
 from ..errors import ConfigError
 
 __all__ = ["Plan", "Unit", "make_plan", "tokenizer_fingerprint"]

@@ -16,9 +16,10 @@ from typing import Any, Literal
 import numpy as np
 import zarr
 
+from .._output import _fsync_dir, _fsync_tree
 from ..errors import ConfigError
 from ..format import SPLITS
-from ..writer import _fsync_dir, _fsync_tree, create_split_arrays
+from ..writer import create_split_arrays
 from .layout import WriteJob, selected
 from .pieces import read_lengths, read_token_ranges
 from .storage import Location

@@ -1,0 +1,368 @@
+"""Convert on hostile or broken input: huge documents, failing tokenizers, symlinks out of the
+corpus, outputs that are not datasets, full disks. Each ends in one error line and exit 1 (or a
+warning), with nothing left behind and no process left running."""
+
+from __future__ import annotations
+
+import errno
+import gzip
+import json
+import logging
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+import zarr.storage._local as zarr_local
+
+from asyncflat.cli import main
+from asyncflat.convert import (
+    TokenizerError,
+    _tokenized_batches,
+    convert_files,
+    convert_texts,
+    iter_documents,
+    load_tokenizer,
+)
+from asyncflat.errors import ConfigError
+
+REPO = str(Path(__file__).resolve().parents[1])
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``python -m asyncflat ARGS`` in a fresh process, with its peak memory on the last line."""
+    code = (
+        "import resource, sys\n"
+        "from asyncflat.cli import main\n"
+        "try:\n"
+        "    rc = main(sys.argv[1:])\n"
+        "finally:\n"
+        "    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "    print(f'MAXRSS {kib}', file=sys.stderr)\n"
+        "sys.exit(rc)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": REPO, "RUST_BACKTRACE": "0"}
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("asyncflat convert:")]
+
+
+def max_rss_mib(stderr: str) -> float:
+    return int(stderr.rsplit("MAXRSS ", 1)[1].split()[0]) / 1024
+
+
+# -- documents over the size limit ------------------------------------------------------------
+
+
+def test_a_gzip_bomb_line_is_never_read_whole(tmp_path: Path) -> None:
+    """512 MiB of one line in a ~0.5 MiB gzip: refused at the 16 MiB default, in little memory."""
+    bomb = tmp_path / "corpus" / "bomb.txt.gz"
+    bomb.parent.mkdir()
+    block = b"a" * (1 << 20)
+    with gzip.open(bomb, "wb", compresslevel=9) as f:
+        f.write(b"a normal first line\n")
+        for _ in range(512):
+            f.write(block)
+    assert bomb.stat().st_size < 4 << 20
+    out = tmp_path / "out.zarr"
+    result = run_cli("convert", str(bomb.parent), "-o", str(out), "--workers", "1", "--no-progress")
+    assert result.returncode == 1, result.stderr
+    (line,) = error_lines(result.stderr)
+    assert "bomb.txt.gz:2: document of at least" in line
+    assert "--max-document-bytes" in line
+    assert "Traceback" not in result.stderr
+    assert max_rss_mib(result.stderr) < 600, result.stderr  # not 512 MiB of str and its copies
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "where"),
+    [
+        ("a.txt", "ok\n" + "x" * 11 + "\nok\n", "a.txt:2"),
+        ("a.txt", "ok\n" + "é" * 6 + "\n", "a.txt:2"),  # 6 characters, 12 bytes
+        ("a.jsonl", '{"text": "ok"}\n{"text": "' + "y" * 20 + '"}\n', "a.jsonl:2"),
+    ],
+)
+def test_documents_over_the_limit_name_file_and_line(
+    tmp_path: Path, name: str, content: str, where: str
+) -> None:
+    (tmp_path / name).write_text(content, encoding="utf-8")
+    with pytest.raises(ConfigError, match=rf"{where}: document of at least \d+ bytes is over"):
+        list(iter_documents([tmp_path / name], max_document_bytes=10))
+    with pytest.raises(ConfigError, match=where):
+        convert_files([tmp_path / name], tmp_path / "out", max_document_bytes=10)
+    assert not (tmp_path / "out").exists()
+
+
+def test_documents_at_the_limit_pass(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("x" * 10 + "\r\n" + "é" * 5 + "\n", encoding="utf-8")
+    assert list(iter_documents([tmp_path / "a.txt"], max_document_bytes=10)) == ["x" * 10, "é" * 5]
+    (tmp_path / "b.txt").write_text("x" * 11)
+    with pytest.raises(ConfigError, match=r"b.txt: document of at least 11 bytes"):
+        list(iter_documents([tmp_path / "b.txt"], txt_mode="file", max_document_bytes=10))
+
+
+def test_limit_applies_to_parquet_and_in_memory_texts(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["ok", "z" * 50]}), tmp_path / "a.parquet")
+    with pytest.raises(ConfigError, match=r"a.parquet row 1: document of at least 50 bytes"):
+        convert_files([tmp_path / "a.parquet"], tmp_path / "out", max_document_bytes=10)
+    with pytest.raises(ConfigError, match=r"document 2: document of at least 30 bytes"):
+        convert_texts(["a", "b", "c" * 30], tmp_path / "out", max_document_bytes=10)
+    with pytest.raises(ConfigError, match=r"max_document_bytes must be an integer >= 1, got 0"):
+        convert_texts(["a"], tmp_path / "out", max_document_bytes=0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.parquet"]
+
+
+# -- tokenizers that fail ---------------------------------------------------------------------
+
+
+def panicking_tokenizer(path: Path) -> Path:
+    """A tokenizer.json whose pre-tokenizer regex backtracks: onig gives up, tokenizers panics."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[PAD]": 0, "[UNK]": 1, "a": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern=Regex("(a|a)*$"), behavior="isolated")
+    file = path / "tokenizer.json"
+    tok.save(str(file))
+    return file
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_panicking_tokenizer_is_one_error_line(tmp_path: Path, workers: str) -> None:
+    tokenizer = panicking_tokenizer(tmp_path)
+    docs = ["a b a"] * 2000 + ["a" * 3000 + "b"] + ["a"] * 2000
+    (tmp_path / "in.txt").write_text("\n".join(docs) + "\n")
+    out = tmp_path / "out.zarr"
+    start = time.monotonic()
+    result = run_cli(
+        "convert",
+        str(tmp_path / "in.txt"),
+        "-o",
+        str(out),
+        "--tokenizer",
+        str(tokenizer),
+        "--workers",
+        workers,
+        "--chunk-tokens",
+        "64",
+        "--no-progress",
+        timeout=120,
+    )
+    assert time.monotonic() - start < 100
+    assert result.returncode == 1, result.stderr
+    (line,) = error_lines(result.stderr)
+    assert "asyncflat convert: error: tokenizer" in line
+    assert "failed on documents" in line and "PanicException" in line
+    assert "retry-limit-in-match" in line
+    assert "Traceback" not in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "tokenizer.json"]
+
+
+def test_tokenizer_error_in_process_names_the_documents(tmp_path: Path) -> None:
+    tokenizer = load_tokenizer(str(panicking_tokenizer(tmp_path)))
+    batches = [["a"], ["a" * 3000 + "b", "a"]]
+    with pytest.raises(TokenizerError, match=r"failed on documents 1\.\.2: PanicException"):
+        list(_tokenized_batches(tokenizer, batches, workers=1))
+
+
+def test_a_dead_worker_fails_the_conversion_instead_of_hanging() -> None:
+    tokenizer = load_tokenizer("bytes")
+    batches = (["document"] * 10 for _ in range(10_000))
+    gen = _tokenized_batches(tokenizer, batches, workers=2)
+    next(gen)  # the pool is running
+    (victim, *_) = multiprocessing.active_children()
+    os.kill(victim.pid, signal.SIGKILL)  # type: ignore[arg-type]
+    start = time.monotonic()
+    with pytest.raises(TokenizerError, match=r"a tokenizer worker process .* died"):
+        for _ in gen:
+            pass
+    assert time.monotonic() - start < 60
+    deadline = time.monotonic() + 10
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert multiprocessing.active_children() == []  # every worker was stopped
+
+
+def test_workers_are_killed_when_the_writer_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_put = zarr_local._put
+    calls = 0
+
+    def put(path: Path, value: object, exclusive: bool = False) -> int:
+        nonlocal calls
+        calls += 1
+        if path.parent.name == "c" and calls > 5:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_put(path, value, exclusive)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(zarr_local, "_put", put)
+    docs = [f"document {i} " * 20 for i in range(20_000)]
+    out = tmp_path / "out.zarr"
+    assert main(["convert", "-o", str(out), "--workers", "2", "--chunk-tokens", "4096",
+                 "--no-progress", *write_inputs(tmp_path, docs)]) == 1  # fmt: skip
+    assert multiprocessing.active_children() == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt"]
+
+
+def write_inputs(tmp_path: Path, docs: list[str]) -> list[str]:
+    (tmp_path / "in.txt").write_text("\n".join(docs) + "\n")
+    return [str(tmp_path / "in.txt")]
+
+
+# -- symlinks out of the corpus ---------------------------------------------------------------
+
+
+def test_symlinks_out_of_the_input_directory_are_skipped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    secret = tmp_path / "outside" / "secret.txt"
+    secret.parent.mkdir()
+    secret.write_text("api key 1234\n")
+    (tmp_path / "outside" / "more.txt").write_text("private notes\n")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("public text\n")
+    (corpus / "inner.txt").write_text("inner\n")
+    (corpus / "leak.txt").symlink_to(secret)
+    (corpus / "leakdir").symlink_to(tmp_path / "outside", target_is_directory=True)
+    (corpus / "alias.txt").symlink_to(corpus / "inner.txt")  # inside the corpus: read
+    with caplog.at_level(logging.WARNING, logger="asyncflat"):
+        docs = list(iter_documents([corpus]))
+    assert docs == ["public text", "inner", "inner"]
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert "skipping" in warned and "leak.txt" in warned and "leakdir" in warned
+    followed = list(iter_documents([corpus], follow_symlinks=True))
+    assert sorted(followed) == [
+        "api key 1234",  # leak.txt
+        "api key 1234",  # leakdir/secret.txt
+        "inner",
+        "inner",
+        "private notes",  # leakdir/more.txt
+        "public text",
+    ]
+
+    out = tmp_path / "out.zarr"
+    assert main(["convert", str(corpus), "-o", str(out), "--no-progress",
+                 "--validation-fraction", "0", "--workers", "1"]) == 0  # fmt: skip
+    stored = zarr.open_group(str(out), mode="r")["train"]["encoded_tokens"][:]
+    text = bytes(((stored >> 1) - 1).astype(np.uint8)).decode()
+    assert "api key" not in text and "public text" in text
+
+
+# -- outputs ------------------------------------------------------------------------------------
+
+
+def test_overwrite_refuses_a_project_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "in.txt").write_text("hello\n")
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "main.py").write_text("print('mine')\n")
+    rc = main(["convert", str(tmp_path / "in.txt"), "-o", str(project), "--overwrite",
+               "--no-progress", "--workers", "1"])  # fmt: skip
+    assert rc == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("asyncflat convert: error:") and "\n" not in err
+    assert "not a flat-tokens store (it holds main.py)" in err
+    assert (project / "main.py").read_text() == "print('mine')\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "project"]
+
+
+def test_existing_output_error_names_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "in.txt").write_text("hello\n")
+    args = ["convert", str(tmp_path / "in.txt"), "-o", str(tmp_path / "o"), "--no-progress",
+            "--workers", "1"]  # fmt: skip
+    assert main(args) == 0
+    capsys.readouterr()
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "already exists (pass --overwrite to replace it)" in err
+    assert "overwrite=True" not in err
+    assert main([*args, "--overwrite"]) == 0
+
+
+def test_disk_full_and_other_os_errors_are_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def full(path: Path, value: object, exclusive: bool = False) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(zarr_local, "_put", full)
+    (tmp_path / "in.txt").write_text("hello\n" * 10)
+    out = tmp_path / "out.zarr"
+    assert main(["convert", str(tmp_path / "in.txt"), "-o", str(out), "--no-progress",
+                 "--workers", "1"]) == 1  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("asyncflat convert: error: cannot write") and "\n" not in err
+    assert "No space left on device" in err and str(out) in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt"]
+
+    import asyncflat.convert
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.EIO, "Input/output error", "/dev/sdz")
+
+    monkeypatch.setattr(asyncflat.convert, "convert_files", broken)
+    assert main(["convert", str(tmp_path / "in.txt"), "-o", str(out), "--no-progress"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == "asyncflat convert: error: Input/output error /dev/sdz"
+
+
+def test_corrupt_gzip_input_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = gzip.compress(b"hello\n" * 1000)
+    (tmp_path / "a.txt.gz").write_bytes(data[: len(data) // 2])
+    (tmp_path / "b.jsonl.gz").write_bytes(b"not gzip at all")
+    for name in ("a.txt.gz", "b.jsonl.gz"):
+        assert main(["convert", str(tmp_path / name), "-o", str(tmp_path / "o"), "--no-progress",
+                     "--workers", "1"]) == 1  # fmt: skip
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"asyncflat convert: error: {tmp_path / name}: not a valid gzip")
+        assert "\n" not in err
+
+
+def test_workers_zero_is_a_usage_error(tmp_path: Path) -> None:
+    (tmp_path / "in.txt").write_text("hello\n")
+    with pytest.raises(SystemExit) as info:
+        main(["convert", str(tmp_path / "in.txt"), "-o", str(tmp_path / "o"), "--workers", "0"])
+    assert info.value.code == 2
+
+
+def test_cli_converts_into_a_bucket(s3_server: object, tmp_path: Path) -> None:
+    """End to end from the CLI into moto's S3, read back equal to a local conversion."""
+    from test_writer_remote import read_split
+
+    options = s3_server.storage_options()  # type: ignore[attr-defined]
+    docs = [f"document {i} " * (i % 7 + 1) for i in range(500)]
+    common = ["--no-progress", "--workers", "1", "--chunk-tokens", "512", "--validation-fraction",
+              "0.1", *write_inputs(tmp_path, docs)]  # fmt: skip
+    url = "s3://asyncflat-test/cli-convert.zarr"
+    assert main(["convert", "-o", url, "--storage-options", json.dumps(options), *common]) == 0
+    assert main(["convert", "-o", str(tmp_path / "local.zarr"), *common]) == 0
+    for split in ("train", "validation"):
+        got, want = (
+            read_split(url, options, split),
+            read_split(str(tmp_path / "local.zarr"), None, split),
+        )
+        np.testing.assert_array_equal(got["encoded_tokens"], want["encoded_tokens"])
+        np.testing.assert_array_equal(got["seq_starts"], want["seq_starts"])
