@@ -117,9 +117,9 @@ def time_next(path: str, seq_len: int, batch: int, steps: int, train_s: float, d
         waits = []
         for _ in range(steps):
             t0 = time.perf_counter()
-            _, batch_arrays = next(iterator)
+            _, _batch_arrays = next(iterator)
             waits.append(time.perf_counter() - t0)
-            time.sleep(train_s)  # the train step (uses batch_arrays on the device)
+            time.sleep(train_s)  # the train step (uses the batch on the device)
         iterator.close()
         stats = loader.stats()
     waits = waits[1:]
