@@ -31,12 +31,13 @@ from zarr.abc.store import RangeByteRequest, Store
 from zarr.core.buffer import default_buffer_prototype
 
 from ._single_flight import SingleFlight
-from .config import RetryPolicy
-from .errors import AsyncflatError, CorruptChunkError
+from .config import RetryPolicy, redact_url
+from .errors import AsyncflatError, CorruptChunkError, TransientStorageError
 from .format import SplitArrays, open_split
 from .storage import blosc as _blosc
 from .storage.filesystems import (
     OWN_RETRIES_OPTION,
+    bounded,
     close_filesystem,
     close_store,
     filesystem,
@@ -214,19 +215,34 @@ class ZarrTokenSource:
         retry: RetryPolicy | None = None,
         store_wrapper: StoreWrapper | None = None,
     ) -> ZarrTokenSource:
-        """Open and validate ``split`` of the dataset at ``filespec`` (call on the engine loop)."""
-        raw = make_store(filespec, storage_options)
-        store = raw if store_wrapper is None else store_wrapper(raw)
+        """Open and validate ``split`` of the dataset at ``filespec`` (call on the engine loop).
+
+        Bounded in time as a whole by ``retry.deadline_s`` (each request also by
+        ``retry.attempt_timeout_s``): a silent store fails construction, it does not hang it.
+        """
+        retry = retry or RetryPolicy()
+        raw = make_store(filespec, storage_options, timeout_s=retry.attempt_timeout_s)
+        timed = bounded(raw, retry.attempt_timeout_s)
+        store = timed if store_wrapper is None else store_wrapper(timed)
         io = IOCounters()
         guard = GuardedStore(
             store,
             name=filespec,
             limiter=AdaptiveLimiter(max_concurrent_requests, io),
-            retry=retry or RetryPolicy(),
+            retry=retry,
             io=io,
         )
         try:
-            arrays = await open_split(guard, split, name=filespec)
+            async with asyncio.timeout(retry.deadline_s) as budget:
+                arrays = await open_split(guard, split, name=filespec)
+        except TimeoutError as exc:
+            await close_store(raw)
+            if not budget.expired():
+                raise
+            raise TransientStorageError(
+                f"{redact_url(filespec)}/{split}: opening the dataset took longer than "
+                f"RetryPolicy.deadline_s={retry.deadline_s:g} s"
+            ) from exc
         except BaseException:
             await close_store(raw)
             raise
