@@ -395,6 +395,7 @@ class TcpProxy:
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
             await self._server.wait_closed()
+            await asyncio.sleep(0.05)  # let the closed transports release their sockets
 
         try:
             asyncio.run_coroutine_threadsafe(shutdown(), loop).result(10)
