@@ -402,7 +402,9 @@ class ZarrTokenSource:
             )
         stored = int(data[-4:].view("<u4")[0])
         body = np.ascontiguousarray(data[:-4])
-        computed = google_crc32c.value(memoryview(body))
+        view = body.view()
+        view.flags.writeable = False  # google_crc32c takes read-only buffers only
+        computed = google_crc32c.value(view)
         if computed != stored:
             raise CorruptChunkError(
                 f"{self.name} encoded_tokens: chunk object {key} fails its crc32c checksum "

@@ -566,13 +566,14 @@ def test_adaptive_limiter_halves_on_throttle_and_recovers() -> None:
 
 # -- silent stores: every operation bounded in time -----------------------------------------------
 
-#: Small bounds so these tests take seconds: each request 0.5 s, each object read 2 s in all.
+#: Small bounds so these tests take seconds: each request 2 s, each object read 6 s in all
+#: (moto on a busy 2-core machine answers a healthy request in up to ~1 s).
 SHORT = RetryPolicy(
     max_attempts=4,
     initial_backoff_s=0.01,
     max_backoff_s=0.05,
-    deadline_s=2.0,
-    attempt_timeout_s=0.5,
+    deadline_s=6.0,
+    attempt_timeout_s=2.0,
 )
 #: What a load may take beyond the deadline (the loop, the fill's bookkeeping, a busy machine).
 SLACK_S = 4.0
@@ -632,7 +633,9 @@ def test_silent_store_fails_construction_within_the_deadline(
             ShufflingLoader("train", params, BATCH, options=EngineOptions(retry=SHORT))
         elapsed = time.monotonic() - t0
         switch.on = False
-        with ShufflingLoader("train", params, BATCH, options=EngineOptions(retry=SHORT)) as loader:
+        with ShufflingLoader(
+            "train", params, BATCH, options=EngineOptions(retry=FAST_RETRY)
+        ) as loader:
             np.testing.assert_array_equal(
                 _encoded(loader.load(0)),
                 _oracle(local_datasets["v3"], "train", True).encoded_batch(0),
