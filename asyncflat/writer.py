@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import zarr
 from numcodecs import Blosc, Delta
-from zarr.codecs import BloscCodec
+from zarr.codecs import BloscCodec, Crc32cCodec
 
 from .errors import ConfigError, LoaderClosedError
 from .format import SPLITS, encode_sequences
@@ -63,6 +63,7 @@ class _SplitWriter:
         zarr_format: int,
         chunk_tokens: int,
         shard_tokens: int | None,
+        checksum: bool = False,
     ) -> None:
         self.split = split
         self.group = group
@@ -91,6 +92,9 @@ class _SplitWriter:
             )
         else:
             codec = BloscCodec(cname="lz4", clevel=5, shuffle="bitshuffle")
+            # zarr's crc32c after Blosc (which has no checksum): a damaged chunk is an error, not
+            # wrong tokens. Inside a shard each inner chunk carries its own.
+            token_codecs = [codec, Crc32cCodec()] if checksum else codec
             self.tokens = group.create_array(
                 "encoded_tokens",
                 shape=(0,),
@@ -98,7 +102,7 @@ class _SplitWriter:
                 shards=(shard_tokens,) if shard_tokens else None,
                 dtype="uint32",
                 fill_value=0,
-                compressors=codec,
+                compressors=token_codecs,
                 config=_ARRAY_CONFIG,
             )
             self.starts = group.create_array(
@@ -191,6 +195,10 @@ class FlatTokensWriter:
         the loader's read block (see the module docstring). seqax used 4,194,304.
       * ``shard_tokens``: format 3 only, a multiple of ``chunk_tokens``; groups chunks into one
         stored object each (fewer, larger objects for object stores). Memory then holds a shard.
+      * ``checksum``: format 3 only, on by default there: each chunk of ``encoded_tokens`` ends
+        with zarr's ``crc32c`` of its bytes (Blosc has none), which the loader verifies, so a
+        flipped bit on disk is a ``CorruptChunkError``, not wrong tokens. Costs about 1% of fill
+        throughput (``bench/checksum.py``).
       * ``overwrite``: replace an existing dataset at ``path``. Without it an existing path is a
         :class:`ConfigError` (raised at construction, and again at commit if one appeared since).
         The old dataset is moved aside, the new one renamed into place, then the old removed, so
@@ -208,8 +216,17 @@ class FlatTokensWriter:
         chunk_tokens: int = 1 << 20,
         shard_tokens: int | None = None,
         overwrite: bool = False,
+        checksum: bool | None = None,
     ) -> None:
         chunk_tokens = _positive_int("chunk_tokens", chunk_tokens)
+        if checksum is None:
+            checksum = zarr_format == 3
+        if not isinstance(checksum, bool) or (checksum and zarr_format != 3):
+            raise ConfigError(
+                "FlatTokensWriter.checksum must be a bool, and True only with zarr_format=3 "
+                f"(format 2 keeps seqax's exact layout), got {checksum!r} with "
+                f"zarr_format={zarr_format!r}"
+            )
         if isinstance(zarr_format, bool) or zarr_format not in (2, 3):
             raise ConfigError(f"FlatTokensWriter.zarr_format must be 2 or 3, got {zarr_format!r}")
         if shard_tokens is not None:
@@ -250,6 +267,7 @@ class FlatTokensWriter:
                     zarr_format=zarr_format,
                     chunk_tokens=chunk_tokens,
                     shard_tokens=shard_tokens,
+                    checksum=checksum,
                 )
                 for split in SPLITS
             }

@@ -264,14 +264,21 @@ def test_writer_format3_codecs(tmp_path: Path) -> None:
     plain = json.loads((tmp_path / "plain/train/encoded_tokens/zarr.json").read_text())
     assert plain["data_type"] == "uint32"
     assert plain["chunk_grid"]["configuration"]["chunk_shape"] == [1024]
-    assert plain["codecs"] == [{"name": "bytes", "configuration": {"endian": "little"}}, blosc]
+    little = {"name": "bytes", "configuration": {"endian": "little"}}
+    # A crc32c after Blosc by default: damage at rest is an error, not wrong tokens.
+    assert plain["codecs"] == [little, blosc, {"name": "crc32c"}]
+    write_flat_tokens(tmp_path / "bare", {"train": [[1]]}, chunk_tokens=1024, checksum=False)
+    bare = json.loads((tmp_path / "bare/train/encoded_tokens/zarr.json").read_text())
+    assert bare["codecs"] == [little, blosc]
+    with pytest.raises(ConfigError, match="checksum"):
+        write_flat_tokens(tmp_path / "v2", {"train": [[1]]}, zarr_format=2, checksum=True)
 
     sharded = json.loads((tmp_path / "sharded/train/encoded_tokens/zarr.json").read_text())
     assert sharded["chunk_grid"]["configuration"]["chunk_shape"] == [4096]
     (codec,) = sharded["codecs"]
     assert codec["name"] == "sharding_indexed"
     assert codec["configuration"]["chunk_shape"] == [1024]
-    assert codec["configuration"]["codecs"][1] == blosc
+    assert codec["configuration"]["codecs"][1:] == [blosc, {"name": "crc32c"}]
 
     starts = json.loads((tmp_path / "plain/train/seq_starts/zarr.json").read_text())
     assert starts["data_type"] == "uint64"
