@@ -20,9 +20,9 @@ from asyncflat import CorruptChunkError, FlatTokensParams, ShufflingLoader, Toke
 
 BATCH = TokenBatchParams(len=16, batch=8)
 LAYOUTS = {
-    "v3-checksum": dict(zarr_format=3, chunk_tokens=2048),
-    "v3-plain": dict(zarr_format=3, chunk_tokens=2048, checksum=False),
-    "v3-sharded": dict(zarr_format=3, chunk_tokens=2048, shard_tokens=8192, checksum=False),
+    "v3-checksum": dict(zarr_format=3, chunk_tokens=2048, checksum=True),
+    "v3-plain": dict(zarr_format=3, chunk_tokens=2048),
+    "v3-sharded": dict(zarr_format=3, chunk_tokens=2048, shard_tokens=8192),
     "v2": dict(zarr_format=2, chunk_tokens=2048),
 }
 

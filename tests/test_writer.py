@@ -265,11 +265,11 @@ def test_writer_format3_codecs(tmp_path: Path) -> None:
     assert plain["data_type"] == "uint32"
     assert plain["chunk_grid"]["configuration"]["chunk_shape"] == [1024]
     little = {"name": "bytes", "configuration": {"endian": "little"}}
-    # A crc32c after Blosc by default: damage at rest is an error, not wrong tokens.
-    assert plain["codecs"] == [little, blosc, {"name": "crc32c"}]
-    write_flat_tokens(tmp_path / "bare", {"train": [[1]]}, chunk_tokens=1024, checksum=False)
-    bare = json.loads((tmp_path / "bare/train/encoded_tokens/zarr.json").read_text())
-    assert bare["codecs"] == [little, blosc]
+    assert plain["codecs"] == [little, blosc]
+    # checksum=True: a crc32c after Blosc, so damage at rest is an error, not wrong tokens.
+    write_flat_tokens(tmp_path / "summed", {"train": [[1]]}, chunk_tokens=1024, checksum=True)
+    summed = json.loads((tmp_path / "summed/train/encoded_tokens/zarr.json").read_text())
+    assert summed["codecs"] == [little, blosc, {"name": "crc32c"}]
     with pytest.raises(ConfigError, match="checksum"):
         write_flat_tokens(tmp_path / "v2", {"train": [[1]]}, zarr_format=2, checksum=True)
 
@@ -278,7 +278,7 @@ def test_writer_format3_codecs(tmp_path: Path) -> None:
     (codec,) = sharded["codecs"]
     assert codec["name"] == "sharding_indexed"
     assert codec["configuration"]["chunk_shape"] == [1024]
-    assert codec["configuration"]["codecs"][1:] == [blosc, {"name": "crc32c"}]
+    assert codec["configuration"]["codecs"][1:] == [blosc]
 
     starts = json.loads((tmp_path / "plain/train/seq_starts/zarr.json").read_text())
     assert starts["data_type"] == "uint64"
