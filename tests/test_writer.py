@@ -341,7 +341,7 @@ def test_bad_append_inside_with_leaves_nothing(tmp_path: Path) -> None:
 
 def test_existing_path_without_overwrite_is_config_error(tmp_path: Path) -> None:
     write_flat_tokens(tmp_path / "d", {"train": [[1]]})
-    with pytest.raises(ConfigError, match="already exists.*overwrite=True") as info:
+    with pytest.raises(ConfigError, match=r"already exists.*overwrite=True") as info:
         FlatTokensWriter(tmp_path / "d")
     assert isinstance(info.value, AsyncflatError)
     assert open_local(tmp_path / "d").token_count == 1  # untouched
@@ -473,7 +473,7 @@ def test_invalid_arguments(tmp_path: Path, kwargs: dict[str, Any], match: str) -
 
 
 def test_missing_parent_directory(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="parent directory .* does not exist"):
+    with pytest.raises(ConfigError, match=r"parent directory .* does not exist"):
         FlatTokensWriter(tmp_path / "no" / "such" / "d")
 
 
