@@ -95,7 +95,13 @@ class Header:
     impossible (sizes that contradict each other).
     """
 
-    def __init__(self, header: bytes | np.ndarray, expected_nbytes: int | None = None) -> None:
+    def __init__(
+        self,
+        header: bytes | np.ndarray,
+        expected_nbytes: int | None = None,
+        *,
+        defer_unsupported: bool = False,
+    ) -> None:
         raw = bytes(header[:_HEADER])
         if len(raw) < _HEADER:
             raise BloscError(f"{len(raw)} bytes cannot hold a Blosc header")
@@ -105,14 +111,18 @@ class Header:
         self.nbytes, self.blocksize, self.cbytes = (
             int.from_bytes(raw[i : i + 4], "little") for i in (4, 8, 12)
         )
+        # What this module does not know is decided here but raised last: even a frame for
+        # zarr's decoder must first pass every size check (c-blosc trusts the header there too).
+        self.unsupported: str | None = None
         if self.version not in _VERSIONS:
-            raise Unsupported(f"Blosc format version {self.version}")
-        if flags & _RESERVED or (flags & _DOSHUFFLE and flags & _DOBITSHUFFLE):
-            raise Unsupported(f"Blosc flags {flags:#04x}")
-        if flags >> 5 not in _COMPRESSORS:
-            raise Unsupported(f"Blosc compressor code {flags >> 5}")
+            self.unsupported = f"Blosc format version {self.version}"
+        elif flags & _RESERVED or (flags & _DOSHUFFLE and flags & _DOBITSHUFFLE):
+            self.unsupported = f"Blosc flags {flags:#04x}"
+        elif flags >> 5 not in _COMPRESSORS:
+            self.unsupported = f"Blosc compressor code {flags >> 5}"
         if expected_nbytes is not None and self.nbytes != expected_nbytes:
-            raise Unsupported(
+            # Never let a header size a buffer: a chunk decodes to the chunk's size, or is bad.
+            raise BloscError(
                 f"frame decodes to {self.nbytes} bytes, the chunk has {expected_nbytes}"
             )
         if not self.typesize:
@@ -131,6 +141,7 @@ class Header:
                     f"hold {self.nbytes}"
                 )
             self.nblocks = 0
+            self._done(defer_unsupported)
             return
         if not self.blocksize or (self.blocksize > self.nbytes and self.nbytes):
             raise BloscError(
@@ -141,6 +152,11 @@ class Header:
             raise BloscError(
                 f"inconsistent Blosc header: {self.nblocks} blocks cannot fit in {self.cbytes} bytes"
             )
+        self._done(defer_unsupported)
+
+    def _done(self, defer_unsupported: bool) -> None:
+        if self.unsupported is not None and not defer_unsupported:
+            raise Unsupported(self.unsupported)
 
     @property
     def table_end(self) -> int:
@@ -242,13 +258,14 @@ def check_frame(frame: np.ndarray, expected_nbytes: int | None = None) -> Header
 
     Raises :class:`Unsupported` (decode with zarr) or :class:`BloscError` (corrupt).
     """
-    if frame.nbytes < _HEADER:
-        raise BloscError(f"{frame.nbytes} bytes cannot hold a Blosc header")
-    head = Header(frame[:_HEADER].tobytes(), expected_nbytes)
-    if head.cbytes != frame.nbytes:
-        raise BloscError(f"header says {head.cbytes} compressed bytes, object has {frame.nbytes}")
+    problem = frame_problem(frame)
+    if problem is not None:
+        raise BloscError(problem)
+    head = Header(frame[:_HEADER].tobytes(), expected_nbytes, defer_unsupported=True)
     if not head.memcpyed:
         head.check_offsets(frame[_HEADER : head.table_end].view("<i4"))
+    if head.unsupported is not None:
+        raise Unsupported(head.unsupported)
     return head
 
 
