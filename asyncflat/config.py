@@ -179,18 +179,33 @@ class FlatTokensParams:
 
 @dataclasses.dataclass(frozen=True)
 class RetryPolicy:
-    """Retries of transient storage failures: jittered exponential backoff up to a deadline."""
+    """Retries of transient storage failures: jittered exponential backoff up to a deadline.
+
+    Every storage operation is bounded in time: each attempt (one request to the filesystem,
+    connecting and reading the whole body included) is cut off after ``attempt_timeout_s`` and
+    retried like any other transient failure, and ``deadline_s`` cuts off the attempt in
+    progress when it runs out, so one object read never takes longer than ``deadline_s``
+    (plus scheduling slack) however silent the store is. Opening a dataset is bounded by
+    ``deadline_s`` as a whole. The filesystems' own socket timeouts (gcsfs ``requests_timeout``,
+    botocore ``connect_timeout``/``read_timeout``) default to ``attempt_timeout_s`` too.
+    """
 
     max_attempts: int = 8
     initial_backoff_s: float = 0.05
     max_backoff_s: float = 2.0
     deadline_s: float = 60.0
+    attempt_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         _int_field(self, "max_attempts", minimum=1)
         _float_field(self, "initial_backoff_s", minimum=0.0)
         _float_field(self, "max_backoff_s", minimum=0.0)
         _float_field(self, "deadline_s", minimum=0.0)
+        _float_field(self, "attempt_timeout_s", minimum=0.0)
+        if not self.attempt_timeout_s > 0:
+            raise ConfigError(
+                f"RetryPolicy.attempt_timeout_s must be > 0, got {self.attempt_timeout_s!r}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,12 +31,13 @@ from zarr.abc.store import RangeByteRequest, Store
 from zarr.core.buffer import default_buffer_prototype
 
 from ._single_flight import SingleFlight
-from .config import RetryPolicy
-from .errors import AsyncflatError, CorruptChunkError
+from .config import RetryPolicy, redact_url
+from .errors import AsyncflatError, CorruptChunkError, TransientStorageError
 from .format import SplitArrays, open_split
 from .storage import blosc as _blosc
 from .storage.filesystems import (
     OWN_RETRIES_OPTION,
+    bounded,
     close_filesystem,
     close_store,
     filesystem,
@@ -137,6 +138,8 @@ class Frame:
     first_item: int
     key: str
     blosc: bool = False
+    #: What a whole Blosc frame must decode to (the chunk's size in bytes), when known.
+    nbytes: int | None = None
 
     def decode_into(self, first_item: int, out: np.ndarray) -> None:
         """Items ``[first_item, first_item + len(out))`` of the chunk into ``out``.
@@ -144,7 +147,7 @@ class Frame:
         CPU-bound and GIL-free for Blosc: run it off the loop. Raises BloscError.
         """
         if self.blosc:
-            _blosc.decode_into(self.data, first_item, out)
+            _blosc.decode_into(self.data, first_item, out, self.nbytes)
             return
         start = (first_item - self.first_item) * 4
         if start < 0 or start + out.nbytes > self.data.nbytes:
@@ -195,8 +198,10 @@ class ZarrTokenSource:
         self.max_token_id = arrays.max_token_id
         self.token_chunk = arrays.token_chunk
         self.remote = store is not None and local_root(store) is None
-        #: "blosc" or "raw" when chunk objects can be decoded here, else None (zarr decodes).
-        self._codec = _raw_codec(arrays.encoded_tokens)
+        #: "blosc" or "raw" when chunk objects can be decoded here, else None (zarr decodes);
+        #: checksummed: each object ends with zarr's crc32c of the rest, verified here too.
+        self._codec, self._checksum = _raw_codec(arrays.encoded_tokens)
+        self._chunk_nbytes = self.token_chunk * 4
         self.partial_reads = self._codec is not None
         self._chunks: SingleFlight[int, Frame] = SingleFlight(_CHUNKS_KEPT)
         #: Blosc frame layouts (header + block table) of chunks read row by row
@@ -214,19 +219,34 @@ class ZarrTokenSource:
         retry: RetryPolicy | None = None,
         store_wrapper: StoreWrapper | None = None,
     ) -> ZarrTokenSource:
-        """Open and validate ``split`` of the dataset at ``filespec`` (call on the engine loop)."""
-        raw = make_store(filespec, storage_options)
-        store = raw if store_wrapper is None else store_wrapper(raw)
+        """Open and validate ``split`` of the dataset at ``filespec`` (call on the engine loop).
+
+        Bounded in time as a whole by ``retry.deadline_s`` (each request also by
+        ``retry.attempt_timeout_s``): a silent store fails construction, it does not hang it.
+        """
+        retry = retry or RetryPolicy()
+        raw = make_store(filespec, storage_options, timeout_s=retry.attempt_timeout_s)
+        timed = bounded(raw, retry.attempt_timeout_s)
+        store = timed if store_wrapper is None else store_wrapper(timed)
         io = IOCounters()
         guard = GuardedStore(
             store,
             name=filespec,
             limiter=AdaptiveLimiter(max_concurrent_requests, io),
-            retry=retry or RetryPolicy(),
+            retry=retry,
             io=io,
         )
         try:
-            arrays = await open_split(guard, split, name=filespec)
+            async with asyncio.timeout(retry.deadline_s) as budget:
+                arrays = await open_split(guard, split, name=filespec)
+        except TimeoutError as exc:
+            await close_store(raw)
+            if not budget.expired():
+                raise
+            raise TransientStorageError(
+                f"{redact_url(filespec)}/{split}: opening the dataset took longer than "
+                f"RetryPolicy.deadline_s={retry.deadline_s:g} s"
+            ) from exc
         except BaseException:
             await close_store(raw)
             raise
@@ -246,9 +266,9 @@ class ZarrTokenSource:
     async def read_into(self, start: int, stop: int, targets: Targets, writer: UnitWriter) -> None:
         chunk_id = start // self.token_chunk
         lo = chunk_id * self.token_chunk
-        if self._codec == "raw":  # uncompressed: fetch just the bytes we use, uncached
+        if self._codec == "raw" and not self._checksum:  # fetch just the bytes we use, uncached
             frame = await self._read_frame(chunk_id, (start - lo, stop - lo))
-        elif self._codec == "blosc":
+        elif self._codec is not None:  # the whole object (a Blosc frame, or checksummed)
             frame = await self._chunks.get(chunk_id, lambda: self._read_frame(chunk_id))
         else:  # zarr decodes the whole chunk once for every fill that needs it; we copy
             frame = await self._chunks.get(chunk_id, lambda: self._decoded_chunk(chunk_id))
@@ -302,18 +322,28 @@ class ZarrTokenSource:
         start = chunk_id * self.token_chunk + first_item
         where = f"{self.name} encoded_tokens[{start}:{start + len(out)}]"
         layout: _blosc.FrameLayout | None = None
+        loop = asyncio.get_running_loop()
         try:
+            if self._checksum:
+                # Only the whole object can be verified: read it (shared with the fills).
+                frame = await self._chunks.get(chunk_id, lambda: self._read_frame(chunk_id))
+                await loop.run_in_executor(None, self._decode, frame, first_item, out)
+                return
             if self._codec != "blosc":
                 data = await self._read_range(key, first_item * 4, (first_item + len(out)) * 4)
                 out[:] = np.frombuffer(data, "<u4")
                 return
-            layout = await self._layouts.get(key, lambda: self._read_layout(key))
+            try:
+                layout = await self._layouts.get(key, lambda: self._read_layout(key))
+            except _blosc.Unsupported:
+                # A frame the fast path does not fully understand: zarr's codec, whole object.
+                frame = await self._chunks.get(chunk_id, lambda: self._read_frame(chunk_id))
+                await loop.run_in_executor(None, self._decode, frame, first_item, out)
+                return
             lo, hi = layout.items_range(first_item, len(out))
             sparse = layout.sparse_frame([(lo, await self._read_range(key, lo, hi))])
-            frame = Frame(sparse, 0, key, blosc=True)
-            await asyncio.get_running_loop().run_in_executor(
-                None, self._decode, frame, first_item, out
-            )
+            frame = Frame(sparse, 0, key, blosc=True, nbytes=self._chunk_nbytes)
+            await loop.run_in_executor(None, self._decode, frame, first_item, out)
         except _blosc.BloscError as exc:
             if layout is not None:
                 self._layouts.forget(key, layout)  # parsed from bad bytes: read it afresh
@@ -329,7 +359,7 @@ class ZarrTokenSource:
         # Chunks of one array share a Blosc block size, so after the first frame the header
         # and the block table come in one request (checked against what the header says).
         prefix = await self._read_range(key, 0, self._layout_prefix)
-        layout = _blosc.FrameLayout(prefix)
+        layout = _blosc.FrameLayout(prefix, self._chunk_nbytes)
         lo, hi = layout.offsets_range
         if hi > len(prefix):
             prefix += await self._read_range(key, len(prefix), hi)
@@ -348,7 +378,7 @@ class ZarrTokenSource:
         array = self._arrays.encoded_tokens
         key = self._chunk_key(chunk_id)
         first, request = 0, None
-        if self._codec == "raw" and items is not None:
+        if self._codec == "raw" and items is not None and not self._checksum:
             first, request = items[0], RangeByteRequest(items[0] * 4, items[1] * 4)
         try:
             buffer = await array.store_path.store.get(key, default_buffer_prototype(), request)
@@ -358,7 +388,29 @@ class ZarrTokenSource:
             raise type(exc)(f"{self.name} encoded_tokens[{lo}:{hi}]: {exc}") from exc
         assert buffer is not None  # the guarded store raises for a missing chunk
         data = buffer.as_numpy_array().view(np.uint8)
-        return Frame(data, first, key, blosc=self._codec == "blosc")
+        if self._checksum:
+            data = await asyncio.get_running_loop().run_in_executor(None, self._verified, data, key)
+        return Frame(data, first, key, blosc=self._codec == "blosc", nbytes=self._chunk_nbytes)
+
+    def _verified(self, data: np.ndarray, key: str) -> np.ndarray:
+        """``data`` without its crc32c trailer, once the checksum matches (else the error)."""
+        import google_crc32c
+
+        if data.nbytes < 4:
+            raise CorruptChunkError(
+                f"{self.name} encoded_tokens: chunk object {key} is too short for its crc32c"
+            )
+        stored = int(data[-4:].view("<u4")[0])
+        body = np.ascontiguousarray(data[:-4])
+        view = body.view()
+        view.flags.writeable = False  # google_crc32c takes read-only buffers only
+        computed = google_crc32c.value(view)
+        if computed != stored:
+            raise CorruptChunkError(
+                f"{self.name} encoded_tokens: chunk object {key} fails its crc32c checksum "
+                f"(stored {stored:#010x}, computed {computed:#010x}): the object is damaged"
+            )
+        return body
 
     def _decode(self, frame: Frame, first_item: int, out: np.ndarray) -> None:
         try:
@@ -393,32 +445,37 @@ class ZarrTokenSource:
         self._arrays.encoded_tokens.store_path.store.close()
 
 
-def _raw_codec(array: Any) -> str | None:
-    """ "blosc" or "raw" when chunks of ``array`` can be read and decoded without zarr, else None.
+def _raw_codec(array: Any) -> tuple[str | None, bool]:
+    """How chunks of ``array`` can be read and decoded without zarr: ("blosc" or "raw", whether
+    each object ends with a crc32c), or (None, False) when zarr must decode them.
 
     That is a plain chunk grid (no sharding, filters or transposes) of little-endian items whose
-    only compressor, if any, is Blosc. Everything else goes through zarr's codec pipeline.
+    only compressor, if any, is Blosc, optionally followed by zarr's ``crc32c`` codec (format 3).
+    Everything else goes through zarr's codec pipeline.
     """
     from zarr.core.metadata import ArrayV2Metadata
 
     meta = array.metadata
+    checksum = False
     if isinstance(meta, ArrayV2Metadata):
-        if meta.filters or meta.order != "C":
-            return None
+        if meta.filters or meta.order != "C" or meta.dtype.to_native_dtype().itemsize != 4:
+            return None, False
         compressor = meta.compressor
         if compressor is None:
-            return "raw"
+            return "raw", False
         name = getattr(compressor, "codec_id", None)
     else:
-        from zarr.codecs import BloscCodec, BytesCodec
+        from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec
         from zarr.codecs.bytes import Endian
 
         codecs = list(meta.codecs)
         if not isinstance(codecs[0], BytesCodec) or codecs[0].endian not in (None, Endian.little):
-            return None
+            return None, False
+        if isinstance(codecs[-1], Crc32cCodec):
+            codecs, checksum = codecs[:-1], True
         if len(codecs) == 1:
-            return "raw"
+            return "raw", checksum
         if len(codecs) != 2 or not isinstance(codecs[1], BloscCodec):
-            return None
+            return None, False
         name = "blosc"
-    return "blosc" if name == "blosc" and _blosc.AVAILABLE else None
+    return ("blosc", checksum) if name == "blosc" and _blosc.AVAILABLE else (None, False)

@@ -519,7 +519,7 @@ def test_error_classification() -> None:
     assert not is_transient(translate_boto_error(client_error(403, "AccessDenied")))
     assert is_transient(aiohttp.ServerDisconnectedError())
     assert is_transient(ConnectionResetError(104, "reset"))
-    assert is_transient(asyncio.TimeoutError())
+    assert is_transient(TimeoutError())
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # .code of aiohttp's error is deprecated: never touched
         assert is_throttle(aiohttp.ClientResponseError(None, (), status=429))  # type: ignore[arg-type]
@@ -562,3 +562,83 @@ def test_adaptive_limiter_halves_on_throttle_and_recovers() -> None:
         assert io.concurrency_limit == 8
 
     asyncio.run(main())
+
+
+# -- silent stores: every operation bounded in time -----------------------------------------------
+
+#: Small bounds so these tests take seconds: each request 2 s, each object read 6 s in all
+#: (moto on a busy 2-core machine answers a healthy request in up to ~1 s).
+SHORT = RetryPolicy(
+    max_attempts=4,
+    initial_backoff_s=0.01,
+    max_backoff_s=0.05,
+    deadline_s=6.0,
+    attempt_timeout_s=2.0,
+)
+#: What a load may take beyond the deadline (the loop, the fill's bookkeeping, a busy machine).
+SLACK_S = 4.0
+
+
+class _Switch:
+    """A proxy fault policy that can be turned off (the partition heals)."""
+
+    def __init__(self, kind: str, which: Callable[[ProxiedRequest], bool]) -> None:
+        self.kind, self.which, self.on = kind, which, False
+
+    def __call__(self, request: ProxiedRequest) -> str | None:
+        return self.kind if self.on and self.which(request) else None
+
+
+@pytest.mark.cloud
+@pytest.mark.parametrize("kind", ["blackhole", "stall"])
+def test_silent_store_fails_a_load_within_the_deadline_then_recovers(
+    backend: Backend, local_datasets: dict[str, Path], kind: str
+) -> None:
+    """A store that accepts requests and never answers (or stalls mid-body) fails the load
+    that needs it within deadline + slack with a clear error; once healed, loads succeed."""
+    switch = _Switch(kind, _data_request)
+    oracle = _oracle(local_datasets["v3"], "train", True)
+    with backend.proxy(fault=switch) as proxy:
+        params = _params(backend.url("data/v3.zarr"), backend.options(proxy))
+        with ShufflingLoader("train", params, BATCH, options=EngineOptions(retry=SHORT)) as loader:
+            switch.on = True
+            t0 = time.monotonic()
+            with pytest.raises(TransientStorageError) as info:
+                loader.load(0)
+            elapsed = time.monotonic() - t0
+            assert proxy.faults(), "the proxy should have swallowed requests"
+            switch.on = False  # the partition heals: the next load starts the fill afresh
+            # Reads whose last attempt was sent into the partition end by their own deadline.
+            time.sleep(SHORT.deadline_s)
+            for step in (0, 1, 6, 7):
+                np.testing.assert_array_equal(
+                    _encoded(loader.load(step)), oracle.encoded_batch(step), err_msg=f"step {step}"
+                )
+    assert elapsed < SHORT.deadline_s + SLACK_S, elapsed
+    message = str(info.value)
+    assert backend.url("data/v3.zarr/train/encoded_tokens/") in message, message
+
+
+@pytest.mark.cloud
+@pytest.mark.parametrize("kind", ["blackhole", "stall"])
+def test_silent_store_fails_construction_within_the_deadline(
+    backend: Backend, local_datasets: dict[str, Path], kind: str
+) -> None:
+    switch = _Switch(kind, lambda request: True)
+    switch.on = True
+    with backend.proxy(fault=switch) as proxy:
+        params = _params(backend.url("data/v3.zarr"), backend.options(proxy))
+        t0 = time.monotonic()
+        with pytest.raises(StorageError) as info:
+            ShufflingLoader("train", params, BATCH, options=EngineOptions(retry=SHORT))
+        elapsed = time.monotonic() - t0
+        switch.on = False
+        with ShufflingLoader(
+            "train", params, BATCH, options=EngineOptions(retry=FAST_RETRY)
+        ) as loader:
+            np.testing.assert_array_equal(
+                _encoded(loader.load(0)),
+                _oracle(local_datasets["v3"], "train", True).encoded_batch(0),
+            )
+    assert elapsed < SHORT.deadline_s + SLACK_S, elapsed
+    assert backend.url("data/v3.zarr") in str(info.value)

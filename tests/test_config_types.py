@@ -59,9 +59,17 @@ PLAIN = {
         max_inflight_bytes=None,
         prefetch_to_device=2,
         engine_niceness=0,
-        retry=dict(max_attempts=3, initial_backoff_s=0.1, max_backoff_s=1, deadline_s=30),
+        retry=dict(
+            max_attempts=3,
+            initial_backoff_s=0.1,
+            max_backoff_s=1,
+            deadline_s=30,
+            attempt_timeout_s=5,
+        ),
     ),
-    RetryPolicy: dict(max_attempts=3, initial_backoff_s=0.1, max_backoff_s=1, deadline_s=30),
+    RetryPolicy: dict(
+        max_attempts=3, initial_backoff_s=0.1, max_backoff_s=1, deadline_s=30, attempt_timeout_s=5
+    ),
     HuggingFaceDataParams: dict(
         path="data", tokenizer="bytes", num_workers=0, sequences_packed_per_batch=4, name=None
     ),
@@ -116,7 +124,7 @@ def test_scalar_fields_are_called_on_strings_like_a_cli_gives_them() -> None:
     params = from_dict(TokenBatchParams, {"len": "64", "batch": "16"})
     assert params == TokenBatchParams(len=64, batch=16)
     policy = from_dict(RetryPolicy, {k: str(v) for k, v in PLAIN[RetryPolicy].items()})
-    assert policy == RetryPolicy(3, 0.1, 1.0, 30.0)
+    assert policy == RetryPolicy(3, 0.1, 1.0, 30.0, 5.0)
 
 
 def test_a_bad_value_still_fails_at_construction() -> None:

@@ -157,3 +157,38 @@ def test_nothing_read_from_bad_bytes_outlives_the_repair(tmp_path: Path, damage:
         await source2.aclose()
 
     run(main)
+
+
+def test_unknown_url_protocol_is_a_config_error_naming_the_url() -> None:
+    from asyncflat import AsyncflatError, ConfigError
+
+    async def main() -> None:
+        await ZarrTokenSource.open("foo://bucket/data.zarr", "train")
+
+    with pytest.raises(ConfigError, match=r"foo://bucket/data\.zarr: unknown URL protocol 'foo'"):
+        run(main)
+    assert issubclass(ConfigError, AsyncflatError)
+
+
+def test_local_read_errors_name_a_path_that_exists(tmp_path: Path) -> None:
+    """Row reads of a local store read the file directly; the error names that file (the
+    split used to appear twice: ``.../train/train/encoded_tokens/...``)."""
+    path = tmp_path / "d.zarr"
+    with FlatTokensWriter(path, chunk_tokens=CHUNK, checksum=False) as writer:
+        writer.append("train", random_sequences(1, 200))
+    victim = path / "train" / "encoded_tokens" / "c" / "1"
+    victim.write_bytes(victim.read_bytes()[:20])  # truncated: the header is there, blocks not
+
+    async def main() -> None:
+        source = await ZarrTokenSource.open(str(path), "train")
+        try:
+            await source.read_items(1, 3000, np.empty(8, np.uint32))
+        finally:
+            await source.aclose()
+
+    with pytest.raises(CorruptChunkError) as info:
+        run(main)
+    message = str(info.value)
+    assert "train/train" not in message, message
+    assert str(victim) in message, message
+    assert victim.exists()

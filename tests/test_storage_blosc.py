@@ -54,3 +54,52 @@ def test_damaged_frames_are_errors_not_reads_out_of_bounds() -> None:
     assert "object has" in (blosc.frame_problem(frame[:-1].copy()) or "")
     with pytest.raises(blosc.BloscError):
         blosc.FrameLayout(b"\x02\x01\x00\x00" + bytes(12))  # typesize 0
+
+
+# -- frames written with any typesize (zarr writes these for uint32 too) --------------------------
+
+
+@pytest.mark.parametrize("typesize", [1, 2, 3, 4, 8, 16])
+@pytest.mark.parametrize("shuffle", [Blosc.NOSHUFFLE, Blosc.SHUFFLE, Blosc.BITSHUFFLE])
+def test_any_typesize_decodes_exactly_the_items_asked_for(typesize: int, shuffle: int) -> None:
+    """typesize 8 used to make c-blosc write past ``out`` (a double free), typesize 1 to be
+    reported corrupt: item counts are now in the frame's own units, buffers sized here."""
+    frame = frame_of(DATA, typesize=typesize, shuffle=shuffle)
+    assert frame[3] == typesize
+    expected = DATA.nbytes
+    for first, n in [(0, len(DATA)), (0, 10), (1, 3), (4095, 3), (123_457, 50_001), (199_999, 1)]:
+        out = np.full(n + 2, 0xDEADBEEF, np.uint32)  # guard items on both sides
+        blosc.decode_into(frame, first, out[1:-1], expected)
+        np.testing.assert_array_equal(out[1:-1], DATA[first : first + n])
+        assert out[0] == out[-1] == 0xDEADBEEF
+
+
+def test_a_frame_not_understood_goes_to_zarrs_decoder() -> None:
+    frame = frame_of(DATA)
+    # A reserved flag bit: the fast path does not claim to know this layout.
+    odd = frame.copy()
+    odd[2] |= 0x08
+    with pytest.raises(blosc.Unsupported):
+        blosc.check_frame(odd, DATA.nbytes)
+    # A frame that decodes to another size than the chunk's is not trusted to size anything.
+    with pytest.raises(blosc.BloscError, match="chunk has"):
+        blosc.check_frame(frame, DATA.nbytes + 4)
+    # A frame for zarr's decoder passes the size checks first (c-blosc trusts them there too).
+    odd[12:16] = np.frombuffer(np.uint32(len(odd) * 100).tobytes(), np.uint8)
+    with pytest.raises(blosc.BloscError, match="compressed bytes"):
+        blosc.decode_into(odd, 0, np.empty(10, np.uint32), DATA.nbytes)
+    out = np.empty(10, np.uint32)
+    with pytest.raises(blosc.BloscError, match="chunk has"):
+        blosc.decode_into(frame, 0, out, DATA.nbytes + 4)
+
+
+def test_block_offsets_outside_the_frame_are_errors() -> None:
+    frame = frame_of(DATA)
+    bad = frame.copy()
+    bad[16:20] = np.frombuffer(np.int32(len(frame) + 1000).tobytes(), np.uint8)
+    with pytest.raises(blosc.BloscError, match="outside the frame"):
+        blosc.decode_into(bad, 0, np.empty(10, np.uint32), DATA.nbytes)
+    layout = blosc.FrameLayout(frame[:16].tobytes(), DATA.nbytes)
+    lo, hi = layout.offsets_range
+    with pytest.raises(blosc.BloscError, match="outside the frame"):
+        layout.offsets = bad[lo:hi].view("<i4").copy()

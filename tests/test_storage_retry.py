@@ -79,3 +79,64 @@ def test_a_permanent_error_propagates_at_once() -> None:
     with pytest.raises(PermissionError):
         asyncio.run(retrying(attempt, POLICY, describe=lambda: "obj"))
     assert len(calls) == 1
+
+
+def test_the_deadline_cuts_off_an_attempt_in_progress() -> None:
+    """An attempt that never returns (a silent server) ends at the deadline, named."""
+    policy = RetryPolicy(max_attempts=5, deadline_s=0.3, attempt_timeout_s=10)
+
+    async def silent() -> None:
+        await asyncio.Event().wait()
+
+    async def main() -> float:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(
+            TransientStorageError, match=r"obj: no answer within the retry deadline"
+        ):
+            await retrying(silent, policy, describe=lambda: "obj")
+        return loop.time() - t0
+
+    assert asyncio.run(main()) < 1.5
+
+
+def test_each_request_is_bounded_and_then_retried() -> None:
+    """BoundedStore turns a request that never answers into a TimeoutError (transient), so the
+    retry loop tries again; a later attempt that answers succeeds."""
+    from zarr.core.buffer import default_buffer_prototype
+    from zarr.storage import MemoryStore
+
+    from asyncflat.storage.filesystems import BoundedStore
+
+    class Stalls(MemoryStore):
+        calls = 0
+
+        async def get(self, key, prototype, byte_range=None):  # type: ignore[no-untyped-def]
+            Stalls.calls += 1
+            if Stalls.calls == 1:
+                await asyncio.Event().wait()  # the first request is swallowed
+            return await super().get(key, prototype, byte_range)
+
+    async def main() -> bytes:
+        inner = Stalls()
+        await inner.set("k", default_buffer_prototype().buffer.from_bytes(b"abc"))
+        store = BoundedStore(inner, 0.1)
+        policy = RetryPolicy(
+            max_attempts=3, initial_backoff_s=0, deadline_s=5, attempt_timeout_s=0.1
+        )
+        buffer = await retrying(
+            lambda: store.get("k", default_buffer_prototype()), policy, describe=lambda: "k"
+        )
+        assert buffer is not None
+        return buffer.to_bytes()
+
+    assert asyncio.run(main()) == b"abc"
+    assert Stalls.calls == 2
+
+
+def test_attempt_timeout_must_be_positive() -> None:
+    from asyncflat import ConfigError
+
+    with pytest.raises(ConfigError, match=r"RetryPolicy\.attempt_timeout_s must be > 0"):
+        RetryPolicy(attempt_timeout_s=0)
+    assert RetryPolicy().attempt_timeout_s < RetryPolicy().deadline_s

@@ -270,14 +270,21 @@ def test_writer_format3_codecs(tmp_path: Path) -> None:
     plain = json.loads((tmp_path / "plain/train/encoded_tokens/zarr.json").read_text())
     assert plain["data_type"] == "uint32"
     assert plain["chunk_grid"]["configuration"]["chunk_shape"] == [1024]
-    assert plain["codecs"] == [{"name": "bytes", "configuration": {"endian": "little"}}, blosc]
+    little = {"name": "bytes", "configuration": {"endian": "little"}}
+    assert plain["codecs"] == [little, blosc]
+    # checksum=True: a crc32c after Blosc, so damage at rest is an error, not wrong tokens.
+    write_flat_tokens(tmp_path / "summed", {"train": [[1]]}, chunk_tokens=1024, checksum=True)
+    summed = json.loads((tmp_path / "summed/train/encoded_tokens/zarr.json").read_text())
+    assert summed["codecs"] == [little, blosc, {"name": "crc32c"}]
+    with pytest.raises(ConfigError, match="checksum"):
+        write_flat_tokens(tmp_path / "v2", {"train": [[1]]}, zarr_format=2, checksum=True)
 
     sharded = json.loads((tmp_path / "sharded/train/encoded_tokens/zarr.json").read_text())
     assert sharded["chunk_grid"]["configuration"]["chunk_shape"] == [4096]
     (codec,) = sharded["codecs"]
     assert codec["name"] == "sharding_indexed"
     assert codec["configuration"]["chunk_shape"] == [1024]
-    assert codec["configuration"]["codecs"][1] == blosc
+    assert codec["configuration"]["codecs"][1:] == [blosc]
 
     starts = json.loads((tmp_path / "plain/train/seq_starts/zarr.json").read_text())
     assert starts["data_type"] == "uint64"

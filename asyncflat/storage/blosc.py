@@ -19,7 +19,17 @@ import logging
 
 import numpy as np
 
-__all__ = ["AVAILABLE", "BloscError", "FrameLayout", "decode_into", "frame_problem"]
+__all__ = [
+    "AVAILABLE",
+    "BloscError",
+    "FrameLayout",
+    "Header",
+    "Unsupported",
+    "check_frame",
+    "decode_into",
+    "frame_problem",
+    "zarr_decode",
+]
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +64,17 @@ def _bind() -> tuple | None:
 _FUNCS = _bind()
 AVAILABLE = _FUNCS is not None
 _HEADER = 16
-_MEMCPYED = 0x2  # header flag: items stored uncompressed right after the header
+_DOSHUFFLE, _MEMCPYED, _DOBITSHUFFLE, _RESERVED, _DONT_SPLIT = 0x1, 0x2, 0x4, 0x8, 0x10
+#: Blosc1 format versions (header byte 0) whose layout this module knows (c-blosc 1.x writes 2).
+_VERSIONS = (1, 2)
+#: Compressor codes (flags >> 5) c-blosc 1.x knows: blosclz, lz4/lz4hc, snappy, zlib, zstd.
+_COMPRESSORS = (0, 1, 2, 3, 4)
+#: Largest buffer c-blosc handles (its int32 sizes, less the header).
+_MAX_NBYTES = 2**31 - 1 - _HEADER
+
+
+class Unsupported(BloscError):
+    """A frame the fast path does not fully understand: decode it with zarr's codec instead."""
 
 
 def frame_problem(frame: np.ndarray) -> str | None:
@@ -66,47 +86,155 @@ def frame_problem(frame: np.ndarray) -> str | None:
     return None if cbytes == size else f"header says {cbytes} compressed bytes, object has {size}"
 
 
+class Header:
+    """The 16-byte Blosc1 header, checked field by field before c-blosc sees the frame.
+
+    Raises :class:`Unsupported` for a frame this module does not fully understand (another
+    format version, reserved flags, an unknown compressor, a decoded size other than the one
+    expected): it goes to zarr's decoder instead. Raises :class:`BloscError` for one that is
+    impossible (sizes that contradict each other).
+    """
+
+    def __init__(
+        self,
+        header: bytes | np.ndarray,
+        expected_nbytes: int | None = None,
+        *,
+        defer_unsupported: bool = False,
+    ) -> None:
+        raw = bytes(header[:_HEADER])
+        if len(raw) < _HEADER:
+            raise BloscError(f"{len(raw)} bytes cannot hold a Blosc header")
+        self.raw = raw
+        self.version, flags, self.typesize = raw[0], raw[2], raw[3]
+        self.flags = flags
+        self.nbytes, self.blocksize, self.cbytes = (
+            int.from_bytes(raw[i : i + 4], "little") for i in (4, 8, 12)
+        )
+        # What this module does not know is decided here but raised last: even a frame for
+        # zarr's decoder must first pass every size check (c-blosc trusts the header there too).
+        self.unsupported: str | None = None
+        if self.version not in _VERSIONS:
+            self.unsupported = f"Blosc format version {self.version}"
+        elif flags & _RESERVED or (flags & _DOSHUFFLE and flags & _DOBITSHUFFLE):
+            self.unsupported = f"Blosc flags {flags:#04x}"
+        elif flags >> 5 not in _COMPRESSORS:
+            self.unsupported = f"Blosc compressor code {flags >> 5}"
+        if expected_nbytes is not None and self.nbytes != expected_nbytes:
+            # Never let a header size a buffer: a chunk decodes to the chunk's size, or is bad.
+            raise BloscError(
+                f"frame decodes to {self.nbytes} bytes, the chunk has {expected_nbytes}"
+            )
+        if not self.typesize:
+            raise BloscError("inconsistent Blosc header: typesize 0")
+        if (
+            self.nbytes > _MAX_NBYTES
+            or self.cbytes < _HEADER
+            or self.cbytes > _MAX_NBYTES + _HEADER
+        ):
+            raise BloscError(f"inconsistent Blosc header: {self.nbytes} bytes in {self.cbytes}")
+        self.memcpyed = bool(flags & _MEMCPYED)
+        if self.memcpyed:
+            if self.cbytes != _HEADER + self.nbytes:
+                raise BloscError(
+                    f"inconsistent Blosc header: stored uncompressed, yet {self.cbytes} bytes "
+                    f"hold {self.nbytes}"
+                )
+            self.nblocks = 0
+            self._done(defer_unsupported)
+            return
+        if not self.blocksize or (self.blocksize > self.nbytes and self.nbytes):
+            raise BloscError(
+                f"inconsistent Blosc header: block size {self.blocksize} for {self.nbytes} bytes"
+            )
+        self.nblocks = -(-self.nbytes // self.blocksize)
+        if _HEADER + 4 * self.nblocks > self.cbytes:
+            raise BloscError(
+                f"inconsistent Blosc header: {self.nblocks} blocks cannot fit in {self.cbytes} bytes"
+            )
+        self._done(defer_unsupported)
+
+    def _done(self, defer_unsupported: bool) -> None:
+        if self.unsupported is not None and not defer_unsupported:
+            raise Unsupported(self.unsupported)
+
+    @property
+    def table_end(self) -> int:
+        return _HEADER + 4 * self.nblocks
+
+    def check_offsets(self, offsets: np.ndarray) -> None:
+        """Every block starts after the table and inside the frame (c-blosc would follow any)."""
+        if len(offsets) and (
+            int(offsets.min()) < self.table_end or int(offsets.max()) >= self.cbytes
+        ):
+            raise BloscError(
+                f"block offsets point outside the frame (table ends at {self.table_end}, "
+                f"frame has {self.cbytes} bytes)"
+            )
+
+
 class FrameLayout:
     """Where the items of a Blosc frame live, from its header and block-offset table.
 
     A c-blosc frame is a 16-byte header, then (unless stored uncompressed) one int32 offset per
-    internal block, then the compressed blocks in order. Knowing that, a reader fetches just the
+    internal block, then the compressed blocks. Knowing that, a reader fetches just the
     compressed blocks that hold a range of items (plus these two small parts) instead of the
-    whole object: what a resumed step needs for the handful of rows it reads.
+    whole object: what a resumed step needs for the handful of rows it reads. Items are the
+    caller's (``itemsize`` bytes each), whatever item size the frame was written with.
     """
 
-    def __init__(self, header: bytes) -> None:
-        if len(header) < _HEADER:
-            raise BloscError(f"{len(header)} bytes cannot hold a Blosc header")
-        flags, self.typesize = header[2], header[3]
+    def __init__(
+        self, header: bytes, expected_nbytes: int | None = None, itemsize: int = 4
+    ) -> None:
+        self.head = Header(header, expected_nbytes)
+        self.itemsize = itemsize
+        self.typesize = self.head.typesize
         self.nbytes, self.blocksize, self.cbytes = (
-            int.from_bytes(header[i : i + 4], "little") for i in (4, 8, 12)
+            self.head.nbytes,
+            self.head.blocksize,
+            self.head.cbytes,
         )
-        if not self.typesize or not self.blocksize or self.cbytes < _HEADER:
-            raise BloscError("inconsistent Blosc header")
-        self.memcpyed = bool(flags & _MEMCPYED)
-        self.nblocks = -(-self.nbytes // self.blocksize)
-        self.header = bytes(header[:_HEADER])
-        self.offsets: np.ndarray | None = None  # int32 block offsets, once read
+        self.memcpyed = self.head.memcpyed
+        self.nblocks = self.head.nblocks
+        self.header = self.head.raw
+        self._offsets: np.ndarray | None = None  # int32 block offsets, once read
+        self._ends: np.ndarray | None = None
+
+    @property
+    def offsets(self) -> np.ndarray | None:
+        return self._offsets
+
+    @offsets.setter
+    def offsets(self, value: np.ndarray | None) -> None:
+        if value is not None:
+            value = np.asarray(value, "<i4")
+            if len(value) != self.nblocks:
+                raise BloscError(f"{len(value)} block offsets for {self.nblocks} blocks")
+            self.head.check_offsets(value)
+            # Where each block ends: the next block start after it, or the frame's end (blocks
+            # need not be stored in order: c-blosc's threads write them as they finish).
+            ordered = np.unique(value)
+            following = np.searchsorted(ordered, value, side="right")
+            ends = np.append(ordered, self.cbytes)[following]
+            self._ends = ends.astype(np.int64)
+        self._offsets = value
 
     @property
     def offsets_range(self) -> tuple[int, int]:
         """Byte range of the block-offset table (empty for an uncompressed frame)."""
-        return _HEADER, _HEADER + (0 if self.memcpyed else 4 * self.nblocks)
+        return _HEADER, self.head.table_end
 
     def items_range(self, first_item: int, n: int) -> tuple[int, int]:
         """Byte range of the frame holding items ``[first_item, first_item + n)``."""
-        lo, hi = first_item * self.typesize, (first_item + n) * self.typesize
-        if hi > self.nbytes:
+        lo, hi = first_item * self.itemsize, (first_item + n) * self.itemsize
+        if lo < 0 or n <= 0 or hi > self.nbytes:
             raise BloscError(f"items up to byte {hi} requested, the frame decodes to {self.nbytes}")
         if self.memcpyed:
             return _HEADER + lo, _HEADER + hi
-        assert self.offsets is not None, "read offsets_range first"
+        assert self._offsets is not None and self._ends is not None, "read offsets_range first"
         first, last = lo // self.blocksize, (hi - 1) // self.blocksize
-        end = int(self.offsets[last + 1]) if last + 1 < self.nblocks else self.cbytes
-        start = int(self.offsets[first])
-        if not _HEADER <= start <= end <= self.cbytes:
-            raise BloscError("block offsets point outside the frame")
+        start = int(self._offsets[first : last + 1].min())
+        end = int(self._ends[first : last + 1].max())
         return start, end
 
     def sparse_frame(self, parts: list[tuple[int, bytes]]) -> np.ndarray:
@@ -115,43 +243,97 @@ class FrameLayout:
         Pages never written are never touched, by us or by ``blosc_getitem``, which reads only
         the header, the table and the blocks it decodes.
         """
-        frame = np.empty(self.cbytes, np.uint8)
+        frame = np.zeros(self.cbytes, np.uint8)
         frame[:_HEADER] = np.frombuffer(self.header, np.uint8)
-        if self.offsets is not None:
+        if self._offsets is not None:
             lo, hi = self.offsets_range
-            frame[lo:hi] = self.offsets.view(np.uint8)
+            frame[lo:hi] = self._offsets.view(np.uint8)
         for offset, data in parts:
             frame[offset : offset + len(data)] = np.frombuffer(data, np.uint8)
         return frame
 
 
-def decode_into(frame: np.ndarray, first_item: int, out: np.ndarray) -> None:
+def check_frame(frame: np.ndarray, expected_nbytes: int | None = None) -> Header:
+    """The checked header of a whole ``frame`` (uint8): lengths, fields and block table.
+
+    Raises :class:`Unsupported` (decode with zarr) or :class:`BloscError` (corrupt).
+    """
+    problem = frame_problem(frame)
+    if problem is not None:
+        raise BloscError(problem)
+    head = Header(frame[:_HEADER].tobytes(), expected_nbytes, defer_unsupported=True)
+    if not head.memcpyed:
+        head.check_offsets(frame[_HEADER : head.table_end].view("<i4"))
+    if head.unsupported is not None:
+        raise Unsupported(head.unsupported)
+    return head
+
+
+def zarr_decode(frame: np.ndarray, expected_nbytes: int | None) -> np.ndarray:
+    """Decode a whole frame with numcodecs (zarr's Blosc codec), as uint8; BloscError if not."""
+    from numcodecs import Blosc
+
+    try:
+        data = np.frombuffer(Blosc().decode(frame), np.uint8)
+    except Exception as exc:  # numcodecs raises RuntimeError/ValueError/TypeError
+        raise BloscError(f"zarr's Blosc codec cannot decode it: {exc}") from exc
+    if expected_nbytes is not None and data.nbytes != expected_nbytes:
+        raise BloscError(f"decodes to {data.nbytes} bytes, the chunk has {expected_nbytes}")
+    return data
+
+
+def decode_into(
+    frame: np.ndarray, first_item: int, out: np.ndarray, expected_nbytes: int | None = None
+) -> None:
     """Decode items ``[first_item, first_item + len(out))`` of a Blosc ``frame`` into ``out``.
 
-    ``frame`` is the whole compressed object (uint8); ``out`` a C-contiguous array whose dtype
-    has the frame's item size. Raises BloscError for frames that are truncated, inconsistent or
-    too small for the request.
+    ``frame`` is the whole compressed object (uint8); ``out`` a C-contiguous array (its items
+    are the caller's, whatever typesize the frame was written with). ``expected_nbytes``: what
+    the frame must decode to (the chunk's size). Every header field is checked first; a frame
+    this module does not fully understand is decoded by zarr's codec instead, and c-blosc only
+    ever writes into buffers sized here, in the frame's own item units. Raises BloscError for
+    frames that are truncated, inconsistent or too small for the request.
     """
     assert _FUNCS is not None, "check AVAILABLE first"
-    getitem, decompress, validate, sizes = _FUNCS
+    getitem, decompress, _validate, _sizes = _FUNCS
     if not out.flags.c_contiguous:
         raise ValueError("out must be C-contiguous")
-    if frame.nbytes < _HEADER:
-        raise BloscError(f"{frame.nbytes} bytes cannot hold a Blosc header")
+    lo = first_item * out.itemsize
+    hi = lo + out.nbytes
+    try:
+        head = check_frame(frame, expected_nbytes)
+    except Unsupported:
+        data = zarr_decode(frame, expected_nbytes)
+        if first_item < 0 or hi > data.nbytes:
+            raise BloscError(
+                f"request ends at byte {hi}, the frame decodes to {data.nbytes}"
+            ) from None
+        out.view(np.uint8).reshape(-1)[:] = data[lo:hi]
+        return
+    if first_item < 0 or hi > head.nbytes:
+        raise BloscError(f"request ends at byte {hi}, the frame decodes to {head.nbytes}")
+    if out.nbytes == 0:
+        return
     src = frame.ctypes.data
-    nbytes, cbytes, blocksize = ctypes.c_size_t(), ctypes.c_size_t(), ctypes.c_size_t()
-    sizes(src, ctypes.byref(nbytes), ctypes.byref(cbytes), ctypes.byref(blocksize))
-    if cbytes.value != frame.nbytes:
-        raise BloscError(f"header says {cbytes.value} compressed bytes, object has {frame.nbytes}")
-    if validate(src, frame.nbytes, ctypes.byref(nbytes)) < 0:
-        raise BloscError("inconsistent Blosc header")
-    itemsize = out.itemsize
-    end = (first_item + len(out)) * itemsize
-    if end > nbytes.value:
-        raise BloscError(f"request ends at byte {end}, the frame decodes to {nbytes.value}")
-    if first_item == 0 and out.nbytes == nbytes.value:
+    if lo == 0 and hi == head.nbytes:
         result = decompress(src, out.ctypes.data, out.nbytes, 1)
-    else:
-        result = getitem(src, first_item, len(out), out.ctypes.data)
-    if result != out.nbytes:
-        raise BloscError(f"Blosc returned {result} decoding {out.nbytes} bytes")
+        if result != out.nbytes:
+            raise BloscError(f"Blosc returned {result} decoding {out.nbytes} bytes")
+        return
+    ts = head.typesize
+    if lo % ts == 0 and hi % ts == 0:  # whole items of the frame: straight into out
+        result = getitem(src, lo // ts, (hi - lo) // ts, out.ctypes.data)
+        if result != out.nbytes:
+            raise BloscError(f"Blosc returned {result} decoding {out.nbytes} bytes")
+        return
+    # The range cuts the frame's items: decode the covering items into a buffer of our own.
+    a, b = lo // ts * ts, -(-hi // ts) * ts
+    if b <= head.nbytes:
+        tmp = np.empty(b - a, np.uint8)
+        result = getitem(src, a // ts, (b - a) // ts, tmp.ctypes.data)
+    else:  # a trailing partial item: decode the whole frame
+        a, tmp = 0, np.empty(head.nbytes, np.uint8)
+        result = decompress(src, tmp.ctypes.data, tmp.nbytes, 1)
+    if result != tmp.nbytes:
+        raise BloscError(f"Blosc returned {result} decoding {tmp.nbytes} bytes")
+    out.view(np.uint8).reshape(-1)[:] = tmp[lo - a : hi - a]

@@ -10,21 +10,26 @@ not multiply (gcsfs retries 6 times, s3fs 5 times, botocore 3-5 times, each arou
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import os
 import sys
 import types
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Awaitable, Iterable, Mapping
+from typing import Any, TypeVar
 
-from zarr.abc.store import Store
-from zarr.storage import FsspecStore, LocalStore
+from zarr.abc.store import ByteRequest, Store
+from zarr.core.buffer import Buffer, BufferPrototype
+from zarr.storage import FsspecStore, LocalStore, WrapperStore
 
+from ..config import redact_url
 from ..errors import ConfigError, CorruptChunkError, DatasetFormatError, StorageError
 
 __all__ = [
     "OWN_RETRIES_OPTION",
+    "BoundedStore",
+    "bounded",
     "close_filesystem",
     "close_store",
     "filesystem",
@@ -35,6 +40,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def is_url(filespec: str) -> bool:
@@ -47,8 +53,15 @@ def is_url(filespec: str) -> bool:
 OWN_RETRIES_OPTION = "retries"
 
 
-def filesystem(url: str, storage_options: Mapping[str, Any] | None) -> tuple[Any, str]:
-    """An asynchronous fsspec filesystem for ``url``, made on the running loop, and the path."""
+def filesystem(
+    url: str, storage_options: Mapping[str, Any] | None, *, timeout_s: float | None = None
+) -> tuple[Any, str]:
+    """An asynchronous fsspec filesystem for ``url``, made on the running loop, and the path.
+
+    ``timeout_s`` (``RetryPolicy.attempt_timeout_s``) becomes the socket timeouts of gcsfs
+    (``requests_timeout``; it sends every request with no timeout at all otherwise) and botocore
+    (``connect_timeout``/``read_timeout``), unless ``storage_options`` sets them.
+    """
     import fsspec
     from fsspec.core import split_protocol
 
@@ -56,7 +69,16 @@ def filesystem(url: str, storage_options: Mapping[str, Any] | None) -> tuple[Any
     protocol = split_protocol(url)[0] or "file"
     try:
         cls: Any = fsspec.get_filesystem_class(protocol)
-    except (ValueError, ImportError):  # chained URLs; a missing backend fails in url_to_fs below
+    except ImportError as exc:
+        raise ConfigError(
+            f"{redact_url(url)}: the filesystem for {protocol}:// is not installed: {exc}"
+        ) from None
+    except ValueError:
+        if "::" not in url:  # chained URLs (simplecache::gs://...) are resolved by url_to_fs
+            raise ConfigError(
+                f"{redact_url(url)}: unknown URL protocol {protocol!r} (no fsspec filesystem is "
+                f"registered for {protocol}://; known: {', '.join(_known_protocols())})"
+            ) from None
         cls = None
     own_retries = None
     if OWN_RETRIES_OPTION in opts and (
@@ -79,9 +101,31 @@ def filesystem(url: str, storage_options: Mapping[str, Any] | None) -> tuple[Any
         # s3fs's default (10) sends a HEAD before every whole-object GET, to split big objects
         # into parallel parts; chunks are small: one GET each. Reads run concurrently anyway.
         opts.setdefault("max_concurrency", 1)
-    fs, path = fsspec.url_to_fs(url, **opts)
+        if timeout_s is not None:
+            config.setdefault("connect_timeout", timeout_s)
+            config.setdefault("read_timeout", timeout_s)
+    elif protocol in ("gs", "gcs") and timeout_s is not None and "requests_timeout" not in opts:
+        import aiohttp
+
+        # Per socket operation: a connection that accepts and never answers, or stalls
+        # mid-body, fails after timeout_s instead of never (the attempt is bounded as a whole
+        # by BoundedStore as well).
+        opts["requests_timeout"] = aiohttp.ClientTimeout(
+            sock_connect=timeout_s, sock_read=timeout_s
+        )
+    try:
+        fs, path = fsspec.url_to_fs(url, **opts)
+    except (ValueError, ImportError) as exc:
+        raise ConfigError(f"{redact_url(url)}: cannot open this URL: {exc}") from exc
     set_own_retries(fs, own_retries or 1)
     return fs, path
+
+
+def _known_protocols() -> list[str]:
+    from fsspec.registry import known_implementations
+
+    common = ["gs", "s3", "az", "abfs", "http", "https", "file", "memory"]
+    return [p for p in common if p in known_implementations]
 
 
 def set_own_retries(fs: Any, attempts: int) -> None:
@@ -119,9 +163,12 @@ async def close_filesystem(fs: Any) -> None:
         await creator.__aexit__(None, None, None)
 
 
-def make_store(filespec: str, storage_options: Mapping[str, Any] | None) -> Store:
+def make_store(
+    filespec: str, storage_options: Mapping[str, Any] | None, *, timeout_s: float | None = None
+) -> Store:
+    """The raw zarr store of ``filespec`` (an fsspec store for a URL, else a LocalStore)."""
     if is_url(filespec) and not filespec.startswith("file://"):
-        fs, path = filesystem(filespec, storage_options)
+        fs, path = filesystem(filespec, storage_options, timeout_s=timeout_s)
         if not fs.async_impl:  # e.g. memory://: run the sync filesystem's calls in threads
             from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
 
@@ -143,6 +190,56 @@ async def close_store(store: Store) -> None:
         store.close()
 
 
+class BoundedStore(WrapperStore[Store]):
+    """Every request to the wrapped store ends within ``timeout_s``: a ``TimeoutError`` (which
+    the retry loop treats as transient) instead of waiting on a silent store forever.
+
+    Sits right around the raw filesystem store, so the bound covers exactly one request
+    (connecting, sending, reading the whole body), not the wait for a request slot.
+    """
+
+    def __init__(self, store: Store, timeout_s: float) -> None:
+        super().__init__(store)
+        self.timeout_s = timeout_s
+
+    def _with_store(self, store: Store) -> BoundedStore:
+        return BoundedStore(store, self.timeout_s)
+
+    async def _bounded(self, what: str, call: Awaitable[T]) -> T:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await call
+        except TimeoutError:
+            raise TimeoutError(
+                f"{what}: no answer within RetryPolicy.attempt_timeout_s={self.timeout_s:g} s"
+            ) from None
+
+    async def get(
+        self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None
+    ) -> Buffer | None:
+        return await self._bounded(key, self._store.get(key, prototype, byte_range))
+
+    async def get_partial_values(
+        self,
+        prototype: BufferPrototype,
+        key_ranges: Iterable[tuple[str, ByteRequest | None]],
+    ) -> list[Buffer | None]:
+        return await self._bounded(
+            "partial read", self._store.get_partial_values(prototype, key_ranges)
+        )
+
+    async def exists(self, key: str) -> bool:
+        return await self._bounded(key, self._store.exists(key))
+
+    async def getsize(self, key: str) -> int:
+        return await self._bounded(key, self._store.getsize(key))
+
+
+def bounded(store: Store, timeout_s: float) -> Store:
+    """``store`` with each request bounded by ``timeout_s`` (object stores; local disks as is)."""
+    return BoundedStore(store, timeout_s) if isinstance(store, FsspecStore) else store
+
+
 def local_root(store: Store) -> str | None:
     """The directory of a plain local store (small reads may ``pread`` it directly), else None."""
     return str(store.root) if isinstance(store, LocalStore) else None
@@ -152,9 +249,10 @@ def pread(root: str, key: str, lo: int, hi: int, *, name: str) -> bytes:
     """Bytes ``[lo, hi)`` of object ``key`` of the local store at ``root``, read right here.
 
     Row reads are a few KiB from the page cache: a thread hop through the store would cost 100x
-    the read itself. Errors name ``name/key`` and the range, like the guarded store's.
+    the read itself. Errors name the file (``root/key``, a path that exists when the store is
+    whole) and the range; ``name`` is the dataset as the user spelled it, for context.
     """
-    where = f"{name}/{key} (bytes={lo}-{hi - 1})"
+    where = f"{os.path.join(root, key)} (bytes={lo}-{hi - 1}; dataset {name})"
     try:
         fd = os.open(os.path.join(root, key), os.O_RDONLY)
     except FileNotFoundError:

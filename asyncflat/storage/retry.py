@@ -152,16 +152,29 @@ async def retrying(
 
     Permanent errors propagate unchanged. When attempts or the deadline run out, the last
     transient error is raised as TransientStorageError naming the object and the attempts made.
+    The deadline also cuts off an attempt in progress: a store that accepts a request and never
+    answers costs ``policy.deadline_s``, not forever. (Each attempt's own bound,
+    ``policy.attempt_timeout_s``, is applied around the filesystem call by
+    :func:`~asyncflat.storage.filesystems.bounded`, so that waiting for a request slot does
+    not count against it.)
     """
     start = time.monotonic()
     backoff = policy.initial_backoff_s
     for number in range(1, policy.max_attempts + 1):
+        remaining = policy.deadline_s - (time.monotonic() - start)
         try:
-            return await attempt()
+            async with asyncio.timeout(max(remaining, 0.0)) as budget:
+                return await attempt()
         except Exception as exc:
+            elapsed = time.monotonic() - start
+            if budget.expired():
+                raise TransientStorageError(
+                    f"{describe()}: no answer within the retry deadline "
+                    f"(RetryPolicy.deadline_s={policy.deadline_s:g}): attempt {number} cut off "
+                    f"after {elapsed:.1f} s"
+                ) from exc
             if not is_transient(exc):
                 raise
-            elapsed = time.monotonic() - start
             # Full jitter (AWS architecture blog): spreads retries of many concurrent readers.
             sleep = random.uniform(0, backoff)
             if number == policy.max_attempts or elapsed + sleep > policy.deadline_s:

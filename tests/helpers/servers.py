@@ -234,7 +234,10 @@ class ProxiedRequest:
 
 
 #: A fault policy: given a request, return None to forward it, an HTTP status (e.g. "503") to
-#: answer it with that error, or "reset" to reset its connection. Runs on the proxy's thread.
+#: answer it with that error, "reset" to reset its connection, "blackhole" to accept it and
+#: never answer (a partitioned or wedged server), or "stall" to forward it and pass on only the
+#: response's head and first bytes, then nothing more (a connection that stalls mid-body).
+#: Runs on the proxy's thread.
 FaultPolicy = Callable[[ProxiedRequest], "str | None"]
 
 _REASONS = {
@@ -392,6 +395,7 @@ class TcpProxy:
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
             await self._server.wait_closed()
+            await asyncio.sleep(0.05)  # let the closed transports release their sockets
 
         try:
             asyncio.run_coroutine_threadsafe(shutdown(), loop).result(10)
@@ -424,8 +428,11 @@ class TcpProxy:
                 return
             to_client = _DelayedPipe(client_writer, self.latency_s / 2)
             to_upstream = _DelayedPipe(upstream_writer, self.latency_s / 2)
-            up = asyncio.ensure_future(self._requests(client_reader, to_upstream, client_writer))
-            down = asyncio.ensure_future(self._responses(upstream_reader, to_client))
+            stall = asyncio.Event()  # set: the response now in flight stalls after its head
+            up = asyncio.ensure_future(
+                self._requests(client_reader, to_upstream, client_writer, stall)
+            )
+            down = asyncio.ensure_future(self._responses(upstream_reader, to_client, stall))
             try:
                 # Whichever side ends first ends the connection: the upstream closing after its
                 # response (HTTP/1.0), the client closing, or an injected fault.
@@ -444,10 +451,24 @@ class TcpProxy:
                     writer.close()
             self._tasks.discard(task)
 
-    async def _responses(self, reader: asyncio.StreamReader, to_client: _DelayedPipe) -> None:
+    async def _responses(
+        self, reader: asyncio.StreamReader, to_client: _DelayedPipe, stall: asyncio.Event
+    ) -> None:
+        seen = b""
         while data := await reader.read(1 << 18):
+            if stall.is_set():
+                # Pass the head and a few body bytes, then go silent with the connection open.
+                seen += data
+                head_end = seen.find(b"\r\n\r\n")
+                if head_end >= 0 and len(seen) > head_end + 4:
+                    await to_client.send(seen[: head_end + 4 + 8])
+                    await to_client.flush()
+                    await asyncio.Event().wait()  # until the connection is torn down
+                continue
             self.bytes_down += len(data)
             await to_client.send(data)
+        if stall.is_set():  # a blackholed request: the upstream was let go, the client waits on
+            await asyncio.Event().wait()
         await to_client.flush()
 
     async def _requests(
@@ -455,6 +476,7 @@ class TcpProxy:
         reader: asyncio.StreamReader,
         to_upstream: _DelayedPipe,
         client_writer: asyncio.StreamWriter,
+        stall: asyncio.Event,
     ) -> None:
         """Forward requests one by one, parsing just enough HTTP to see each one's head."""
         while True:
@@ -471,8 +493,18 @@ class TcpProxy:
             request = ProxiedRequest(method, target, headers.get("range"))
             self.requests.append(request)
             kind = self.fault(request) if self.fault is not None else None
+            if kind == "stall":
+                request.fault = kind
+                stall.set()
+                kind = None
             if kind is not None:
                 request.fault = kind
+                if kind == "blackhole":
+                    # Let the upstream go (the GCS emulator serves one connection at a time:
+                    # an idle one would wedge it) while the client waits for ever.
+                    stall.set()
+                    to_upstream.cancel()
+                    to_upstream._writer.close()
                 await self._inject(kind, client_writer)
                 return
             await to_upstream.send(head)
@@ -491,6 +523,8 @@ class TcpProxy:
 
     async def _inject(self, kind: str, client_writer: asyncio.StreamWriter) -> None:
         await asyncio.sleep(self.latency_s)
+        if kind == "blackhole":
+            await asyncio.Event().wait()  # accepted, never answered, until torn down
         if kind == "reset":
             sock = client_writer.get_extra_info("socket")
             if sock is not None:  # SO_LINGER 0: close() sends RST instead of FIN
