@@ -89,7 +89,18 @@ class LoopThread:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pid = os.getpid()
         self._closed = False
+        self._roots: set[Any] = set()
         _live.add(self)
+
+    def keep(self, obj: Any) -> None:
+        """Hold ``obj`` from the loop thread itself until the loop stops.
+
+        asyncio holds tasks weakly: when the owner of the loop (a loader) is dropped in a
+        reference cycle, its engine and the engine's pending tasks would be in the same garbage
+        set, and the collector would finalize (close) their coroutines before the owner's
+        ``__del__`` could shut them down. Kept here, they stay alive until the loop stops.
+        """
+        self._roots.add(obj)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -123,8 +134,12 @@ class LoopThread:
         loop.set_default_executor(self._executor)
         started = threading.Event()
         executor = self._executor
+        roots = self._roots
 
         def main() -> None:
+            # ``roots`` is reachable from this running frame: what it holds (an engine, its
+            # tasks) is never part of a garbage cycle, even when its owner is.
+            assert roots is not None
             _lower_priority(target)
             asyncio.set_event_loop(loop)
             loop.call_soon(started.set)
@@ -136,6 +151,7 @@ class LoopThread:
                 executor.shutdown(wait=True, cancel_futures=True)
                 loop.close()
                 asyncio.set_event_loop(None)
+                roots.clear()
 
         self._thread = threading.Thread(target=main, name=self._name, daemon=True)
         self._thread.start()

@@ -125,6 +125,7 @@ class ShufflingLoader:
         except BaseException:
             self._runner.close()
             raise
+        self._runner.keep(self._engine)  # its tasks never die with a dropped loader's cycle
         self.plan: ShufflePlan = self._engine.plan
 
     # -- construction -------------------------------------------------------------------------
@@ -261,6 +262,8 @@ class ShufflingLoader:
             prefetcher.signal_stop()
         engine = getattr(self, "_engine", None)
         own_thread = self._runner.in_loop_thread()
+        if own_thread and engine is not None:
+            engine.release()  # on the loop's thread nothing else runs on the loop: free now
         try:
             if engine is not None and self._pid == os.getpid():
                 self._runner.close(engine.aclose())

@@ -394,3 +394,77 @@ def test_one_loader_shared_by_threads_gives_each_the_right_batch(dataset: str) -
         for t in threads:
             t.join(120)
     assert not errors, errors
+
+
+# -- many cycles: threads, descriptors and buffers come back without the garbage collector -------
+
+
+def _buffers(loader: ShufflingLoader) -> list[Any]:
+    """Weak references to the loader's shuffle buffers (the numpy arrays its fills write)."""
+    import weakref
+
+    pairs = loader._engine._fills._buffers.values()
+    refs = [weakref.ref(b) for pair in pairs for b in pair._buffers if b is not None]
+    assert refs, "the loader allocated no buffer"
+    return refs
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+def test_hundreds_of_cycles_free_threads_descriptors_and_buffers_without_gc(dataset: str) -> None:
+    """Closed loaders that stay referenced, loaders closed from another thread, and loaders
+    dropped in a reference cycle that the collector finds on their own loop thread (their
+    ``__del__`` runs there, where ``close()`` cannot join its own thread): all of them free
+    every buffer at once and stop every thread, without a garbage collection of the test's."""
+    p = params(dataset)
+    options = EngineOptions(prefetch_to_device=1)
+    with ShufflingLoader("train", p, BATCH, SINGLE, options=options) as warm:
+        next(warm.iter(2))  # jax, zarr and numcodecs open what they keep for the process
+    gc.collect()
+    fds, threads = open_fds(), threading.active_count()
+    kept: list[ShufflingLoader] = []  # closed loaders a trainer still references
+    dead: list[Any] = []
+    gc.disable()
+    try:
+        for i in range(120):
+            loader = ShufflingLoader("train", p, BATCH, SINGLE, options=options)
+            loader.load(i % 7)
+            if i % 4 == 0:
+                iterator = loader.iter(i % 5)
+                next(iterator)  # a device-prefetch thread is running
+            refs = _buffers(loader)
+            if i % 3 == 0:
+                loader.self = loader  # type: ignore[attr-defined]  # only the collector frees it
+                runner = loader._runner
+                del loader
+                if i % 4 == 0:
+                    del iterator
+                    # the iterator's finalizer stopped its thread; the loader is in a cycle
+                # The cyclic collector runs on whichever thread allocates: here the loop's own.
+                # (run() returns before the scheduled shutdown ends, so wait for it below.)
+                runner.run(_collect_on_the_loop())
+            elif i % 3 == 1:
+                closer = threading.Thread(target=loader.close)
+                closer.start()
+                closer.join(15)
+                kept.append(loader)
+            else:
+                loader.close()
+                loader.close()  # idempotent
+                kept.append(loader)
+            assert wait_until(lambda refs=refs: all(r() is None for r in refs), 5), (
+                f"cycle {i}: buffers still alive after close"
+            )
+            dead.extend(refs)
+            assert wait_until(lambda: not library_threads(), 5), (i, library_threads())
+    finally:
+        gc.enable()
+    assert all(r() is None for r in dead)
+    assert wait_until(lambda: open_fds() <= fds, 5), (fds, sorted(os.listdir("/proc/self/fd")))
+    assert threading.active_count() == threads
+    for loader in kept[:3]:
+        with pytest.raises(LoaderClosedError):
+            loader.stats()
+
+
+async def _collect_on_the_loop() -> None:
+    gc.collect()

@@ -88,7 +88,8 @@ class Engine:
             if plan.sequence_packing and source.partial_reads and options.prefetch
             else None
         )
-        self._closed = False
+        self._closed = False  # no load is served any more
+        self._aclosed = False  # workers, row reads and the source closed
 
     def _inflight_budget(self) -> int:
         # Decoded bytes of reads in flight. An eighth of a buffer keeps peak memory near two
@@ -182,9 +183,9 @@ class Engine:
     async def aclose(self) -> None:
         """Cancel every fill and worker, free the buffers now (not at the next garbage
         collection). Idempotent."""
-        if self._closed:
+        if self._aclosed:
             return
-        self._closed = True
+        self._aclosed = self._closed = True
         self._fills.fail_all()
         rows = self._rows.aclose() if self._rows is not None else asyncio.sleep(0)
         try:
