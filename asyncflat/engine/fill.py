@@ -109,6 +109,7 @@ class Fill:
             self.error = exc
         for event in self.ready:  # wake every waiter; each checks .error
             event.set()
+        self.units = []  # no cycle with its queued units: freed by refcount, not the collector
 
     def unit_done(self, unit: Unit) -> None:
         for slot, _, _, length in unit.pieces:
@@ -120,6 +121,7 @@ class Fill:
         self.progress.blocks_done = self.blocks_done
         if self.done:
             self.finished = time.perf_counter()
+            self.units = []  # see fail()
 
 
 class FillWriter:
@@ -196,6 +198,7 @@ class BufferPair:
         (of another minipoch) had taken: wrong rows served after a storage error.
         """
         fill.cancelled = True
+        fill.units = []  # see Fill.fail()
         if fill.write_after is not None and not fill.write_after.is_set():
             # Its own decodes have not started (they wait for the previous occupant's, and
             # will see ``cancelled``): the buffer's next fill waits for that occupant instead.
