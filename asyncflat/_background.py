@@ -78,7 +78,9 @@ class BackgroundBuilder(Generic[T]):
             step += 1
 
     def take(self, step: int) -> T:
-        """The item of ``step`` (the consumer's next step), waiting for it; then forget it."""
+        """The item of ``step`` (the consumer's next step), waiting for it; then forget it.
+
+        Interrupted (Ctrl-C) it keeps the step, so the consumer can take it again."""
         with self._cond:
             while step not in self._built:
                 if self._stopping or not self._thread.is_alive():
@@ -86,11 +88,19 @@ class BackgroundBuilder(Generic[T]):
                 self._cond.wait(_WAIT_SLICE_S)
             future = self._built[step]
         try:
-            return wait_result(future)
-        finally:
-            with self._cond:
-                self._built.pop(step, None)
-                self._cond.notify_all()
+            result = wait_result(future)
+        except KeyboardInterrupt:
+            raise  # the step stays: taking it again returns it
+        except BaseException:
+            self._forget(step)
+            raise
+        self._forget(step)
+        return result
+
+    def _forget(self, step: int) -> None:
+        with self._cond:
+            self._built.pop(step, None)
+            self._cond.notify_all()
 
     def lookup(self, step: int) -> T | None:
         """The item of ``step`` if it is built or being built (waiting for it), else None.

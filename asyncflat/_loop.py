@@ -10,8 +10,11 @@ named daemon thread, started lazily. The rest of the library calls :meth:`LoopTh
   short slices so Ctrl-C still reaches the main thread; the coroutine is then cancelled.
 * Calling ``run`` from the loop's own thread would deadlock, so it raises LoopReentryError.
 * After ``fork`` the child has no loop thread; the next use there starts a fresh loop.
-* ``close`` (also run at interpreter exit) cancels pending tasks, stops and joins the thread,
-  and shuts the CPU thread pool down, so no library thread outlives its owner.
+* ``close`` (also run at interpreter exit) runs an optional last coroutine, cancels pending
+  tasks, stops the loop; the loop's own thread then shuts its CPU pool down and closes the loop,
+  so no library thread outlives its owner. From any other thread ``close`` waits (bounded) for
+  that; from the loop's own thread (a finalizer or callback running there) it only schedules
+  it, since a thread cannot join itself.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 import weakref
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -36,6 +40,8 @@ T = TypeVar("T")
 
 _WAIT_SLICE_S = 0.2  # how often a blocked caller wakes to let signals (Ctrl-C) through
 _JOIN_TIMEOUT_S = 10.0
+#: how long ``close`` gives its last coroutine (an engine's aclose) before cancelling it
+_LAST_WORDS_S = 5.0
 _ids = itertools.count()
 _live: weakref.WeakSet[LoopThread] = weakref.WeakSet()
 
@@ -83,7 +89,18 @@ class LoopThread:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pid = os.getpid()
         self._closed = False
+        self._roots: set[Any] = set()
         _live.add(self)
+
+    def keep(self, obj: Any) -> None:
+        """Hold ``obj`` from the loop thread itself until the loop stops.
+
+        asyncio holds tasks weakly: when the owner of the loop (a loader) is dropped in a
+        reference cycle, its engine and the engine's pending tasks would be in the same garbage
+        set, and the collector would finalize (close) their coroutines before the owner's
+        ``__del__`` could shut them down. Kept here, they stay alive until the loop stops.
+        """
+        self._roots.add(obj)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -116,12 +133,25 @@ class LoopThread:
         # zarr's codecs decode via asyncio.to_thread, i.e. on the loop's default executor.
         loop.set_default_executor(self._executor)
         started = threading.Event()
+        executor = self._executor
+        roots = self._roots
 
         def main() -> None:
+            # ``roots`` is reachable from this running frame: what it holds (an engine, its
+            # tasks) is never part of a garbage cycle, even when its owner is.
+            assert roots is not None
             _lower_priority(target)
             asyncio.set_event_loop(loop)
             loop.call_soon(started.set)
-            loop.run_forever()
+            try:
+                loop.run_forever()
+            finally:
+                # Stopped by close() (from any thread, this one included): the pool and the
+                # loop are released here, by their own thread, never left to the collector.
+                executor.shutdown(wait=True, cancel_futures=True)
+                loop.close()
+                asyncio.set_event_loop(None)
+                roots.clear()
 
         self._thread = threading.Thread(target=main, name=self._name, daemon=True)
         self._thread.start()
@@ -132,39 +162,58 @@ class LoopThread:
     def in_loop_thread(self) -> bool:
         return self._thread is not None and threading.current_thread() is self._thread
 
-    def close(self) -> None:
-        """Cancel pending tasks, stop the loop, join its thread. Idempotent."""
+    def close(self, last: Coroutine[Any, Any, Any] | None = None) -> None:
+        """Run ``last`` (bounded), cancel pending tasks, stop the loop. Idempotent.
+
+        From another thread it returns once the loop thread has stopped (or after a bound of
+        about ``_LAST_WORDS_S + _JOIN_TIMEOUT_S`` seconds); from the loop's own thread it schedules
+        the shutdown and returns at once (the thread ends after the current callback).
+        """
         with self._lock:
             if self._closed:
+                if last is not None:
+                    last.close()
                 return
             self._closed = True
-            loop, thread, executor = self._loop, self._thread, self._executor
+            loop, thread = self._loop, self._thread
             self._loop = self._thread = self._executor = None
             same_process = self._pid == os.getpid()
-        if loop is None or not same_process:
+        if loop is None or not same_process or loop.is_closed():
+            if last is not None:
+                last.close()
             return
-        if thread is not None and threading.current_thread() is thread:
-            raise LoopReentryError(f"{self._name} cannot be closed from its own thread")
 
         async def shutdown() -> None:
+            if last is not None:
+                try:
+                    await asyncio.wait_for(last, _LAST_WORDS_S)
+                except BaseException:
+                    log.debug("%s: closing coroutine failed", self._name, exc_info=True)
             tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            if tasks:
+                done, pending = await asyncio.wait(tasks, timeout=_JOIN_TIMEOUT_S)
+                for task in done:  # retrieved, so asyncio never logs them as unretrieved
+                    if not task.cancelled():
+                        task.exception()
+                if pending:
+                    log.warning("%s: %d tasks did not finish cancelling", self._name, len(pending))
+            loop.stop()
 
+        if thread is not None and threading.current_thread() is thread:
+            # A finalizer or callback on the loop's own thread: it cannot wait for itself.
+            loop.create_task(shutdown())
+            log.debug("%s: shutdown scheduled from its own thread", self._name)
+            return
         try:
-            asyncio.run_coroutine_threadsafe(shutdown(), loop).result(_JOIN_TIMEOUT_S)
-        except Exception:  # a task refusing to die must not stop the shutdown
-            log.warning("%s: pending tasks did not finish cancelling", self._name, exc_info=True)
-        loop.call_soon_threadsafe(loop.stop)
+            asyncio.run_coroutine_threadsafe(shutdown(), loop)
+        except RuntimeError:  # the loop already stopped (interpreter exit): nothing to run
+            return
         if thread is not None:
-            thread.join(_JOIN_TIMEOUT_S)
+            thread.join(_LAST_WORDS_S + _JOIN_TIMEOUT_S)
             if thread.is_alive():
-                log.warning("%s: loop thread did not stop within %ss", self._name, _JOIN_TIMEOUT_S)
-            else:
-                loop.close()
-        if executor is not None:
-            executor.shutdown(wait=True, cancel_futures=True)
+                log.warning("%s: loop thread did not stop in time", self._name)
         log.debug("closed event loop thread %s", self._name)
 
     # -- calls from the synchronous side ------------------------------------------------------
@@ -190,15 +239,19 @@ class LoopThread:
                 f"blocking call made from {self._name}'s own thread; await the coroutine instead"
             )
         future = self.submit(coro)
-        deadline = None if timeout is None else self.loop.time() + timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while True:
-                remaining = None if deadline is None else deadline - self.loop.time()
+                remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise LoadTimeoutError(f"no result within {timeout:.3g} s")
                 wait = _WAIT_SLICE_S if remaining is None else min(_WAIT_SLICE_S, remaining)
                 try:
                     return future.result(wait)
+                except concurrent.futures.CancelledError:
+                    if self._closed:  # close() cancelled it: say so, not a bare CancelledError
+                        raise LoaderClosedError(f"{self._name} was closed") from None
+                    raise
                 except concurrent.futures.TimeoutError:
                     # On 3.11+ this is the builtin TimeoutError: the coroutine's own may land here.
                     if future.done():

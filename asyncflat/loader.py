@@ -125,6 +125,7 @@ class ShufflingLoader:
         except BaseException:
             self._runner.close()
             raise
+        self._runner.keep(self._engine)  # its tasks never die with a dropped loader's cycle
         self.plan: ShufflePlan = self._engine.plan
 
     # -- construction -------------------------------------------------------------------------
@@ -247,21 +248,33 @@ class ShufflingLoader:
         return self._engine.interval_stats()
 
     def close(self) -> None:
-        """Stop the device-prefetch threads, cancel fills, stop the engine's thread. Idempotent."""
+        """Stop the device-prefetch threads, cancel fills, free the buffers, stop the engine's
+        thread. Idempotent, from any thread: from the engine's own thread (a finalizer or
+        callback running there) it schedules all that and returns at once; from any other it
+        returns when it is done (within about 15 s whatever the storage does)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             prefetchers = list(self._prefetchers)
+            self._prefetchers.clear()
         for prefetcher in prefetchers:  # no new builds start; a build in progress fails fast below
             prefetcher.signal_stop()
+        engine = getattr(self, "_engine", None)
+        own_thread = self._runner.in_loop_thread()
+        if own_thread and engine is not None:
+            engine.release()  # on the loop's thread nothing else runs on the loop: free now
         try:
-            if self._pid == os.getpid():
-                self._runner.run(self._engine.aclose(), timeout=30)
+            if engine is not None and self._pid == os.getpid():
+                self._runner.close(engine.aclose())
+            else:
+                self._runner.close()
         finally:
-            for prefetcher in prefetchers:
-                prefetcher.stop()
-            self._runner.close()
+            if not own_thread:
+                for prefetcher in prefetchers:
+                    prefetcher.stop()
+                if engine is not None:
+                    engine.release()  # the loop has stopped: nothing can hold a buffer now
 
     def __enter__(self) -> ShufflingLoader:
         return self
@@ -269,26 +282,26 @@ class ShufflingLoader:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def __del__(self) -> None:  # a forgotten loader must not keep its thread
+    def __del__(self) -> None:  # a forgotten loader must not keep its thread nor its buffers
         if not getattr(self, "_closed", True):
             try:
-                self._runner.close()
-            except Exception:  # noqa: BLE001 (a finalizer must not raise)
-                pass
+                self.close()
+            except Exception:
+                log.debug("closing a collected loader failed", exc_info=True)
 
     # -- internals ----------------------------------------------------------------------------
 
     def _check_open(self) -> None:
         if self._closed:
             raise LoaderClosedError("this ShufflingLoader is closed; create a new one")
-
-    def _rows(self, step: int) -> np.ndarray:
-        self._check_open()
         if self._pid != os.getpid():
             raise LoaderClosedError(
                 "this ShufflingLoader was created in another process (before a fork); "
                 "create a new loader in this process"
             )
+
+    def _rows(self, step: int) -> np.ndarray:
+        self._check_open()
         self.plan.check_step(step)
         rows = self._engine.try_gather(step, self._host_rows)  # steady state: no loop round trip
         if rows is not None:
@@ -319,19 +332,48 @@ class ShufflingLoader:
             self._prefetchers.add(builder)
         return builder
 
-    def _stop_prefetch(self, builder: BackgroundBuilder[Any]) -> None:
+    def _stop_prefetch(self, builder: BackgroundBuilder[Any], pin: _Pin) -> None:
+        pin.release()
         builder.signal_stop()
         with self._lock:
             self._prefetchers.discard(builder)
-        builder.stop()
+        if not self._runner.in_loop_thread():  # the builder may be waiting on this very thread
+            builder.stop()
 
     def _live_prefetchers(self) -> list[BackgroundBuilder[Any]]:
         with self._lock:
             return list(self._prefetchers)
 
 
+class _Pin:
+    """An iterator's pin on the minipochs it is positioned in (:meth:`Engine.pin`), so other
+    threads' loads and prefetches do not evict the buffers the iterator reads next."""
+
+    def __init__(self, engine: Engine, host_rows: np.ndarray) -> None:
+        self._engine, self._rows = engine, host_rows
+        self._keys: list[tuple[int, int]] | None = None
+        self._lock = threading.Lock()
+
+    def move(self, step: int) -> None:
+        keys = self._engine.pin(step, self._rows)
+        with self._lock:
+            old, self._keys = self._keys, keys
+        if old is not None:
+            self._engine.unpin(old)
+
+    def release(self) -> None:
+        with self._lock:
+            old, self._keys = self._keys, None
+        if old is not None:
+            self._engine.unpin(old)
+
+
 class BatchIterator(Iterator[tuple[int, Any]]):
-    """``(step, batch)`` pairs of a :class:`ShufflingLoader`, built ahead when prefetching."""
+    """``(step, batch)`` pairs of a :class:`ShufflingLoader`, built ahead when prefetching.
+
+    A ``KeyboardInterrupt`` while ``next()`` waits leaves the iterator where it was: the next
+    ``next()`` returns the same step. Any other error ends the iteration.
+    """
 
     def __init__(self, loader: ShufflingLoader, start: int, depth: int) -> None:
         self._loader = loader
@@ -339,14 +381,21 @@ class BatchIterator(Iterator[tuple[int, Any]]):
         self._stop_step = loader.step_count
         self._prefetch: BackgroundBuilder[Any] | None = None
         self._finalizer: weakref.finalize | None = None
+        self._pin = _Pin(loader._engine, loader._host_rows)
+        if start < self._stop_step:
+            self._pin.move(start)
         if depth and start < self._stop_step:
             self._prefetch = loader._start_prefetch(start, depth)
             # The finalizer holds the loader and the builder, never this iterator, so a dropped
             # iterator is collected and its thread stopped.
-            self._finalizer = weakref.finalize(self, loader._stop_prefetch, self._prefetch)
-            # Not at interpreter exit: joining a thread blocked in a load could wait a whole
-            # load; the thread is a daemon and the loop's own exit hook cancels its load.
-            self._finalizer.atexit = False
+            self._finalizer = weakref.finalize(
+                self, loader._stop_prefetch, self._prefetch, self._pin
+            )
+        else:
+            self._finalizer = weakref.finalize(self, self._pin.release)
+        # Not at interpreter exit: joining a thread blocked in a load could wait a whole
+        # load; the thread is a daemon and the loop's own exit hook cancels its load.
+        self._finalizer.atexit = False
 
     def __iter__(self) -> BatchIterator:
         return self
@@ -356,11 +405,13 @@ class BatchIterator(Iterator[tuple[int, Any]]):
             raise StopIteration
         step = self._step
         if self._prefetch is None:
-            batch = self._loader.load(step)
+            batch = self._loader.load(step)  # raising leaves the step where it is
         else:
             self._loader._check_open()
             try:
                 batch = self._prefetch.take(step)
+            except KeyboardInterrupt:
+                raise  # the builder goes on; the next next() takes this same step
             except BackgroundStopped:
                 self._step = self._stop_step
                 self.close()
@@ -373,6 +424,8 @@ class BatchIterator(Iterator[tuple[int, Any]]):
         self._step = step + 1
         if self._step >= self._stop_step:
             self.close()
+        elif not self._loader._closed:
+            self._pin.move(self._step)
         return step, batch
 
     def close(self) -> None:

@@ -394,3 +394,232 @@ def test_one_loader_shared_by_threads_gives_each_the_right_batch(dataset: str) -
         for t in threads:
             t.join(120)
     assert not errors, errors
+
+
+# -- many cycles: threads, descriptors and buffers come back without the garbage collector -------
+
+
+def _buffers(loader: ShufflingLoader) -> list[Any]:
+    """Weak references to the loader's shuffle buffers (the numpy arrays its fills write)."""
+    import weakref
+
+    pairs = loader._engine._fills._buffers.values()
+    refs = [weakref.ref(b) for pair in pairs for b in pair._buffers if b is not None]
+    assert refs, "the loader allocated no buffer"
+    return refs
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+def test_hundreds_of_cycles_free_threads_descriptors_and_buffers_without_gc(dataset: str) -> None:
+    """Closed loaders that stay referenced, loaders closed from another thread, and loaders
+    dropped in a reference cycle that the collector finds on their own loop thread (their
+    ``__del__`` runs there, where ``close()`` cannot join its own thread): all of them free
+    every buffer at once and stop every thread, without a garbage collection of the test's."""
+    p = params(dataset)
+    options = EngineOptions(prefetch_to_device=1)
+    with ShufflingLoader("train", p, BATCH, SINGLE, options=options) as warm:
+        next(warm.iter(2))  # jax, zarr and numcodecs open what they keep for the process
+    gc.collect()
+    fds, threads = open_fds(), threading.active_count()
+    kept: list[ShufflingLoader] = []  # closed loaders a trainer still references
+    dead: list[Any] = []
+    gc.disable()
+    try:
+        for i in range(120):
+            loader = ShufflingLoader("train", p, BATCH, SINGLE, options=options)
+            loader.load(i % 7)
+            if i % 4 == 0:
+                iterator = loader.iter(i % 5)
+                next(iterator)  # a device-prefetch thread is running
+            refs = _buffers(loader)
+            if i % 3 == 0:
+                loader.self = loader  # type: ignore[attr-defined]  # only the collector frees it
+                runner = loader._runner
+                del loader
+                if i % 4 == 0:
+                    del iterator
+                    # the iterator's finalizer stopped its thread; the loader is in a cycle
+                # The cyclic collector runs on whichever thread allocates: here the loop's own.
+                # (run() returns before the scheduled shutdown ends, so wait for it below.)
+                runner.run(_collect_on_the_loop())
+            elif i % 3 == 1:
+                closer = threading.Thread(target=loader.close)
+                closer.start()
+                closer.join(15)
+                kept.append(loader)
+            else:
+                loader.close()
+                loader.close()  # idempotent
+                kept.append(loader)
+            assert wait_until(lambda refs=refs: all(r() is None for r in refs), 5), (
+                f"cycle {i}: buffers still alive after close"
+            )
+            dead.extend(refs)
+            assert wait_until(lambda: not library_threads(), 5), (i, library_threads())
+    finally:
+        gc.enable()
+    assert all(r() is None for r in dead)
+    assert wait_until(lambda: open_fds() <= fds, 5), (fds, sorted(os.listdir("/proc/self/fd")))
+    assert threading.active_count() == threads
+    for loader in kept[:3]:
+        with pytest.raises(LoaderClosedError):
+            loader.stats()
+
+
+async def _collect_on_the_loop() -> None:
+    gc.collect()
+
+
+# -- Ctrl-C on next(iter), exit with loads in flight, every method after fork -----------------------
+
+
+def test_ctrl_c_during_next_of_an_iterator_is_prompt_and_the_iterator_goes_on(
+    dataset: str,
+) -> None:
+    """SIGINT while ``next()`` waits for a device-prefetch thread blocked on slow storage: the
+    KeyboardInterrupt arrives within a second (the wait is sliced, and the iterator does not
+    join its thread), and the same iterator then returns the next step."""
+    script = """
+        import sys, time, jax, numpy as np
+        sys.path.insert(0, sys.argv[2])
+        from reference_impl import ReferenceLoader, load_split_arrays
+        from asyncflat import EngineOptions, FlatTokensParams, ShufflingLoader, TokenBatchParams
+        from asyncflat.faults import FaultyStore
+        stores = []
+        def slow(store):
+            stores.append(FaultyStore(store, fault_keys="train/encoded_tokens/c/*"))
+            return stores[-1]
+        params = FlatTokensParams(sys.argv[1], 2, 2, 4, 0, True)
+        batch = TokenBatchParams(len=16, batch=8)
+        loader = ShufflingLoader("train", params, batch,
+                                 jax.sharding.SingleDeviceSharding(jax.devices()[0]),
+                                 options=EngineOptions(prefetch_to_device=2), store_wrapper=slow)
+        tokens, starts = load_split_arrays(sys.argv[1], "train")
+        oracle = ReferenceLoader(tokens, starts, seq_len=16, batch=8, streams=2,
+                                 read_blocks_per_shuffle_buffer=2, sequences_per_read_block=4,
+                                 seed=0, sequence_packing=True)
+        next(loader.iter(0))  # jax warmed up
+        stores[0].configure(latency_s=5)
+        it = loader.iter(40)  # its build thread now waits 5 s on storage
+        print("blocking", flush=True)
+        try:
+            next(it)
+            print("not interrupted", flush=True)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+        stores[0].configure(latency_s=0)
+        step, got = next(it)  # the same iterator: the step it was interrupted on
+        assert step == 40, step
+        assert np.array_equal(np.asarray(got.targets), oracle.batch(40)[0])
+        step, got = next(it)
+        assert step == 41 and np.array_equal(np.asarray(got.targets), oracle.batch(41)[0])
+        print("continued", step, flush=True)
+        loader.close()
+    """
+    env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}
+    lines: queue.Queue[tuple[str, float]] = queue.Queue()
+    with subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(script), dataset, str(Path(__file__).parent)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    ) as child:
+
+        def read() -> None:
+            assert child.stdout is not None
+            for line in child.stdout:
+                lines.put((line.strip(), time.monotonic()))
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        try:
+            assert lines.get(timeout=90)[0] == "blocking"
+            time.sleep(0.4)  # inside next(): the build thread's reads sleep for 5 s
+            sent = time.monotonic()
+            child.send_signal(signal.SIGINT)
+            line, at = lines.get(timeout=10)
+            assert line == "interrupted" and at - sent < 1.0, (line, at - sent)
+            assert lines.get(timeout=30)[0] == "continued 41"
+            child.wait(timeout=30)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+            reader.join(5)
+        assert child.stderr is not None
+        stderr = child.stderr.read()
+    assert child.returncode == 0, stderr
+
+
+def test_exit_with_loads_in_flight_prints_nothing(dataset: str) -> None:
+    """Threads blocked in load() and an iterator's build thread, all on slow storage, when the
+    interpreter exits: no traceback, no CancelledError, no asyncio complaint on stderr."""
+    script = """
+        import sys, threading, time, jax
+        from asyncflat import EngineOptions, FlatTokensParams, ShufflingLoader, TokenBatchParams
+        from asyncflat.faults import FaultyStore
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        slow = lambda s: FaultyStore(s, latency_s=30, fault_keys="train/encoded_tokens/c/*")
+        loader = ShufflingLoader("train", FlatTokensParams(sys.argv[1], 2, 2, 4, 3, True),
+                                 TokenBatchParams(len=16, batch=8), one,
+                                 options=EngineOptions(prefetch_to_device=2), store_wrapper=slow)
+        for step in (5, 40, 80):
+            threading.Thread(target=loader.load, args=(step,), daemon=True).start()
+        it = loader.iter(20)
+        time.sleep(0.5)
+        print("bye", flush=True)
+    """
+    t0 = time.monotonic()
+    result = run_script(script, dataset, timeout=90)
+    assert result.returncode == 0 and result.stdout.strip() == "bye", result.stderr
+    assert time.monotonic() - t0 < 60
+    for noise in ("Traceback", "CancelledError", "Task was destroyed", "Exception"):
+        assert noise not in result.stderr, result.stderr
+
+
+def test_every_method_of_a_loader_refuses_to_run_in_a_forked_child(dataset: str) -> None:
+    script = """
+        import os, sys, warnings
+        warnings.simplefilter("ignore")  # jax warns that fork and threads do not mix
+        import jax
+        from asyncflat import FlatTokensParams, LoaderClosedError, ShufflingLoader, TokenBatchParams
+        loader = ShufflingLoader("train", FlatTokensParams(sys.argv[1], 2, 2, 4, 0, True),
+                                 TokenBatchParams(len=16, batch=8),
+                                 jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+        loader.load(0)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read)
+            out = []
+            calls = {"load": lambda: loader.load(1), "iter": lambda: loader.iter(0),
+                     "stats": loader.stats, "interval_stats": loader.interval_stats,
+                     "__iter__": lambda: next(iter(loader)), "_rows": lambda: loader._rows(2)}
+            for name, call in calls.items():
+                try:
+                    call()
+                    out.append(f"{name}: ran")
+                except LoaderClosedError as exc:
+                    out.append(f"{name}: closed" if "another process" in str(exc) else repr(exc))
+                except BaseException as exc:
+                    out.append(f"{name}: {exc!r}")
+            loader.close()  # allowed: it touches nothing of the parent's
+            os.write(write, "\\n".join(out).encode())
+            os._exit(0)
+        os.close(write)
+        child = b""
+        while chunk := os.read(read, 4096):
+            child += chunk
+        os.waitpid(pid, 0)
+        print(child.decode())
+        loader.load(1)  # the parent's loader still works
+        loader.close()
+    """
+    result = run_script(script, dataset, timeout=90)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert lines == [
+        f"{name}: closed"
+        for name in ("load", "iter", "stats", "interval_stats", "__iter__", "_rows")
+    ], result.stdout

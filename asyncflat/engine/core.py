@@ -88,7 +88,8 @@ class Engine:
             if plan.sequence_packing and source.partial_reads and options.prefetch
             else None
         )
-        self._closed = False
+        self._closed = False  # no load is served any more
+        self._aclosed = False  # workers, row reads and the source closed
 
     def _inflight_budget(self) -> int:
         # Decoded bytes of reads in flight. An eighth of a buffer keeps peak memory near two
@@ -119,26 +120,33 @@ class Engine:
             self._check_open()  # closed while this gather queued behind another
             loc = self.plan.locate(step, batch_indices)
             groups = self._groups(loc)
-            fills = []
+            fills: list[Fill] = []
             with self._lock:
                 for stream, minipoch in groups:
                     keep = {m for s, m in groups if s == stream}
-                    fills.append(self._fills.ensure(stream, minipoch, step, keep=keep))
+                    fill = self._fills.ensure(stream, minipoch, step, keep=keep)
+                    fill.owners += 1  # never dropped nor cancelled while this load reads it
+                    fills.append(fill)
                 if self.options.prefetch:
                     self._fills.prefetch_after(groups)
-            out = np.empty((len(loc.batch_index), self.plan.seq_len), np.uint32)
-            for fill, rows in zip(fills, groups.values()):
-                buffer_rows = fill.perm[loc.position[rows]]
-                if not fill.done:
-                    await self._make_urgent(fill)
-                if not fill.done and self._rows is not None:
-                    await self._serve_early(fill, step, buffer_rows, out[rows])
-                    continue
-                if not fill.done:
-                    await self._wait_ready(fill, step, buffer_rows)
-                elif fill.error is not None:
-                    self._raise_fill_error(fill, step)
-                np.take(fill.buffer, buffer_rows, axis=0, out=out[rows])
+            try:
+                out = np.empty((len(loc.batch_index), self.plan.seq_len), np.uint32)
+                for fill, rows in zip(fills, groups.values()):
+                    buffer_rows = fill.perm[loc.position[rows]]
+                    if not fill.done:
+                        await self._make_urgent(fill)
+                    if not fill.done and self._rows is not None:
+                        await self._serve_early(fill, step, buffer_rows, out[rows])
+                        continue
+                    if not fill.done:
+                        await self._wait_ready(fill, step, buffer_rows)
+                    elif fill.error is not None:
+                        self._raise_fill_error(fill, step)
+                    np.take(fill.buffer, buffer_rows, axis=0, out=out[rows])
+            finally:
+                with self._lock:
+                    for fill in fills:
+                        fill.owners -= 1
         self._record_step(step, time.perf_counter() - t0)
         return out
 
@@ -173,16 +181,45 @@ class Engine:
         return out
 
     async def aclose(self) -> None:
-        """Cancel every fill and worker, drop the buffers. Idempotent."""
-        if self._closed:
+        """Cancel every fill and worker, free the buffers now (not at the next garbage
+        collection). Idempotent."""
+        if self._aclosed:
             return
-        self._closed = True
+        self._aclosed = self._closed = True
         self._fills.fail_all()
         rows = self._rows.aclose() if self._rows is not None else asyncio.sleep(0)
-        await asyncio.gather(self._scheduler.aclose(), rows, return_exceptions=True)
-        with self._lock:
-            self._fills.clear()
+        try:
+            await asyncio.gather(self._scheduler.aclose(), rows, return_exceptions=True)
+        finally:
+            self.release()
         await self.source.aclose()
+
+    def release(self) -> None:
+        """Drop every reference to the buffers (fills, queued units). Idempotent; for closing,
+        once nothing runs on the loop any more (:meth:`aclose` calls it)."""
+        self._closed = True
+        with self._lock:
+            self._fills.fail_all()
+            self._scheduler.clear()
+            self._fills.clear()
+
+    def pin(self, step: int, batch_indices: np.ndarray) -> list[tuple[int, int]]:
+        """Pin the minipochs ``step`` reads, and the next ones, for an iterator positioned at
+        ``step``: a prefetch never evicts them, a load of another minipoch takes an extra
+        buffer first. Returns the keys to pass to :meth:`unpin`. Any thread."""
+        loc = self.plan.locate(step, batch_indices)
+        keys = sorted({(s, m) for s, m in zip(loc.stream.tolist(), loc.minipoch.tolist())})
+        keys += [(s, m + 1) for s, m in keys if m + 1 < self.plan.minipoch_count]
+        keys = sorted(set(keys))
+        with self._lock:
+            if not self._closed:
+                self._fills.pin(keys, 1)
+        return keys
+
+    def unpin(self, keys: list[tuple[int, int]]) -> None:
+        with self._lock:
+            if not self._closed:
+                self._fills.pin(keys, -1)
 
     def stats(self) -> EngineStats:
         """A snapshot of the figures (see :class:`~asyncflat.engine.stats.EngineStats`)."""

@@ -28,7 +28,16 @@ from ..plan import ShufflePlan
 from ..source import TokenSource
 from .stats import FillProgress
 
-__all__ = ["BufferPair", "Fill", "FillWriter", "Unit", "plan_units", "read_unpacked_rows"]
+__all__ = [
+    "EXTRA_BUFFERS",
+    "BufferPair",
+    "Fill",
+    "FillWriter",
+    "Unit",
+    "forget",
+    "plan_units",
+    "read_unpacked_rows",
+]
 
 
 @dataclasses.dataclass(eq=False)
@@ -83,6 +92,8 @@ class Fill:
     urgent: bool = False
     waited_on: bool = False
     useful_bytes: int = 0
+    #: loads reading it right now: while non-zero it is never dropped or cancelled
+    owners: int = 0
 
     @property
     def done(self) -> bool:
@@ -98,6 +109,7 @@ class Fill:
             self.error = exc
         for event in self.ready:  # wake every waiter; each checks .error
             event.set()
+        self.units = []  # no cycle with its queued units: freed by refcount, not the collector
 
     def unit_done(self, unit: Unit) -> None:
         for slot, _, _, length in unit.pieces:
@@ -109,6 +121,7 @@ class Fill:
         self.progress.blocks_done = self.blocks_done
         if self.done:
             self.finished = time.perf_counter()
+            self.units = []  # see fail()
 
 
 class FillWriter:
@@ -141,15 +154,32 @@ class FillWriter:
         return True
 
 
-class BufferPair:
-    """The two buffers of one stream, allocated on first use, and the hand-off between fills."""
+#: buffers a stream may hold beyond its two, for loads of other minipochs while iterators are
+#: positioned in both (see docs/reliability.md); allocated only when needed, kept until close
+EXTRA_BUFFERS = 2
 
-    def __init__(self, rows: int, seq_len: int) -> None:
+
+class BufferPair:
+    """The two buffers of one stream (and up to ``extra`` more, on demand), allocated on first
+    use, and the hand-off between fills."""
+
+    def __init__(self, rows: int, seq_len: int, extra: int = EXTRA_BUFFERS) -> None:
         self._shape = (rows, seq_len)
         self._buffers: list[np.ndarray | None] = [None, None]
+        self.limit = 2 + extra
         #: per buffer index: writes a fill that left the buffer may still be making
         self._pending_writes: dict[int, asyncio.Event] = {}
         self.allocations = 0
+
+    @property
+    def count(self) -> int:
+        """Buffer slots (allocated or not): 2, more once :meth:`grow` was needed."""
+        return len(self._buffers)
+
+    def grow(self) -> int:
+        """One more buffer slot (allocated by :meth:`take`); its index."""
+        self._buffers.append(None)
+        return len(self._buffers) - 1
 
     def take(self, index: int) -> tuple[np.ndarray, asyncio.Event | None]:
         """Buffer ``index`` for a new fill, and what that fill must wait for before writing."""
@@ -168,6 +198,7 @@ class BufferPair:
         (of another minipoch) had taken: wrong rows served after a storage error.
         """
         fill.cancelled = True
+        fill.units = []  # see Fill.fail()
         if fill.write_after is not None and not fill.write_after.is_set():
             # Its own decodes have not started (they wait for the previous occupant's, and
             # will see ``cancelled``): the buffer's next fill waits for that occupant instead.
@@ -180,6 +211,15 @@ class BufferPair:
     def drop(self) -> None:
         self._buffers = [None, None]
         self._pending_writes.clear()
+
+
+def forget(fill: Fill) -> None:
+    """Break the fill <-> unit cycle and let go of its buffer, so closing frees the memory at
+    once rather than when the cyclic garbage collector next runs."""
+    fill.cancelled = True
+    fill.units = []
+    fill.buffer = np.empty((0, fill.buffer.shape[1]), fill.buffer.dtype)  # not a view of it
+    fill.write_after = None
 
 
 def plan_units(plan: ShufflePlan, fill: Fill, token_chunk: int) -> list[Unit]:

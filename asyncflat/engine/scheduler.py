@@ -130,6 +130,12 @@ class UnitScheduler(Generic[U]):
             if not self._pauses:
                 self._go.set()
 
+    def clear(self) -> None:
+        """Forget every queued unit (closing: they hold their fills, and those the buffers)."""
+        if self._queue is not None:
+            while not self._queue.empty():
+                self._queue.get_nowait()
+
     async def aclose(self) -> None:
         """Cancel the workers and wait for them."""
         tasks, self._tasks = self._tasks, []

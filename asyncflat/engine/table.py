@@ -1,23 +1,32 @@
 """Which fill occupies which buffer: the fills of each stream, started, found and dropped.
 
-A stream has two buffers (:class:`~.fill.BufferPair`) and so at most two fills. A load needing
-a minipoch that has no fill starts one in a free buffer, or in the buffer of a fill that the
-step does not read (that fill is dropped); a failed fill is dropped by the load that meets its
+A stream has two buffers (:class:`~.fill.BufferPair`) and so usually at most two fills. A load
+needing a minipoch that has no fill starts one in a free buffer, or in the buffer of a fill
+that nobody needs (that fill is dropped); a failed fill is dropped by the load that meets its
 error, so the next load of that minipoch starts it afresh.
+
+Who needs a fill: a load reading it right now (``Fill.owners``: never dropped, never
+cancelled), and an iterator positioned in its minipoch or about to enter it (a *pin*: a
+prefetch never evicts a pinned fill; a load rather takes one of ``EXTRA_BUFFERS`` more buffers
+than evict it, and evicts it only beyond that, which costs the iterator a refill, never an
+error). A prefetch only takes a free buffer or evicts a fill nobody needs, else it is not
+started.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 
 from ..errors import LoaderClosedError
 from ..plan import ShufflePlan
-from .fill import BufferPair, Fill, Unit, plan_units
+from .fill import BufferPair, Fill, Unit, forget, plan_units
 from .stats import FillProgress
 
 __all__ = ["FillTable"]
@@ -44,6 +53,11 @@ class FillTable:
         self._queue, self._ended = queue, ended
         self._fills: dict[int, dict[int, Fill]] = {s: {} for s in streams}
         self._buffers = {s: BufferPair(plan.seqs_per_buffer, plan.seq_len) for s in streams}
+        #: (stream, minipoch) -> iterators positioned in it (or entering it next)
+        self._pins: collections.Counter[tuple[int, int]] = collections.Counter()
+        #: every fill not yet collected (dropped ones too: a queued unit or a load's frame may
+        #: still hold one), so closing can let go of every view of the buffers
+        self._started: weakref.WeakSet[Fill] = weakref.WeakSet()
 
     def get(self, stream: int, minipoch: int) -> Fill | None:
         return self._fills[stream].get(minipoch)
@@ -62,25 +76,74 @@ class FillTable:
     def ensure(
         self, stream: int, minipoch: int, from_step: int, *, keep: set[int], reason: str = "demand"
     ) -> Fill:
-        """The fill of (stream, minipoch), started if there is none (or only a failed one)."""
-        fills = self._fills[stream]
-        fill = fills.get(minipoch)
+        """The fill of (stream, minipoch), started if there is none (or only a failed one).
+
+        A load's fill always starts: in a free buffer, else in the buffer of a fill nobody
+        needs, else in an extra buffer, else in the buffer of a fill only an iterator is
+        positioned in; never in one a load is reading (``keep`` and ``owners``).
+        """
+        fill = self._usable(stream, minipoch)
         if fill is not None:
-            if fill.error is None:
-                return fill
-            self.drop(fill)  # a failed fill is retried by the next load
+            return fill
+        index = self._buffer_for(stream, keep, demand=True)
+        assert index is not None
+        return self._put(stream, minipoch, index, from_step, reason)
+
+    def try_prefetch(self, stream: int, minipoch: int, keep: set[int]) -> Fill | None:
+        """Start the prefetch of (stream, minipoch) if a buffer is free or held by a fill nobody
+        needs; else None (a prefetch never evicts a fill in use, nor grows the buffers)."""
+        fill = self._usable(stream, minipoch)
+        if fill is not None:
+            return fill
+        index = self._buffer_for(stream, keep, demand=False)
+        if index is None:
+            return None
+        return self._put(stream, minipoch, index, self.plan.first_step(minipoch), "prefetch")
+
+    def pin(self, keys: list[tuple[int, int]], delta: int) -> None:
+        """Add (``delta`` 1) or remove (-1) an iterator's pin on each (stream, minipoch)."""
+        for key in keys:
+            if key[0] in self._fills:
+                self._pins[key] += delta
+                if self._pins[key] <= 0:
+                    del self._pins[key]
+
+    def _usable(self, stream: int, minipoch: int) -> Fill | None:
+        fill = self._fills[stream].get(minipoch)
+        if fill is None or fill.error is None:
+            return fill
+        # A failed fill is retried afresh (a load still raising its error holds the fill object,
+        # not the table's entry; the buffer hand-off keeps its late writes out).
+        self.drop(fill)
+        return None
+
+    def _buffer_for(self, stream: int, keep: set[int], *, demand: bool) -> int | None:
+        fills = self._fills[stream]
+        pair = self._buffers[stream]
         used = {f.buffer_index for f in fills.values()}
-        free = [i for i in (0, 1) if i not in used]
-        if not free:
-            # A step spans at most two minipochs of one stream (its rows of one stream are
-            # consecutive q's), so keep has at most two entries, one of them ``minipoch``.
-            victims = [f for m, f in fills.items() if m not in keep]
-            assert victims, "a step cannot need more than two minipochs of one stream"
-            victim = max(victims, key=lambda f: f.minipoch)
-            self.drop(victim, cancelled=True)
-            free = [victim.buffer_index]
-        fill = self._start(stream, minipoch, free[0], from_step, reason)
-        fills[minipoch] = fill
+        free = [i for i in range(pair.count) if i not in used]
+        if free:
+            return free[0]
+        idle = [f for m, f in fills.items() if m not in keep and not f.owners]
+        unpinned = [f for f in idle if not self._pins.get((stream, f.minipoch))]
+        if unpinned:
+            victim = max(unpinned, key=lambda f: f.minipoch)
+        elif not demand:
+            return None
+        elif pair.count < pair.limit or not idle:
+            # Every buffer is read by a load or holds an iterator's minipoch: one more buffer.
+            # (Loads are served one at a time, so "every buffer read by a load" cannot happen
+            # beyond the limit; growing then is still better than failing a load.)
+            log.debug("stream %d: extra shuffle buffer %d", stream, pair.count)
+            return pair.grow()
+        else:
+            victim = max(idle, key=lambda f: f.minipoch)
+        self.drop(victim, cancelled=True)
+        return victim.buffer_index
+
+    def _put(self, stream: int, minipoch: int, index: int, from_step: int, reason: str) -> Fill:
+        fill = self._start(stream, minipoch, index, from_step, reason)
+        self._fills[stream][minipoch] = fill
         return fill
 
     def drop(self, fill: Fill, *, cancelled: bool = False) -> None:
@@ -119,7 +182,7 @@ class FillTable:
 
     def prefetch_after(self, groups: Groups) -> None:
         for stream, nxt, needed in self.prefetches_due(groups):
-            self.ensure(stream, nxt, self.plan.first_step(nxt), keep=needed, reason="prefetch")
+            self.try_prefetch(stream, nxt, needed)
 
     def fail_all(self) -> None:
         """Closing: every fill fails (its waiters learn the engine closed) and writes no more."""
@@ -128,8 +191,11 @@ class FillTable:
             fill.fail(LoaderClosedError("the engine was closed"))
 
     def clear(self) -> None:
-        """Forget every fill and drop the buffers."""
+        """Forget every fill and drop the buffers (closing: freed now, not by the collector)."""
+        for fill in list(self._started):
+            forget(fill)
         self._fills = {s: {} for s in self.streams}
+        self._pins.clear()
         for pair in self._buffers.values():
             pair.drop()
 
@@ -156,6 +222,7 @@ class FillTable:
             write_after=write_after,
         )
         fill.drained.set()
+        self._started.add(fill)
         fill.units = plan_units(plan, fill, self._token_chunk)
         for unit in fill.units:
             for slot, *_ in unit.pieces:

@@ -1,0 +1,117 @@
+"""Many threads on one loader: every load succeeds with the oracle's batch, on every read path.
+
+A trainer walking the epoch with device prefetch, a second walker using ``load()``, and threads
+loading random steps all share one loader with small buffers (many minipochs, so their fills
+compete for the two buffers of each stream) over a store that answers with a little jittered
+latency, so fills are in flight while other threads need other minipochs. Before fills had owners
+a prefetch started by one thread cancelled the fill another thread's load was waiting for
+(``LoaderClosedError: ... fill cancelled``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+from conftest import oracle, random_sequences
+
+import asyncflat
+from asyncflat import EngineOptions, FlatTokensParams, ShufflingLoader, TokenBatchParams
+from asyncflat.faults import FaultyStore
+
+pytestmark = pytest.mark.timeout(120)
+
+SINGLE = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+BATCH = TokenBatchParams(len=16, batch=8)
+
+#: name -> (writer keyword arguments, sequence packing): direct Blosc on zarr 2 and 3, zarr's
+#: decoder through shards, and the unpacked path (seq_starts then tokens per block)
+PATHS: dict[str, tuple[dict[str, Any], bool]] = {
+    "blosc-v2": ({"zarr_format": 2, "chunk_tokens": 512}, True),
+    "blosc-v3": ({"zarr_format": 3, "chunk_tokens": 512}, True),
+    "sharded-v3": ({"zarr_format": 3, "chunk_tokens": 256, "shard_tokens": 1024}, True),
+    "unpacked": ({"zarr_format": 3, "chunk_tokens": 512}, False),
+}
+
+
+@pytest.fixture(scope="module")
+def sequences() -> list[np.ndarray]:
+    return random_sequences(11, 300, max_len=60)
+
+
+@pytest.mark.parametrize("kind", list(PATHS))
+def test_threads_loading_random_and_sequential_steps_all_get_the_oracles_batches(
+    kind: str, sequences: list[np.ndarray], tmp_path: Path
+) -> None:
+    writer_kwargs, packing = PATHS[kind]
+    path = str(tmp_path / "data.zarr")
+    asyncflat.write_flat_tokens(path, {"train": sequences}, **writer_kwargs)
+    params = FlatTokensParams(path, 2, 2, 4, seed=5, sequence_packing=packing)
+    expected = oracle(path, params, BATCH)
+    options = EngineOptions(prefetch_to_device=2, max_concurrent_reads=4)
+
+    def slow(store: Any) -> FaultyStore:
+        return FaultyStore(
+            store, latency_s=0.0005, latency_jitter_s=0.001, fault_keys="train/*/c/*", seed=1
+        )
+
+    errors: list[tuple[str, BaseException]] = []
+    checked = [0]
+    count_lock = threading.Lock()
+    started = time.monotonic()
+    with ShufflingLoader(
+        "train", params, BATCH, SINGLE, options=options, store_wrapper=slow
+    ) as loader:
+        steps = loader.step_count
+        assert steps > 30  # many minipochs: the threads' fills compete for the buffers
+
+        def check(step: int, batch: Any) -> None:
+            targets, starts = expected.batch(step)
+            np.testing.assert_array_equal(np.asarray(batch.targets), targets, err_msg=str(step))
+            np.testing.assert_array_equal(np.asarray(batch.is_seq_start), starts)
+            with count_lock:
+                checked[0] += 1
+
+        def guarded(name: str, work: Any) -> Any:
+            def run() -> None:
+                try:
+                    work()
+                except BaseException as exc:
+                    errors.append((name, exc))
+
+            return threading.Thread(target=run, name=f"test-{name}")
+
+        def trainer() -> None:  # walks the epoch through an iterator (device prefetch)
+            for step, batch in loader.iter():
+                check(step, batch)
+
+        def walker() -> None:  # walks the epoch from the middle with load()
+            for step in range(steps // 2, steps):
+                check(step, loader.load(step))
+
+        def random_loads(seed: int) -> None:
+            rng = np.random.default_rng(seed)
+            for step in rng.integers(0, steps, 80).tolist():
+                check(step, loader.load(step))
+
+        threads = [
+            guarded("trainer", trainer),
+            guarded("walker", walker),
+            *(guarded(f"random-{i}", lambda i=i: random_loads(i)) for i in range(3)),
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(90)
+        assert not any(t.is_alive() for t in threads), "a loading thread hung"
+        stats = loader.stats()
+    assert not errors, errors
+    assert checked[0] == steps + (steps - steps // 2) + 3 * 80
+    assert time.monotonic() - started < 60
+    # What concurrency costs: at most two extra buffers per stream, allocated once each.
+    assert stats.buffer_allocations <= 2 * (2 + 2), stats.buffer_allocations
