@@ -21,6 +21,8 @@ clauses on those builtins::
 
 from __future__ import annotations
 
+import re
+
 __all__ = [
     "ArgumentTypeError",
     "AsyncflatError",
@@ -33,6 +35,7 @@ __all__ = [
     "StepOutOfRangeError",
     "StorageError",
     "TransientStorageError",
+    "redact",
 ]
 
 
@@ -78,3 +81,25 @@ class LoaderClosedError(AsyncflatError, RuntimeError):
 
 class LoopReentryError(AsyncflatError, RuntimeError):
     """A blocking call was made from the engine's own event-loop thread (it would deadlock)."""
+
+
+_USERINFO = re.compile(
+    r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)"
+    r"(?:(?P<user>[^/@:\s]*):(?P<password>[^@\s]*)|(?P<token>[^/@:\s]+))@"
+)
+_QUERY_SECRET = re.compile(
+    r"(?i)(?P<key>[?&](?:token|access_token|sig|signature|x-amz-signature|x-amz-credential|"
+    r"x-amz-security-token|x-goog-signature|x-goog-credential|key|secret|password)=)[^&\s#'\"]+"
+)
+
+
+def redact(text: str) -> str:
+    """``text`` with the secrets of any URL in it removed: ``scheme://user:***@host`` (a bare
+    ``scheme://token@host`` becomes ``scheme://***@host``) and credential-like query parameters
+    (``?token=***``). Every message, log line and CLI output that shows a dataset URL uses it."""
+
+    def userinfo(match: re.Match[str]) -> str:
+        user = match.group("user")
+        return f"{match.group('scheme')}{user + ':' if user is not None else ''}***@"
+
+    return _QUERY_SECRET.sub(r"\g<key>***", _USERINFO.sub(userinfo, text))
