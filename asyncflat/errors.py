@@ -10,7 +10,8 @@ clauses on those builtins::
     ├── ConfigError            (ValueError)   invalid FlatTokensParams / TokenBatchParams / options
     │   └── ArgumentTypeError  (TypeError)    a public entry point got an argument of the wrong type
     ├── DatasetFormatError     (ValueError)   a store that is not a valid flat-tokens split
-    │   └── CorruptChunkError                 chunk bytes that do not decode
+    │   ├── CorruptChunkError                 chunk bytes that do not decode
+    │   └── DatasetTooLargeError (ConfigError) shapes whose plan would exceed its memory budget
     ├── StepOutOfRangeError    (IndexError)   load(step) outside [0, step_count)
     ├── StorageError           (OSError)      a read failed for good (after retries)
     │   └── TransientStorageError             a read failed in a way worth retrying
@@ -29,13 +30,16 @@ __all__ = [
     "ConfigError",
     "CorruptChunkError",
     "DatasetFormatError",
+    "DatasetTooLargeError",
     "LoadTimeoutError",
     "LoaderClosedError",
     "LoopReentryError",
     "StepOutOfRangeError",
     "StorageError",
     "TransientStorageError",
+    "carries_secret",
     "redact",
+    "scrubbed",
 ]
 
 
@@ -57,6 +61,12 @@ class DatasetFormatError(AsyncflatError, ValueError):
 
 class CorruptChunkError(DatasetFormatError):
     """Bytes of a chunk could not be decoded (truncated or corrupt object)."""
+
+
+class DatasetTooLargeError(DatasetFormatError, ConfigError):
+    """The split's shapes, with these parameters, would need more memory for the shuffle plan
+    than its budget (refused before allocating; also a :class:`ConfigError`, since other
+    parameters can fix it)."""
 
 
 class StepOutOfRangeError(AsyncflatError, IndexError):
@@ -103,3 +113,27 @@ def redact(text: str) -> str:
         return f"{match.group('scheme')}{user + ':' if user is not None else ''}***@"
 
     return _QUERY_SECRET.sub(r"\g<key>***", _USERINFO.sub(userinfo, text))
+
+
+def carries_secret(exc: BaseException) -> bool:
+    """Whether ``exc`` or any exception in its chain shows a URL secret :func:`redact` removes."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        text = str(current)
+        if redact(text) != text:
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def scrubbed(exc: BaseException, where: str) -> BaseException:
+    """``exc`` fit to show: asyncflat's own errors with their message redacted, anything else
+    (a filesystem's constructor, a credential exchange) as a :class:`StorageError` naming
+    ``where``. Raise the result ``from None`` when :func:`carries_secret`: no chained
+    traceback may carry the secret."""
+    if isinstance(exc, AsyncflatError):
+        text = str(exc)
+        return type(exc)(redact(text)) if redact(text) != text else exc
+    return StorageError(f"{redact(where)}: {type(exc).__name__}: {redact(str(exc))}")

@@ -34,16 +34,16 @@ import zarr
 import zarr.api.asynchronous as zarr_async
 from zarr.abc.store import Store
 
-from .storage.guarded import GuardedStore, guard_store
-
 from .errors import (
     AsyncflatError,
     ConfigError,
     CorruptChunkError,
     DatasetFormatError,
     StorageError,
+    carries_secret,
     redact,
 )
+from .storage.guarded import GuardedStore, guard_store
 
 __all__ = [
     "SPLITS",
@@ -347,20 +347,21 @@ async def _guarded(awaitable: Awaitable[_T], where: str, what: str, *, read: boo
         ) from exc
     except AsyncflatError:
         raise
-    except (KeyError, FileNotFoundError) as exc:
-        # zarr's Group/ArrayNotFoundError subclass FileNotFoundError; a missing child is KeyError.
-        raise DatasetFormatError(f"{where}: missing {what} ({type(exc).__name__}: {exc})") from exc
-    except OSError as exc:
-        raise StorageError(
-            f"{where}: storage error {'reading' if read else 'opening'} {what}: "
-            f"{type(exc).__name__}: {exc}"
-        ) from exc
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - re-raised below, chained unless it holds a secret
+        # A raw exception may show the store's URL with its credentials: redacted, and never
+        # chained into a traceback when it does.
+        cause = None if carries_secret(exc) else exc
+        detail = f"{type(exc).__name__}: {redact(str(exc))}"
+        if isinstance(exc, (KeyError, FileNotFoundError)):
+            # zarr's Group/ArrayNotFoundError subclass FileNotFoundError; a missing child is
+            # KeyError.
+            raise DatasetFormatError(f"{where}: missing {what} ({detail})") from cause
+        if isinstance(exc, OSError):
+            raise StorageError(
+                f"{where}: storage error {'reading' if read else 'opening'} {what}: {detail}"
+            ) from cause
         if read:
             raise CorruptChunkError(
-                f"{where}: reading {what} failed, its chunk does not decode: "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
-        raise DatasetFormatError(
-            f"{where}: invalid {what} metadata: {type(exc).__name__}: {exc}"
-        ) from exc
+                f"{where}: reading {what} failed, its chunk does not decode: {detail}"
+            ) from cause
+        raise DatasetFormatError(f"{where}: invalid {what} metadata: {detail}") from cause

@@ -29,7 +29,14 @@ from zarr.storage import LocalStore, WrapperStore
 
 from .._single_flight import SingleFlight
 from ..config import RetryPolicy
-from ..errors import AsyncflatError, CorruptChunkError, DatasetFormatError, StorageError
+from ..errors import (
+    AsyncflatError,
+    CorruptChunkError,
+    DatasetFormatError,
+    StorageError,
+    carries_secret,
+    redact,
+)
 from .blosc import frame_problem
 from .gate import METADATA_MAX_BYTES, ChunkGate, ChunkRejected, UnsupportedCodec, gate_for
 from .limiter import AdaptiveLimiter
@@ -155,8 +162,6 @@ class GuardedStore(PerKeyWrapperStore):
         _shared: _Shared | None = None,
     ) -> None:
         super().__init__(store)
-        from ..errors import redact
-
         self._shared = _shared or _Shared(
             redact(name).rstrip("/"),
             limiter,
@@ -312,8 +317,10 @@ class GuardedStore(PerKeyWrapperStore):
             buffer = await retrying(attempt, shared.retry, describe=describe, on_retry=count_retry)
         except AsyncflatError:
             raise
-        except Exception as exc:
-            raise StorageError(f"reading {describe()} failed: {type(exc).__name__}: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - re-raised, chained unless it holds a secret
+            raise StorageError(
+                f"reading {describe()} failed: {type(exc).__name__}: {redact(str(exc))}"
+            ) from (None if carries_secret(exc) else exc)
         io.requests += 1
         if buffer is None:
             if not key.endswith(METADATA_SUFFIXES) and not shared.allow_missing:
