@@ -22,6 +22,7 @@ clauses on those builtins::
 
 from __future__ import annotations
 
+import logging
 import re
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "StorageError",
     "TransientStorageError",
     "carries_secret",
+    "install_log_redaction",
     "redact",
     "scrubbed",
 ]
@@ -137,3 +139,34 @@ def scrubbed(exc: BaseException, where: str) -> BaseException:
         text = str(exc)
         return type(exc)(redact(text)) if redact(text) != text else exc
     return StorageError(f"{redact(where)}: {type(exc).__name__}: {redact(str(exc))}")
+
+
+_LOG_REDACTION: list[bool] = []
+
+
+def install_log_redaction() -> None:
+    """Redact URL secrets from every log record made from now on, asyncflat's and those of the
+    libraries under it (fsspec, aiohttp, botocore log URLs at DEBUG).
+
+    A log-record factory is the one place that sees every logger's records before any handler
+    formats them; it chains the factory installed before it, and touches only records whose
+    message :func:`redact` changes. Installed once, when asyncflat first opens a store.
+    """
+    if _LOG_REDACTION:
+        return
+    _LOG_REDACTION.append(True)
+    previous = logging.getLogRecordFactory()
+
+    def factory(*args: object, **kwargs: object) -> logging.LogRecord:
+        record = previous(*args, **kwargs)
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 - a malformed record is logging's to report
+            return record
+        if "://" in message or "=" in message:
+            clean = redact(message)
+            if clean != message:
+                record.msg, record.args = clean, None
+        return record
+
+    logging.setLogRecordFactory(factory)

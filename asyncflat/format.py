@@ -41,6 +41,7 @@ from .errors import (
     DatasetFormatError,
     StorageError,
     carries_secret,
+    install_log_redaction,
     redact,
 )
 from .storage.guarded import GuardedStore, guard_store
@@ -197,6 +198,7 @@ async def open_split(store: Store, split: str, *, name: str) -> SplitArrays:
     itself fails with an I/O error; the message names the store, the split or array, and what
     was expected versus found.
     """
+    install_log_redaction()
     name = redact(name)
     if split not in SPLITS:
         raise ConfigError(f"split must be one of {SPLITS}, got {split!r} (store {name})")

@@ -35,12 +35,14 @@ from .errors import (
     DatasetFormatError,
     DatasetTooLargeError,
     carries_secret,
+    install_log_redaction,
     redact,
     scrubbed,
 )
 from .format import SplitArrays, open_split
 from .plan import ShufflePlan
 from .source import ZarrTokenSource, _make_store
+from .storage.filesystems import close_store
 
 __all__ = [
     "LengthStats",
@@ -279,6 +281,7 @@ def verify_split(
 
 def _run(coro: Any, filespec: str) -> Any:
     """Run ``coro`` on a loop of its own; errors leave with any URL secret removed."""
+    install_log_redaction()
     runner = LoopThread(name="asyncflat-inspect", cpu_threads=2)
     try:
         return runner.run(coro)
@@ -292,7 +295,8 @@ def _run(coro: Any, filespec: str) -> Any:
 
 async def _open_arrays(
     filespec: str, split: str, storage_options: Mapping[str, Any] | None
-) -> SplitArrays:
+) -> tuple[SplitArrays, Any]:
+    """The split's arrays (through a guarded store) and the raw store, to close after."""
     try:
         store = _make_store(filespec, storage_options)
     except AsyncflatError:
@@ -300,14 +304,10 @@ async def _open_arrays(
     except Exception as exc:  # noqa: BLE001 - a filesystem constructor, credential exchange
         raise scrubbed(exc, filespec) from (None if carries_secret(exc) else exc)
     try:
-        return await open_split(store, split, name=filespec)
+        return await open_split(store, split, name=filespec), store
     except BaseException:
-        store.close()
+        await close_store(store)
         raise
-
-
-def _close_arrays(arrays: SplitArrays) -> None:
-    arrays.encoded_tokens.store_path.store.close()
 
 
 async def _open_source(
@@ -345,11 +345,11 @@ async def _describe(
     storage_options: Mapping[str, Any] | None,
     progress: bool,
 ) -> SplitSummary:
-    arrays = await _open_arrays(filespec, split, storage_options)
+    arrays, store = await _open_arrays(filespec, split, storage_options)
     try:
         return await _summarise(arrays, filespec, split, scan_lengths, storage_options, progress)
     finally:
-        _close_arrays(arrays)
+        await close_store(store)
 
 
 async def _summarise(
@@ -516,8 +516,8 @@ async def _verify(
     filespec: str, split: str, storage_options: Mapping[str, Any] | None, progress: bool
 ) -> VerifyReport:
     t0 = time.perf_counter()
-    arrays = await _open_arrays(filespec, split, storage_options)  # metadata, first and last
-    _close_arrays(arrays)
+    arrays, store = await _open_arrays(filespec, split, storage_options)  # metadata, ends
+    await close_store(store)
     source = await _open_source(filespec, split, storage_options)
     where = f"{redact(filespec).rstrip('/')}/{split}"
     try:
