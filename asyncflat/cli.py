@@ -360,9 +360,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     splits = [args.split] if args.split else list(SPLITS)
     loader_args = (args.len, args.batch)
     spb = args.sequences_per_block or (max(1, (1 << 20) // args.len) if args.len else 1)
-    report: dict[str, Any] = {"path": args.path, "splits": {}}
+    from .errors import redact
+
+    report: dict[str, Any] = {"path": redact(args.path), "splits": {}}
     if not args.json:
-        print(args.path)
+        print(redact(args.path))
     for split in splits:
         summary = describe_split(
             args.path, split, scan_lengths=not args.no_lengths, progress=not args.no_progress

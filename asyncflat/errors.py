@@ -10,7 +10,8 @@ clauses on those builtins::
     ├── ConfigError            (ValueError)   invalid FlatTokensParams / TokenBatchParams / options
     │   └── ArgumentTypeError  (TypeError)    a public entry point got an argument of the wrong type
     ├── DatasetFormatError     (ValueError)   a store that is not a valid flat-tokens split
-    │   └── CorruptChunkError                 chunk bytes that do not decode
+    │   ├── CorruptChunkError                 chunk bytes that do not decode
+    │   └── DatasetTooLargeError (ConfigError) shapes whose plan would exceed its memory budget
     ├── StepOutOfRangeError    (IndexError)   load(step) outside [0, step_count)
     ├── StorageError           (OSError)      a read failed for good (after retries)
     │   └── TransientStorageError             a read failed in a way worth retrying
@@ -21,18 +22,26 @@ clauses on those builtins::
 
 from __future__ import annotations
 
+import logging
+import re
+
 __all__ = [
     "ArgumentTypeError",
     "AsyncflatError",
     "ConfigError",
     "CorruptChunkError",
     "DatasetFormatError",
+    "DatasetTooLargeError",
     "LoadTimeoutError",
     "LoaderClosedError",
     "LoopReentryError",
     "StepOutOfRangeError",
     "StorageError",
     "TransientStorageError",
+    "carries_secret",
+    "install_log_redaction",
+    "redact",
+    "scrubbed",
 ]
 
 
@@ -54,6 +63,12 @@ class DatasetFormatError(AsyncflatError, ValueError):
 
 class CorruptChunkError(DatasetFormatError):
     """Bytes of a chunk could not be decoded (truncated or corrupt object)."""
+
+
+class DatasetTooLargeError(DatasetFormatError, ConfigError):
+    """The split's shapes, with these parameters, would need more memory for the shuffle plan
+    than its budget (refused before allocating; also a :class:`ConfigError`, since other
+    parameters can fix it)."""
 
 
 class StepOutOfRangeError(AsyncflatError, IndexError):
@@ -78,3 +93,80 @@ class LoaderClosedError(AsyncflatError, RuntimeError):
 
 class LoopReentryError(AsyncflatError, RuntimeError):
     """A blocking call was made from the engine's own event-loop thread (it would deadlock)."""
+
+
+_USERINFO = re.compile(
+    r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)"
+    r"(?:(?P<user>[^/@:\s]*):(?P<password>[^@\s]*)|(?P<token>[^/@:\s]+))@"
+)
+_QUERY_SECRET = re.compile(
+    r"(?i)(?P<key>[?&](?:token|access_token|sig|signature|x-amz-signature|x-amz-credential|"
+    r"x-amz-security-token|x-goog-signature|x-goog-credential|key|secret|password)=)[^&\s#'\"]+"
+)
+
+
+def redact(text: str) -> str:
+    """``text`` with the secrets of any URL in it removed: ``scheme://user:***@host`` (a bare
+    ``scheme://token@host`` becomes ``scheme://***@host``) and credential-like query parameters
+    (``?token=***``). Every message, log line and CLI output that shows a dataset URL uses it."""
+
+    def userinfo(match: re.Match[str]) -> str:
+        user = match.group("user")
+        return f"{match.group('scheme')}{user + ':' if user is not None else ''}***@"
+
+    return _QUERY_SECRET.sub(r"\g<key>***", _USERINFO.sub(userinfo, text))
+
+
+def carries_secret(exc: BaseException) -> bool:
+    """Whether ``exc`` or any exception in its chain shows a URL secret :func:`redact` removes."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        text = str(current)
+        if redact(text) != text:
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def scrubbed(exc: BaseException, where: str) -> BaseException:
+    """``exc`` fit to show: asyncflat's own errors with their message redacted, anything else
+    (a filesystem's constructor, a credential exchange) as a :class:`StorageError` naming
+    ``where``. Raise the result ``from None`` when :func:`carries_secret`: no chained
+    traceback may carry the secret."""
+    if isinstance(exc, AsyncflatError):
+        text = str(exc)
+        return type(exc)(redact(text)) if redact(text) != text else exc
+    return StorageError(f"{redact(where)}: {type(exc).__name__}: {redact(str(exc))}")
+
+
+_LOG_REDACTION: list[bool] = []
+
+
+def install_log_redaction() -> None:
+    """Redact URL secrets from every log record made from now on, asyncflat's and those of the
+    libraries under it (fsspec, aiohttp, botocore log URLs at DEBUG).
+
+    A log-record factory is the one place that sees every logger's records before any handler
+    formats them; it chains the factory installed before it, and touches only records whose
+    message :func:`redact` changes. Installed once, when asyncflat first opens a store.
+    """
+    if _LOG_REDACTION:
+        return
+    _LOG_REDACTION.append(True)
+    previous = logging.getLogRecordFactory()
+
+    def factory(*args: object, **kwargs: object) -> logging.LogRecord:
+        record = previous(*args, **kwargs)
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 - a malformed record is logging's to report
+            return record
+        if "://" in message or "=" in message:
+            clean = redact(message)
+            if clean != message:
+                record.msg, record.args = clean, None
+        return record
+
+    logging.setLogRecordFactory(factory)

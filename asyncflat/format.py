@@ -34,7 +34,17 @@ import zarr
 import zarr.api.asynchronous as zarr_async
 from zarr.abc.store import Store
 
-from .errors import AsyncflatError, ConfigError, CorruptChunkError, DatasetFormatError, StorageError
+from .errors import (
+    AsyncflatError,
+    ConfigError,
+    CorruptChunkError,
+    DatasetFormatError,
+    StorageError,
+    carries_secret,
+    install_log_redaction,
+    redact,
+)
+from .storage.guarded import GuardedStore, guard_store
 
 __all__ = [
     "SPLITS",
@@ -49,6 +59,12 @@ SPLITS: tuple[str, str] = ("train", "validation")
 
 #: Token ids must be strictly below this, so that ``2*id + 1`` fits in a uint32.
 TOKEN_ID_LIMIT: int = 1 << 31
+
+#: An array of more chunks than this must have chunks of at least ``MIN_CHUNK_ELEMENTS``: a read
+#: costs zarr (and the engine) one Python object per chunk, so a huge array of tiny chunks would
+#: make memory grow with the array, not with what is read.
+MANY_CHUNKS: int = 1 << 16
+MIN_CHUNK_ELEMENTS: int = 1 << 12
 
 _T = TypeVar("_T")
 
@@ -182,9 +198,14 @@ async def open_split(store: Store, split: str, *, name: str) -> SplitArrays:
     itself fails with an I/O error; the message names the store, the split or array, and what
     was expected versus found.
     """
+    install_log_redaction()
+    name = redact(name)
     if split not in SPLITS:
         raise ConfigError(f"split must be one of {SPLITS}, got {split!r} (store {name})")
     where = f"{name.rstrip('/')}/{split}"
+    if not isinstance(store, GuardedStore):
+        # Every chunk byte is checked before a decoder sees it, whoever opens the split.
+        store = guard_store(store, name, allow_missing=True)
 
     root = await _guarded(
         zarr_async.open_group(store=store, mode="r"), name, "flat-tokens zarr group"
@@ -199,6 +220,12 @@ async def open_split(store: Store, split: str, *, name: str) -> SplitArrays:
         _open_array(group, where, "encoded_tokens", np.dtype(np.uint32)),
         _open_array(group, where, "seq_starts", np.dtype(np.uint64)),
     )
+
+    for array, key in ((encoded_tokens, "encoded_tokens"), (seq_starts, "seq_starts")):
+        _check_chunking(array, f"{where}/{key}")
+    # From here on, chunk objects of both arrays are checked against their metadata (sizes,
+    # Blosc headers and block tables, decoded sizes) before zarr decodes any of them.
+    store.gate_arrays((encoded_tokens, seq_starts))
 
     if "max_token_id" not in group.attrs:
         raise DatasetFormatError(f"{where}: missing group attribute 'max_token_id'")
@@ -241,6 +268,22 @@ async def open_split(store: Store, split: str, *, name: str) -> SplitArrays:
         token_chunk=token_chunk,
         tokens_per_object=int(shards[0]) if shards else token_chunk,
     )
+
+
+def _check_chunking(array: Any, where: str) -> None:
+    chunk = int(array.chunks[0])
+    length = int(array.shape[0])
+    if length == 0:
+        return
+    count = -(-length // chunk) if chunk > 0 else 0
+    if chunk < 1:
+        raise DatasetFormatError(f"{where}: chunk size must be >= 1, got {chunk}")
+    if count > MANY_CHUNKS and chunk < MIN_CHUNK_ELEMENTS:
+        raise DatasetFormatError(
+            f"{where}: {count} chunks of {chunk} elements: an array of more than {MANY_CHUNKS} "
+            f"chunks needs chunks of at least {MIN_CHUNK_ELEMENTS} elements (reads cost one "
+            "object per chunk); rewrite it with larger chunks"
+        )
 
 
 async def _gather_in_order(*awaitables: Awaitable[Any]) -> list[Any]:
@@ -298,22 +341,29 @@ async def _guarded(awaitable: Awaitable[_T], where: str, what: str, *, read: boo
     """
     try:
         return await awaitable
+    except CorruptChunkError as exc:
+        if not read:
+            raise
+        raise CorruptChunkError(
+            f"{where}: reading {what} failed, its chunk does not decode: {exc}"
+        ) from exc
     except AsyncflatError:
         raise
-    except (KeyError, FileNotFoundError) as exc:
-        # zarr's Group/ArrayNotFoundError subclass FileNotFoundError; a missing child is KeyError.
-        raise DatasetFormatError(f"{where}: missing {what} ({type(exc).__name__}: {exc})") from exc
-    except OSError as exc:
-        raise StorageError(
-            f"{where}: storage error {'reading' if read else 'opening'} {what}: "
-            f"{type(exc).__name__}: {exc}"
-        ) from exc
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - re-raised below, chained unless it holds a secret
+        # A raw exception may show the store's URL with its credentials: redacted, and never
+        # chained into a traceback when it does.
+        cause = None if carries_secret(exc) else exc
+        detail = f"{type(exc).__name__}: {redact(str(exc))}"
+        if isinstance(exc, (KeyError, FileNotFoundError)):
+            # zarr's Group/ArrayNotFoundError subclass FileNotFoundError; a missing child is
+            # KeyError.
+            raise DatasetFormatError(f"{where}: missing {what} ({detail})") from cause
+        if isinstance(exc, OSError):
+            raise StorageError(
+                f"{where}: storage error {'reading' if read else 'opening'} {what}: {detail}"
+            ) from cause
         if read:
             raise CorruptChunkError(
-                f"{where}: reading {what} failed, its chunk does not decode: "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
-        raise DatasetFormatError(
-            f"{where}: invalid {what} metadata: {type(exc).__name__}: {exc}"
-        ) from exc
+                f"{where}: reading {what} failed, its chunk does not decode: {detail}"
+            ) from cause
+        raise DatasetFormatError(f"{where}: invalid {what} metadata: {detail}") from cause

@@ -28,10 +28,21 @@ from tqdm.auto import tqdm
 
 from ._loop import LoopThread
 from .config import FlatTokensParams, TokenBatchParams
-from .errors import ConfigError, CorruptChunkError, DatasetFormatError
+from .errors import (
+    AsyncflatError,
+    ConfigError,
+    CorruptChunkError,
+    DatasetFormatError,
+    DatasetTooLargeError,
+    carries_secret,
+    install_log_redaction,
+    redact,
+    scrubbed,
+)
 from .format import SplitArrays, open_split
 from .plan import ShufflePlan
 from .source import ZarrTokenSource, _make_store
+from .storage.filesystems import close_store
 
 __all__ = [
     "LengthStats",
@@ -52,6 +63,9 @@ _STARTS_WINDOW = 1 << 20
 #: Sequence lengths below this are counted exactly in a dense histogram; longer ones are kept
 #: in a list (there are at most token_count / this many of them).
 _DENSE_LENGTHS = 1 << 22
+#: Bytes per read block that loader_figures' arrays take at their peak (block order, buffer
+#: ids, first and last chunks, and the sort that deduplicates them).
+_FIGURES_BYTES_PER_BLOCK = 160
 
 
 # --------------------------------------------------------------------------------------------
@@ -171,7 +185,7 @@ def describe_split(
     windows) for the length statistics; without it only metadata is read. A ``seq_starts`` that
     is not strictly increasing raises :class:`DatasetFormatError`.
     """
-    return _run(_describe(filespec, split, scan_lengths, storage_options, progress))
+    return _run(_describe(filespec, split, scan_lengths, storage_options, progress), filespec)
 
 
 def loader_figures(
@@ -206,10 +220,20 @@ def loader_figures(
     streams_per_host = max(
         len(np.unique(rows[h * per_host : (h + 1) * per_host])) for h in range(hosts)
     )
+    need = _FIGURES_BYTES_PER_BLOCK * plan.read_block_count
+    if need > plan.plan_memory_budget:
+        raise DatasetTooLargeError(
+            f"{summary.filespec}/{summary.split}: {plan.read_block_count} read blocks; the "
+            f"figures need {need} bytes, more than the plan's budget of "
+            f"{plan.plan_memory_budget}; grow sequences_per_read_block"
+        )
     if params.sequence_packing:
         amplification = _packed_amplification(plan, summary.chunk_tokens)
     else:
-        amplification = _run(_unpacked_amplification(summary, plan, storage_options))
+        amplification = _run(
+            _unpacked_amplification(summary, plan, storage_options),
+            getattr(summary, "_filespec", summary.filespec),
+        )
     rows_used = plan.step_count * plan.batch
     return LoaderFigures(
         seq_count=plan.seq_count,
@@ -247,7 +271,7 @@ def verify_split(
     Returns a :class:`VerifyReport`; raises :class:`DatasetFormatError` naming the first
     offending index, or :class:`CorruptChunkError` naming the chunk that does not decode.
     """
-    return _run(_verify(filespec, split, storage_options, progress))
+    return _run(_verify(filespec, split, storage_options, progress), filespec)
 
 
 # --------------------------------------------------------------------------------------------
@@ -255,33 +279,46 @@ def verify_split(
 # --------------------------------------------------------------------------------------------
 
 
-def _run(coro: Any) -> Any:
+def _run(coro: Any, filespec: str) -> Any:
+    """Run ``coro`` on a loop of its own; errors leave with any URL secret removed."""
+    install_log_redaction()
     runner = LoopThread(name="asyncflat-inspect", cpu_threads=2)
     try:
         return runner.run(coro)
+    except AsyncflatError as exc:
+        if not carries_secret(exc):
+            raise
+        raise scrubbed(exc, filespec) from None
     finally:
         runner.close()
 
 
 async def _open_arrays(
     filespec: str, split: str, storage_options: Mapping[str, Any] | None
-) -> SplitArrays:
-    store = _make_store(filespec, storage_options)
+) -> tuple[SplitArrays, Any]:
+    """The split's arrays (through a guarded store) and the raw store, to close after."""
     try:
-        return await open_split(store, split, name=filespec)
-    except BaseException:
-        store.close()
+        store = _make_store(filespec, storage_options)
+    except AsyncflatError:
         raise
-
-
-def _close_arrays(arrays: SplitArrays) -> None:
-    arrays.encoded_tokens.store_path.store.close()
+    except Exception as exc:  # noqa: BLE001 - a filesystem constructor, credential exchange
+        raise scrubbed(exc, filespec) from (None if carries_secret(exc) else exc)
+    try:
+        return await open_split(store, split, name=filespec), store
+    except BaseException:
+        await close_store(store)
+        raise
 
 
 async def _open_source(
     filespec: str, split: str, storage_options: Mapping[str, Any] | None
 ) -> ZarrTokenSource:
-    return await ZarrTokenSource.open(filespec, split, storage_options=storage_options)
+    try:
+        return await ZarrTokenSource.open(filespec, split, storage_options=storage_options)
+    except AsyncflatError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a filesystem constructor, credential exchange
+        raise scrubbed(exc, filespec) from (None if carries_secret(exc) else exc)
 
 
 def _codec_names(array: Any) -> list[str]:
@@ -308,11 +345,11 @@ async def _describe(
     storage_options: Mapping[str, Any] | None,
     progress: bool,
 ) -> SplitSummary:
-    arrays = await _open_arrays(filespec, split, storage_options)
+    arrays, store = await _open_arrays(filespec, split, storage_options)
     try:
         return await _summarise(arrays, filespec, split, scan_lengths, storage_options, progress)
     finally:
-        _close_arrays(arrays)
+        await close_store(store)
 
 
 async def _summarise(
@@ -334,8 +371,8 @@ async def _summarise(
             lengths = scan.result()
         finally:
             await source.aclose()
-    return SplitSummary(
-        filespec=filespec,
+    summary = SplitSummary(
+        filespec=redact(filespec),
         split=split,
         zarr_format=arrays.zarr_format,
         token_count=arrays.token_count,
@@ -352,6 +389,9 @@ async def _summarise(
         seq_starts_nbytes_stored=int(await starts.nbytes_stored()),
         lengths=lengths,
     )
+    # The URL as given (with its credentials) stays off the shown fields, for later reads.
+    object.__setattr__(summary, "_filespec", filespec)
+    return summary
 
 
 class _LengthScan:
@@ -476,10 +516,10 @@ async def _verify(
     filespec: str, split: str, storage_options: Mapping[str, Any] | None, progress: bool
 ) -> VerifyReport:
     t0 = time.perf_counter()
-    arrays = await _open_arrays(filespec, split, storage_options)  # metadata, first and last
-    _close_arrays(arrays)
+    arrays, store = await _open_arrays(filespec, split, storage_options)  # metadata, ends
+    await close_store(store)
     source = await _open_source(filespec, split, storage_options)
-    where = f"{filespec.rstrip('/')}/{split}"
+    where = f"{redact(filespec).rstrip('/')}/{split}"
     try:
         starts_chunk = int(arrays.seq_starts.chunks[0])
         starts_reads = 0
@@ -499,7 +539,7 @@ async def _verify(
     finally:
         await source.aclose()
     return VerifyReport(
-        filespec=filespec,
+        filespec=redact(filespec),
         split=split,
         token_count=arrays.token_count,
         sequence_count=arrays.sequence_count,
@@ -617,7 +657,8 @@ async def _unpacked_amplification(
     used = plan.read_block_count * spb + 1  # the seq_starts entries the blocks cover
     bounds: list[np.ndarray] = []
     kept = 0
-    source = await _open_source(summary.filespec, summary.split, storage_options)
+    filespec = getattr(summary, "_filespec", summary.filespec)
+    source = await _open_source(filespec, summary.split, storage_options)
     try:
         scan_chunk = int(spb * max(1, _STARTS_WINDOW // spb))  # windows start on block bounds
         previous: int | None = None

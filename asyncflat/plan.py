@@ -52,7 +52,7 @@ import functools
 import numpy as np
 
 from .config import FlatTokensParams, TokenBatchParams
-from .errors import ConfigError, StepOutOfRangeError
+from .errors import ConfigError, DatasetTooLargeError, StepOutOfRangeError
 from .permutation import permutation
 
 __all__ = ["EPOCH_SEED_STRIDE", "NEVER", "RowLocation", "ShufflePlan", "epoch_seed"]
@@ -62,6 +62,14 @@ NEVER = np.iinfo(np.int64).max
 
 #: Above this share of a split left unserved by rounding, the loader and ``inspect`` warn.
 DROP_WARNING_FRACTION = 0.01
+
+#: Memory the plan's index arrays may take: ``PLAN_BYTES_PER_BLOCK`` per read block (the
+#: permutation's random draws, its result and ``inspect``'s per-block arrays), up to the larger
+#: of ``PLAN_MEMORY_FLOOR`` and the shuffle buffers of every stream (``2 * streams *
+#: buffer_bytes``). Metadata asking for more (a hostile or mistaken shape) is refused before
+#: anything is allocated.
+PLAN_BYTES_PER_BLOCK = 32
+PLAN_MEMORY_FLOOR = 512 << 20
 
 #: Distance between the seeds of consecutive epochs (see the module docstring).
 EPOCH_SEED_STRIDE = 1 << 64
@@ -153,6 +161,16 @@ class ShufflePlan:
                 f"{self.read_block_count} read blocks exceed the permutation's limit of 2**32; "
                 "grow sequences_per_read_block"
             )
+        need = PLAN_BYTES_PER_BLOCK * self.read_block_count
+        budget = self.plan_memory_budget
+        if need > budget:
+            raise DatasetTooLargeError(
+                f"the split's {self.seq_count} rows make {self.read_block_count} read blocks, "
+                f"whose shuffle plan needs {need} bytes, more than its budget of {budget} bytes "
+                f"(the larger of {PLAN_MEMORY_FLOOR} and the shuffle buffers' 2 * streams * "
+                "buffer_bytes); grow sequences_per_read_block or read_blocks_per_shuffle_buffer, "
+                "or check the dataset's shapes"
+            )
         if self.step_count == 0:
             raise ConfigError(
                 f"the split yields {self.read_block_count * self.sequences_per_read_block} rows, "
@@ -166,6 +184,11 @@ class ShufflePlan:
         """Blocks used, rounded down to a multiple of streams (the rest of the data is skipped)."""
         blocks = self.seq_count // self.sequences_per_read_block
         return blocks // self.streams * self.streams
+
+    @property
+    def plan_memory_budget(self) -> int:
+        """Bytes the plan's per-block arrays may take (see ``PLAN_BYTES_PER_BLOCK``)."""
+        return max(PLAN_MEMORY_FLOOR, 2 * self.streams * self.buffer_bytes)
 
     @property
     def blocks_per_stream(self) -> int:

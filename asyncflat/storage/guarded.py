@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+import stat
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from zarr.abc.store import (
     ByteRequest,
@@ -22,12 +25,20 @@ from zarr.abc.store import (
     SuffixByteRequest,
 )
 from zarr.core.buffer import Buffer, BufferPrototype
-from zarr.storage import WrapperStore
+from zarr.storage import LocalStore, WrapperStore
 
 from .._single_flight import SingleFlight
 from ..config import RetryPolicy
-from ..errors import AsyncflatError, CorruptChunkError, StorageError
+from ..errors import (
+    AsyncflatError,
+    CorruptChunkError,
+    DatasetFormatError,
+    StorageError,
+    carries_secret,
+    redact,
+)
 from .blosc import frame_problem
+from .gate import METADATA_MAX_BYTES, ChunkGate, ChunkRejected, UnsupportedCodec, gate_for
 from .limiter import AdaptiveLimiter
 from .retry import is_throttle, retrying
 
@@ -37,6 +48,7 @@ __all__ = [
     "IOCounters",
     "PerKeyWrapperStore",
     "describe_range",
+    "guard_store",
 ]
 
 METADATA_SUFFIXES = ("zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata")
@@ -114,6 +126,26 @@ class _Shared:
     #: Key prefixes of arrays whose chunk objects are single Blosc frames: checked before any
     #: decoder sees them.
     blosc_frames: set[str]
+    #: Key prefix of each gated array -> what its chunk objects may be (see :mod:`.gate`).
+    gates: dict[str, ChunkGate] = dataclasses.field(default_factory=dict)
+    #: The real directory of a local store under the wrappers: objects are checked with
+    #: ``lstat`` before they are opened (regular files inside the store, not too large).
+    local_root: str | None = None
+    #: Serve a missing chunk as zarr would (fill values) instead of refusing it: for readers
+    #: of metadata and end entries that zarr's writer may have left unwritten (empty splits).
+    allow_missing: bool = False
+
+
+def _local_root(store: Store) -> str | None:
+    """The directory of the LocalStore at the bottom of a chain of wrappers, if any."""
+    for _ in range(16):
+        if isinstance(store, LocalStore):
+            return os.path.realpath(str(store.root))
+        inner = getattr(store, "_store", None)
+        if not isinstance(inner, Store):
+            return None
+        store = inner
+    return None
 
 
 class GuardedStore(PerKeyWrapperStore):
@@ -131,7 +163,13 @@ class GuardedStore(PerKeyWrapperStore):
     ) -> None:
         super().__init__(store)
         self._shared = _shared or _Shared(
-            name.rstrip("/"), limiter, retry, io, SingleFlight(_SUFFIX_CACHE_ENTRIES), set()
+            redact(name).rstrip("/"),
+            limiter,
+            retry,
+            io,
+            SingleFlight(_SUFFIX_CACHE_ENTRIES),
+            set(),
+            local_root=_local_root(store),
         )
 
     def _with_store(self, store: Store) -> GuardedStore:
@@ -147,6 +185,82 @@ class GuardedStore(PerKeyWrapperStore):
     def check_blosc_frames(self, prefixes: Iterable[str]) -> None:
         """Check whole objects under these key prefixes as single Blosc frames from now on."""
         self._shared.blosc_frames.update(prefixes)
+
+    def gate_arrays(self, arrays: Iterable[Any]) -> None:
+        """Check every chunk object of these zarr arrays with their :class:`ChunkGate` from now
+        on. Raises :class:`DatasetFormatError` for an array whose codecs cannot be bounded."""
+        for array in arrays:
+            try:
+                gate = gate_for(array)
+            except UnsupportedCodec as exc:
+                raise DatasetFormatError(
+                    f"{self._shared.name}/{array.store_path.path}: {exc}: asyncflat reads only "
+                    "codecs whose decoded size it can bound before decoding (Blosc, zstd, gzip, "
+                    "zlib, bz2, lzma, lz4, crc32c, sharding)"
+                ) from None
+            self._shared.gates[f"{array.store_path.path}/"] = gate
+
+    def _gate(self, key: str) -> ChunkGate | None:
+        """The gate of the array ``key`` belongs to (the longest registered prefix)."""
+        best: tuple[int, ChunkGate] | None = None
+        for prefix, gate in self._shared.gates.items():
+            if key.startswith(prefix) and (best is None or len(prefix) > best[0]):
+                best = (len(prefix), gate)
+        return best[1] if best else None
+
+    def _check_local(
+        self, key: str, gate: ChunkGate | None, describe: Callable[[], str]
+    ) -> int | None:
+        """``lstat`` a local object before anything opens it: it must be a regular file inside
+        the store (a symlink may point only inside it), no larger than a legal encoding of its
+        chunk. A FIFO, a device or an 8 GiB sparse file is refused unread. Returns its size."""
+        root = self._shared.local_root
+        if root is None:
+            return None
+        path = os.path.join(root, key)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return None  # the store reports it (missing chunk, or absent metadata)
+        except OSError as exc:
+            raise StorageError(f"reading {describe()} failed: {exc}") from None
+        metadata = key.endswith(METADATA_SUFFIXES)
+        error = DatasetFormatError if metadata else CorruptChunkError
+        if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
+            real = os.path.realpath(path)
+            if os.path.commonpath([real, root]) != root:
+                raise error(f"{describe()}: is a symlink to {real}, outside the store {root}")
+            try:
+                st = os.stat(real)
+            except OSError as exc:
+                raise error(f"{describe()}: is a broken symlink: {exc}") from None
+        else:
+            real = os.path.realpath(path)  # a directory on the way may be a symlink
+            if os.path.commonpath([real, root]) != root:
+                raise error(f"{describe()}: resolves to {real}, outside the store {root}")
+        if not stat.S_ISREG(st.st_mode):
+            kind = (
+                "a FIFO"
+                if stat.S_ISFIFO(st.st_mode)
+                else "a device"
+                if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
+                else "a directory"
+                if stat.S_ISDIR(st.st_mode)
+                else "not a regular file"
+            )
+            raise error(f"{describe()}: is {kind}, not a regular file: refused unread")
+        cap = METADATA_MAX_BYTES if metadata else gate.max_object_bytes if gate else None
+        if cap is not None and st.st_size > cap:
+            raise error(
+                f"{describe()}: object has {st.st_size} bytes, more than "
+                + (
+                    f"the {cap}-byte limit for metadata"
+                    if metadata
+                    else f"any legal encoding of its chunk ({cap} bytes)"
+                )
+                + ": refused unread"
+            )
+        return st.st_size
 
     def forget_indexes(self) -> None:
         """Drop the cached shard indexes: bytes under them failed to decode, re-read them."""
@@ -175,6 +289,9 @@ class GuardedStore(PerKeyWrapperStore):
         def describe() -> str:
             return f"{shared.name}/{key} ({describe_range(byte_range)})"
 
+        gate = self._gate(key)
+        object_size = self._check_local(key, gate, describe)
+
         async def attempt() -> Buffer | None:
             epoch = await shared.limiter.acquire()
             io.in_flight += 1
@@ -200,20 +317,53 @@ class GuardedStore(PerKeyWrapperStore):
             buffer = await retrying(attempt, shared.retry, describe=describe, on_retry=count_retry)
         except AsyncflatError:
             raise
-        except Exception as exc:
-            raise StorageError(f"reading {describe()} failed: {type(exc).__name__}: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - re-raised, chained unless it holds a secret
+            raise StorageError(
+                f"reading {describe()} failed: {type(exc).__name__}: {redact(str(exc))}"
+            ) from (None if carries_secret(exc) else exc)
         io.requests += 1
         if buffer is None:
-            if not key.endswith(METADATA_SUFFIXES):
+            if not key.endswith(METADATA_SUFFIXES) and not shared.allow_missing:
                 # zarr would silently serve fill values for a lost chunk: refuse instead.
                 raise CorruptChunkError(
                     f"{describe()}: chunk object is missing from the store (404 / not found)"
                 )
             return None
-        if not key.endswith(METADATA_SUFFIXES):
+        if key.endswith(METADATA_SUFFIXES):
+            if len(buffer) > METADATA_MAX_BYTES:
+                raise DatasetFormatError(
+                    f"{describe()}: metadata has {len(buffer)} bytes, more than the "
+                    f"{METADATA_MAX_BYTES}-byte limit"
+                )
+        else:
             self._check_chunk(key, byte_range, buffer, describe)
+            if gate is not None:
+                self._check_gate(gate, byte_range, buffer, object_size, describe)
         io.bytes_read += len(buffer)
         return buffer
+
+    def _check_gate(
+        self,
+        gate: ChunkGate,
+        byte_range: ByteRequest | None,
+        buffer: Buffer,
+        object_size: int | None,
+        describe: Callable[[], str],
+    ) -> None:
+        """Check the bytes against what the array's metadata allows, before any decoder."""
+        data = memoryview(buffer.as_numpy_array().view("u1"))
+        try:
+            if byte_range is None:
+                gate.check(data)
+            elif gate.inner is not None:
+                gate.check_range(byte_range, data, object_size)
+        except ChunkRejected as exc:
+            if byte_range is not None:
+                self.forget_indexes()  # an inner chunk's range came from a cached index
+            raise CorruptChunkError(
+                f"{describe()}: chunk object of {gate.array} does not decode (refused before "
+                f"decoding: {exc})"
+            ) from None
 
     def _check_chunk(
         self,
@@ -232,7 +382,11 @@ class GuardedStore(PerKeyWrapperStore):
                 f"{where}: chunk object is truncated: got {len(buffer)} bytes"
                 + (f", expected {wanted}" if wanted is not None else "")
             )
-        if byte_range is None and key.startswith(tuple(self._shared.blosc_frames)):
+        if (
+            byte_range is None
+            and key.startswith(tuple(self._shared.blosc_frames))
+            and self._gate(key) is None
+        ):
             # c-blosc trusts the length in the frame's header: a truncated frame would be
             # decoded by reading past the end of the object (garbage, or a crash).
             problem = frame_problem(buffer.as_numpy_array())
@@ -240,3 +394,23 @@ class GuardedStore(PerKeyWrapperStore):
                 raise CorruptChunkError(
                     f"{where}: chunk object is not a whole Blosc frame: {problem}"
                 )
+
+
+def guard_store(
+    store: Store, name: str, *, max_concurrent_requests: int = 16, allow_missing: bool = False
+) -> GuardedStore:
+    """``store`` behind a guarded store with default limits (for one-off readers).
+
+    ``allow_missing``: a missing chunk reads as zarr's fill values (the chunks zarr leaves
+    unwritten) instead of raising; every chunk that exists is still checked.
+    """
+    io = IOCounters()
+    guarded = GuardedStore(
+        store,
+        name=name,
+        limiter=AdaptiveLimiter(max_concurrent_requests, io),
+        retry=RetryPolicy(),
+        io=io,
+    )
+    guarded._shared.allow_missing = allow_missing
+    return guarded

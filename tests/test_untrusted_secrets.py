@@ -1,0 +1,137 @@
+"""Credentials never leak: a run with a secret in the URL and in storage_options is grepped.
+
+A dataset is served over HTTP on 127.0.0.1 and read as ``http://reader:SECRET@127.0.0.1:PORT/...``
+(fsspec's HTTP filesystem sends the userinfo as basic auth), with another secret in a header in
+``storage_options``. Every exception message (and its chain), every log record at DEBUG (ours and
+the libraries' under us) and all output of ``python -m asyncflat inspect`` must be free of both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import http.server
+import logging
+import os
+import subprocess
+import sys
+import threading
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import asyncflat
+from asyncflat.errors import AsyncflatError, redact
+from asyncflat.inspection import describe_split, verify_split
+
+pytestmark = pytest.mark.timeout(300)
+
+REPO = Path(__file__).resolve().parent.parent
+SECRET = "s3cr3t-PASSWORD-9f1c"
+HEADER_SECRET = "Bearer tok-HEADER-77ab"
+OPTIONS = {"headers": {"X-Api-Key": HEADER_SECRET}}
+
+
+class _Quiet(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def serve(directory: Path) -> Iterator[int]:
+    handler = functools.partial(_Quiet, directory=str(directory))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield httpd.server_address[1]
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+@pytest.fixture()
+def served(tmp_path: Path) -> Iterator[str]:
+    rng = np.random.default_rng(1)
+    seqs = [rng.integers(0, 50, size=int(n)) for n in rng.integers(4, 24, size=40)]
+    asyncflat.write_flat_tokens(
+        tmp_path / "d.zarr", {"train": seqs, "validation": seqs[:12]}, zarr_format=2
+    )
+    with serve(tmp_path) as port:
+        yield f"http://reader:{SECRET}@127.0.0.1:{port}"
+
+
+def chain_text(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(exc))
+
+
+def assert_clean(text: str, what: str) -> None:
+    assert SECRET not in text, f"{what} shows the URL password:\n{text[-3000:]}"
+    assert "tok-HEADER" not in text, f"{what} shows the header secret:\n{text[-3000:]}"
+
+
+def test_redact_removes_userinfo_and_query_secrets() -> None:
+    assert (
+        redact(f"see http://reader:{SECRET}@h:1/x.zarr/a") == "see http://reader:***@h:1/x.zarr/a"
+    )
+    assert redact("s3://AKIA:abc/def@bucket/k") == "s3://AKIA:***@bucket/k"
+    assert redact("https://ghp_token@host/x") == "https://***@host/x"
+    assert redact("gs://b/x?token=abc&alt=media") == "gs://b/x?token=***&alt=media"
+    assert redact("/plain/path and gs://bucket/key") == "/plain/path and gs://bucket/key"
+
+
+def test_no_secret_in_results_errors_or_logs(served: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    url = f"{served}/d.zarr"
+    summary = describe_split(url, "train", storage_options=OPTIONS)
+    assert summary.token_count > 0 and summary.lengths is not None
+    assert_clean(repr(summary) + str(summary.to_dict()), "the summary")
+    assert summary.filespec.startswith("http://reader:***@127.0.0.1:")
+    report = verify_split(url, "train", storage_options=OPTIONS)
+    assert_clean(repr(report), "the verify report")
+
+    failures = []
+    for bad in (f"{served}/missing.zarr", f"{served}/d.zarr/train", f"{served}/d.zarr"):
+        for call in (
+            lambda u=bad: describe_split(u, "validation" if u.endswith("d.zarr") else "train"),
+            lambda u=bad: verify_split(u, "train", storage_options=OPTIONS),
+        ):
+            try:
+                call()
+            except AsyncflatError as exc:
+                failures.append(exc)
+    # Damaged store over HTTP: the chunk refusal names the object, without the password.
+    assert len(failures) >= 4, failures
+    for exc in failures:
+        assert_clean(chain_text(exc), "an exception")
+        assert "***@127.0.0.1" in str(exc) or "127.0.0.1" not in str(exc), str(exc)
+    records = [r.getMessage() for r in caplog.records]
+    assert any("127.0.0.1" in m for m in records) or records, "expected some DEBUG records"
+    for message in records:
+        assert_clean(message, "a log record")
+
+
+def test_no_secret_in_cli_output(served: str) -> None:
+    env = dict(os.environ, ASYNCFLAT_NO_PROGRESS="1")
+    for args in (
+        ["inspect", f"{served}/d.zarr", "--verify", "-vv"],
+        ["inspect", f"{served}/d.zarr", "--json"],
+        ["inspect", f"{served}/nothing-here.zarr", "-vv"],
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "asyncflat", *args],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+        assert_clean(proc.stdout + proc.stderr, f"asyncflat {' '.join(args[:1])} output")
+        if "nothing-here" in args[1]:
+            assert proc.returncode == 1 and "reader:***@" in proc.stderr, proc.stderr
+        else:
+            assert proc.returncode == 0, proc.stderr
+            assert "reader:***@127.0.0.1" in proc.stdout, proc.stdout
