@@ -20,7 +20,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
 import numpy as np
@@ -326,7 +326,7 @@ def _codec_names(array: Any) -> list[str]:
     for codec in (*array.filters, *array.compressors):
         cname = getattr(codec, "cname", None)
         if cname is not None:  # Blosc (zarr 3 codec or numcodecs)
-            shuffle = getattr(codec, "shuffle", None)
+            shuffle: Any = getattr(codec, "shuffle", None)
             shuffle = getattr(shuffle, "value", shuffle)
             shuffle = {0: "noshuffle", 1: "shuffle", 2: "bitshuffle"}.get(shuffle, shuffle)
             names.append(
@@ -481,7 +481,7 @@ async def _read_checked(
 
 async def _seq_start_windows(
     source: ZarrTokenSource, chunk: int, progress: bool, stop: int | None = None
-) -> AsyncIterator[tuple[int, np.ndarray]]:
+) -> AsyncGenerator[tuple[int, np.ndarray], None]:
     """Yield consecutive windows ``(base, seq_starts[base : base + len(window)])`` (uint64) of the
     first ``stop`` entries (all by default), checking that the entries strictly increase, within
     and across windows, and naming the first index where they do not."""
@@ -554,7 +554,7 @@ async def _verify(
 class _StartCursor:
     """Hands out the seq_starts entries in successive token ranges, reading windows as needed."""
 
-    def __init__(self, windows: AsyncIterator[tuple[int, np.ndarray]]) -> None:
+    def __init__(self, windows: AsyncGenerator[tuple[int, np.ndarray], None]) -> None:
         self.windows = windows
         self.pending = np.zeros(0, np.uint64)  # entries read but not yet handed out
         self.index = 0  # the index in seq_starts of pending[0]

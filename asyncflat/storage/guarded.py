@@ -351,7 +351,7 @@ class GuardedStore(PerKeyWrapperStore):
         describe: Callable[[], str],
     ) -> None:
         """Check the bytes against what the array's metadata allows, before any decoder."""
-        data = memoryview(buffer.as_numpy_array().view("u1"))
+        data = memoryview(buffer.as_numpy_array().view("u1").data)
         try:
             if byte_range is None:
                 gate.check(data)
