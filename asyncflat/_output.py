@@ -395,15 +395,9 @@ def open_output(
 
 async def _close_filesystem(fs: Any) -> None:
     """Close the HTTP sessions of ``fs`` on zarr's loop (the one that made them)."""
-    fs = getattr(fs, "sync_fs", fs)  # fsspec's wrapper of a synchronous filesystem
-    session = getattr(fs, "_session", None)  # gcsfs, fsspec's http: an aiohttp.ClientSession
-    if session is not None and hasattr(session, "close") and not getattr(session, "closed", True):
-        await session.close()
-    creator = getattr(fs, "_s3creator", None)  # s3fs: the aiobotocore client's context manager
-    if creator is not None:
-        fs._s3creator = None
-        fs._s3 = None
-        await creator.__aexit__(None, None, None)
+    from .storage.filesystems import close_filesystem
+
+    await close_filesystem(getattr(fs, "sync_fs", fs))  # unwrap fsspec's sync-filesystem wrapper
 
 
 def _fsync_tree(root: str) -> None:

@@ -53,7 +53,7 @@ from .corpus import (
     iter_file_documents,
 )
 from .errors import ConfigError
-from .format import SPLITS, TOKEN_ID_LIMIT
+from .format import SPLITS
 from .tokenizer import (  # the tokenizer classes are re-exported for existing callers
     BytesTokenizer,
     HuggingFaceTokenizer,
@@ -61,6 +61,7 @@ from .tokenizer import (  # the tokenizer classes are re-exported for existing c
     TiktokenTokenizer,
     Tokenizer,
     TokenizerError,
+    check_tokenizer,
     load_tokenizer,
     tokenize_batch,
 )
@@ -254,14 +255,7 @@ def _batched(items: Iterable[Any], size: int, chars: int = CHARS_PER_BATCH) -> I
 
 
 def _check_options(tok: Tokenizer, validation_fraction: float, workers: Any) -> None:
-    if tok.vocab_size > TOKEN_ID_LIMIT:
-        raise ConfigError(f"tokenizer {tok.spec!r} has {tok.vocab_size} ids, over the 2**31 limit")
-    if not tok.zero_reserved:
-        log.warning(
-            "tokenizer %s uses id 0 for an ordinary token; flat-tokens loaders pad non-packed rows "
-            "with id 0, so padding will look like that token",
-            tok.spec,
-        )
+    check_tokenizer(tok)
     validation_mask(np.zeros(0), validation_fraction, seed=0)  # validate the fraction up front
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
         raise ConfigError(f"workers must be an integer >= 0, got {workers!r}")

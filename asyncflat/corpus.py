@@ -300,7 +300,8 @@ def check_max_document_bytes(value: Any) -> int:
     return value
 
 
-def _iter_parquet(path: Path, text_field: str, max_document_bytes: int) -> Iterator[str]:
+def open_parquet(path: Path, text_field: str) -> Any:
+    """A ``pyarrow.parquet.ParquetFile`` that has a ``text_field`` column, or a clear error."""
     try:
         import pyarrow.parquet as pq
     except ImportError as exc:
@@ -311,6 +312,11 @@ def _iter_parquet(path: Path, text_field: str, max_document_bytes: int) -> Itera
     names = parquet.schema_arrow.names
     if text_field not in names:
         raise ConfigError(f"{path}: no column {text_field!r} (columns: {', '.join(names)})")
+    return parquet
+
+
+def _iter_parquet(path: Path, text_field: str, max_document_bytes: int) -> Iterator[str]:
+    parquet = open_parquet(path, text_field)
     row = 0
     for batch in parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=[text_field]):
         for value in batch.column(0).to_pylist():

@@ -13,6 +13,7 @@ waits forever), becomes a picklable :class:`TokenizerError` with a one-line mess
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -22,6 +23,8 @@ from typing import Protocol
 import numpy as np
 
 from .errors import AsyncflatError, ConfigError
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "BytesTokenizer",
@@ -257,3 +260,17 @@ def one_line(message: str) -> str:
     """``message`` on one line, cut to a readable length."""
     text = " ".join(message.split())
     return text if len(text) <= _MESSAGE_CHARS else text[: _MESSAGE_CHARS - 3] + "..."
+
+
+def check_tokenizer(tok: Tokenizer) -> None:
+    """Refuse a vocabulary over the format's id limit; warn when id 0 is an ordinary token."""
+    from .format import TOKEN_ID_LIMIT
+
+    if tok.vocab_size > TOKEN_ID_LIMIT:
+        raise ConfigError(f"tokenizer {tok.spec!r} has {tok.vocab_size} ids, over the 2**31 limit")
+    if not tok.zero_reserved:
+        log.warning(
+            "tokenizer %s uses id 0 for an ordinary token; flat-tokens loaders pad non-packed rows "
+            "with id 0, so padding will look like that token",
+            tok.spec,
+        )

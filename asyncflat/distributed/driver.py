@@ -15,7 +15,8 @@ import numpy as np
 from .._typecheck import checked
 from ..convert import ConvertReport, load_tokenizer, validation_mask
 from ..errors import ConfigError
-from ..format import SPLITS, TOKEN_ID_LIMIT
+from ..format import SPLITS
+from ..tokenizer import check_tokenizer
 from ..writer import _positive_int
 from .engines import Engine, InProcessEngine, RayEngine
 from .layout import SplitLayout, StatsJob, plan_writes, split_stats
@@ -86,14 +87,7 @@ def convert_distributed(
     """
     t0 = time.perf_counter()
     tok = load_tokenizer(tokenizer)
-    if tok.vocab_size > TOKEN_ID_LIMIT:
-        raise ConfigError(f"tokenizer {tok.spec!r} has {tok.vocab_size} ids, over the 2**31 limit")
-    if not tok.zero_reserved:
-        log.warning(
-            "tokenizer %s uses id 0 for an ordinary token; flat-tokens loaders pad non-packed rows "
-            "with id 0, so padding will look like that token",
-            tok.spec,
-        )
+    check_tokenizer(tok)
     validation_mask(np.zeros(0), validation_fraction, seed)
     if isinstance(engine, str) and engine not in ("ray", "local"):
         raise ConfigError(f"engine must be 'ray', 'local' or an Engine, got {engine!r}")

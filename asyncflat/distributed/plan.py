@@ -23,6 +23,7 @@ from typing import Any
 
 from ..convert import _expand
 from ..corpus import file_suffix as _suffix
+from ..corpus import open_parquet
 from ..errors import ConfigError
 
 __all__ = ["Plan", "Unit", "make_plan", "tokenizer_fingerprint"]
@@ -159,16 +160,7 @@ def _line_bounds(path: Path, size: int, unit_bytes: int) -> list[int]:
 
 def _row_groups(path: Path, text_field: str) -> list[tuple[int, int, int]]:
     """(row group, its first row, its compressed bytes) for each row group of a parquet file."""
-    try:
-        import pyarrow.parquet as pq
-    except ImportError as exc:
-        raise ConfigError(
-            f"{path}: reading parquet needs pyarrow: pip install 'asyncflat[convert]'"
-        ) from exc
-    parquet = pq.ParquetFile(path)
-    names = parquet.schema_arrow.names
-    if text_field not in names:
-        raise ConfigError(f"{path}: no column {text_field!r} (columns: {', '.join(names)})")
+    parquet = open_parquet(path, text_field)
     meta = parquet.metadata
     out = []
     row = 0
