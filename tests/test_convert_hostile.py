@@ -43,7 +43,8 @@ def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str
         "try:\n"
         "    rc = main(sys.argv[1:])\n"
         "finally:\n"
-        "    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        # VmHWM, not ru_maxrss: Linux carries ru_maxrss over exec from the pytest parent.
+        "    kib = next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM:'))\n"
         "    print(f'MAXRSS {kib}', file=sys.stderr)\n"
         "sys.exit(rc)\n"
     )

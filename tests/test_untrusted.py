@@ -75,7 +75,8 @@ except BaseException as exc:
     out["error"] = type(exc).__name__
     out["mro"] = [c.__name__ for c in type(exc).__mro__]
     out["message"] = str(exc)
-out["maxrss_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+# VmHWM, not ru_maxrss: Linux carries ru_maxrss over exec from the (large) pytest parent.
+out["maxrss_kib"] = int(next(line.split()[1] for line in open('/proc/self/status') if line.startswith('VmHWM:')))
 print("RESULT " + json.dumps(out), flush=True)
 """
 
