@@ -260,23 +260,14 @@ class LoopThread:
         except BaseException:
             future.cancel()
             if _exiting and threading.current_thread() is not threading.main_thread():
-                _park()
+                # Interpreter exit ended this load: end the (daemon) thread quietly; threading's
+                # excepthook prints nothing for SystemExit. Nobody waits for this load any more.
+                raise SystemExit(0) from None
             raise
 
 
 #: Set at interpreter exit, before the loops are closed.
 _exiting = False
-
-
-def _park() -> None:
-    """Hold a daemon thread whose call was ended by interpreter exit until finalization ends it.
-
-    At ``atexit`` time Python has already joined every non-daemon thread, so only daemon threads
-    (e.g. a trainer's helper threads blocked in ``load()``) can get here. Raising would print a
-    traceback for a load that nobody is waiting for any more; finalization stops them quietly.
-    """
-    while True:
-        time.sleep(3600)
 
 
 @atexit.register
