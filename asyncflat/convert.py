@@ -32,17 +32,15 @@ import collections
 import contextlib
 import dataclasses
 import logging
-import multiprocessing
 import os
 import time
-from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from tqdm.auto import tqdm
 
+from ._tokenize_pool import tokenized_batches
 from .corpus import (
     DEFAULT_MAX_DOCUMENT_BYTES,
     InputProgress,
@@ -119,97 +117,12 @@ def validation_mask(indices: np.ndarray, fraction: float, seed: int) -> np.ndarr
 # Tokenization, in worker processes
 # --------------------------------------------------------------------------------------------
 
-_worker_tokenizer: Tokenizer | None = None
-
-
-def _init_worker(spec: str) -> None:
-    global _worker_tokenizer
-    # Each worker is one core's worth of work: keep the tokenizers library's own thread pool
-    # from multiplying that by the number of cores.
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    os.environ["RAYON_NUM_THREADS"] = "1"
-    _worker_tokenizer = load_tokenizer(spec)
-
 
 def _tokenize(
     tokenizer: Tokenizer, texts: Sequence[str], first: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
     """Token ids of ``texts``, concatenated (uint32), and their lengths (int64)."""
     return tokenize_batch(tokenizer, texts, first)
-
-
-def _tokenize_in_worker(texts: Sequence[str], first: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    assert _worker_tokenizer is not None, "worker initializer did not run"
-    return tokenize_batch(_worker_tokenizer, texts, first)
-
-
-def _tokenized_batches(
-    tokenizer: Tokenizer, batches: Iterable[list[str]], workers: int
-) -> Generator[tuple[np.ndarray, np.ndarray], None, None]:
-    """Tokenize ``batches`` in order, with at most ``4 * workers`` batches in flight.
-
-    With workers, a failure anywhere (a tokenizer error, a worker that died, the consumer
-    giving up) kills every worker before this generator finishes: nothing keeps running.
-    """
-    first = 0
-    if workers <= 1:
-        for texts in batches:
-            yield tokenize_batch(tokenizer, texts, first)
-            first += len(texts)
-        return
-    # spawn, not fork: the parent may run jax and other threads, which fork would break.
-    # concurrent.futures, not multiprocessing.Pool: a worker that dies breaks the pool and
-    # fails its futures, where Pool would replace the worker and wait forever for the result.
-    pool = ProcessPoolExecutor(
-        workers,
-        mp_context=multiprocessing.get_context("spawn"),
-        initializer=_init_worker,
-        initargs=(tokenizer.spec,),
-    )
-    finished = False
-    try:
-        in_flight: collections.deque[Future[tuple[np.ndarray, np.ndarray]]] = collections.deque()
-        for texts in batches:
-            in_flight.append(pool.submit(_tokenize_in_worker, texts, first))
-            first += len(texts)
-            if len(in_flight) >= 4 * workers:
-                yield _result(in_flight.popleft(), tokenizer)
-        while in_flight:
-            yield _result(in_flight.popleft(), tokenizer)
-        finished = True
-    except BrokenProcessPool:  # from submit(), once a dead worker has broken the pool
-        raise _worker_died(tokenizer) from None
-    finally:
-        _stop_pool(pool, kill=not finished)
-
-
-def _result(
-    future: Future[tuple[np.ndarray, np.ndarray]], tokenizer: Tokenizer
-) -> tuple[np.ndarray, np.ndarray]:
-    try:
-        return future.result()
-    except BrokenProcessPool:
-        raise _worker_died(tokenizer) from None
-
-
-def _worker_died(tokenizer: Tokenizer) -> TokenizerError:
-    return TokenizerError(
-        f"a tokenizer worker process ({tokenizer.spec}) died: killed, out of memory, or a "
-        "crash inside the tokenizer"
-    )
-
-
-def _stop_pool(pool: ProcessPoolExecutor, *, kill: bool) -> None:
-    """Shut ``pool`` down; with ``kill``, first kill its workers (a task may never end)."""
-    if kill:
-        # No public way before Python 3.14 (terminate_workers); the processes are what we need.
-        processes = list((getattr(pool, "_processes", None) or {}).values())
-        pool.shutdown(wait=False, cancel_futures=True)
-        for process in processes:
-            process.kill()
-        for process in processes:
-            process.join(timeout=10)
-    pool.shutdown(wait=True, cancel_futures=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -346,7 +259,7 @@ def convert_documents(
     bar = _progress_bar(progress, input_progress)
     try:
         # closing(): on any failure the workers are killed now, not when the traceback dies.
-        with writer, contextlib.closing(_tokenized_batches(tok, texts_only(), workers)) as batches:
+        with writer, contextlib.closing(tokenized_batches(tok, texts_only(), workers)) as batches:
             for ids, lengths in batches:
                 splits = batch_splits.popleft()
                 first = counts["documents"]

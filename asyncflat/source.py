@@ -445,6 +445,13 @@ class ZarrTokenSource:
         self._arrays.encoded_tokens.store_path.store.close()
 
 
+def _numpy_dtype(dtype: Any) -> np.dtype[Any]:
+    """The numpy dtype of a v2 array's metadata: zarr 3.1 wraps it (``to_native_dtype()``), zarr
+    3.0 stores the numpy dtype itself."""
+    to_native = getattr(dtype, "to_native_dtype", None)
+    return np.dtype(to_native() if to_native is not None else dtype)
+
+
 def _raw_codec(array: Any) -> tuple[str | None, bool]:
     """How chunks of ``array`` can be read and decoded without zarr: ("blosc" or "raw", whether
     each object ends with a crc32c), or (None, False) when zarr must decode them.
@@ -458,7 +465,8 @@ def _raw_codec(array: Any) -> tuple[str | None, bool]:
     meta = array.metadata
     checksum = False
     if isinstance(meta, ArrayV2Metadata):
-        if meta.filters or meta.order != "C" or meta.dtype.to_native_dtype().itemsize != 4:
+        dtype = _numpy_dtype(meta.dtype)
+        if meta.filters or meta.order != "C" or dtype.itemsize != 4 or dtype.byteorder == ">":
             return None, False
         compressor = meta.compressor
         if compressor is None:

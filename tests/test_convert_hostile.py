@@ -21,10 +21,10 @@ import pytest
 import zarr
 import zarr.storage._local as zarr_local
 
+from asyncflat._tokenize_pool import tokenized_batches
 from asyncflat.cli import main
 from asyncflat.convert import (
     TokenizerError,
-    _tokenized_batches,
     convert_files,
     convert_texts,
     iter_documents,
@@ -180,13 +180,13 @@ def test_tokenizer_error_in_process_names_the_documents(tmp_path: Path) -> None:
     tokenizer = load_tokenizer(str(panicking_tokenizer(tmp_path)))
     batches = [["a"], ["a" * 3000 + "b", "a"]]
     with pytest.raises(TokenizerError, match=r"failed on documents 1\.\.2: PanicException"):
-        list(_tokenized_batches(tokenizer, batches, workers=1))
+        list(tokenized_batches(tokenizer, batches, workers=1))
 
 
 def test_a_dead_worker_fails_the_conversion_instead_of_hanging() -> None:
     tokenizer = load_tokenizer("bytes")
     batches = (["document"] * 10 for _ in range(10_000))
-    gen = _tokenized_batches(tokenizer, batches, workers=2)
+    gen = tokenized_batches(tokenizer, batches, workers=2)
     next(gen)  # the pool is running
     (victim, *_) = multiprocessing.active_children()
     os.kill(victim.pid, signal.SIGKILL)  # type: ignore[arg-type]
@@ -199,6 +199,33 @@ def test_a_dead_worker_fails_the_conversion_instead_of_hanging() -> None:
     while multiprocessing.active_children() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert multiprocessing.active_children() == []  # every worker was stopped
+
+
+_JAMMED_POOL = """
+import os, struct, sys, time
+from concurrent.futures import ProcessPoolExecutor
+import multiprocessing
+from asyncflat._tokenize_pool import _stop_pool
+
+pool = ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"))
+assert pool.submit(abs, -1).result() == 1
+manager = pool._executor_manager_thread
+# What a worker killed while sending a 1 MiB result leaves in the pipe: a header and 10 bytes.
+os.write(pool._result_queue._writer.fileno(), struct.pack("!i", 1 << 20) + b"x" * 10)
+time.sleep(0.5)  # the manager thread is now blocked reading the rest
+_stop_pool(pool, kill=True)
+print("manager alive:", manager.is_alive(), flush=True)
+"""
+
+
+def test_a_worker_killed_mid_result_jams_neither_the_pool_nor_the_exit() -> None:
+    # CPython's pool reader would wait forever for the rest of the message, and the interpreter's
+    # exit joins that reader: without the release, this process never exits.
+    result = subprocess.run(
+        [sys.executable, "-c", _JAMMED_POOL], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert "manager alive: False" in result.stdout
 
 
 def test_workers_are_killed_when_the_writer_fails(
