@@ -203,7 +203,8 @@ def test_interpreter_exit_with_open_loaders_does_not_hang(dataset: str) -> None:
 
 def test_ctrl_c_during_a_blocking_load_returns_promptly(dataset: str) -> None:
     script = """
-        import sys, time, jax
+        import signal, sys, time, jax
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a background shell ignores it
         from asyncflat import FlatTokensParams, ShufflingLoader, TokenBatchParams
         from asyncflat.faults import FaultyStore
         stores = []
@@ -480,7 +481,8 @@ def test_ctrl_c_during_next_of_an_iterator_is_prompt_and_the_iterator_goes_on(
     KeyboardInterrupt arrives within a second (the wait is sliced, and the iterator does not
     join its thread), and the same iterator then returns the next step."""
     script = """
-        import sys, time, jax, numpy as np
+        import signal, sys, time, jax, numpy as np
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a background shell ignores it
         sys.path.insert(0, sys.argv[2])
         from reference_impl import ReferenceLoader, load_split_arrays
         from asyncflat import EngineOptions, FlatTokensParams, ShufflingLoader, TokenBatchParams

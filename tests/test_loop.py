@@ -5,6 +5,7 @@ from __future__ import annotations
 import _thread
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -100,10 +101,15 @@ def test_timeout_cancels_the_coroutine(runner: LoopThread) -> None:
 def test_ctrl_c_returns_control_promptly(runner: LoopThread) -> None:
     cancelled, slow = _sleeper(30)
 
+    # interrupt_main does nothing where SIGINT is ignored (a test run started in the background).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     threading.Timer(0.3, _thread.interrupt_main).start()
     t0 = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        runner.run(slow())
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            runner.run(slow())
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - t0 < 1.5
     assert cancelled.wait(2)
 
