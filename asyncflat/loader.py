@@ -116,6 +116,9 @@ class ShufflingLoader:
         self._lock = threading.Lock()
         self._closed = False
         self._build_s: collections.deque[float] = collections.deque(maxlen=1 << 16)  # recent builds
+        #: batches handed to the trainer, and that count at the last interval_stats() call
+        self._delivered = 0
+        self._delivered_at_interval = 0
         self._runner = LoopThread(
             name="asyncflat", cpu_threads=options.decode_threads, nice=options.engine_niceness
         )
@@ -200,8 +203,11 @@ class ShufflingLoader:
         for prefetcher in self._live_prefetchers():
             batch = prefetcher.lookup(step)
             if batch is not None:
+                self._count_delivered()
                 return batch
-        return self._load_now(step)
+        batch = self._load_now(step)
+        self._count_delivered()
+        return batch
 
     def iter(self, start_step: int = 0) -> BatchIterator:
         """An iterator of ``(step, batch)`` from ``start_step`` to the end of the dataset.
@@ -227,22 +233,41 @@ class ShufflingLoader:
             iterator.close()
 
     def stats(self) -> EngineStats:
-        """Engine figures (waits, fills, bytes, retries) plus the jax build times of this host."""
+        """Engine figures (waits, fills, bytes, retries) plus the jax build times of this host.
+
+        ``steps_loaded`` counts the batches the trainer received (each ``load()`` that returned,
+        each item an iterator handed out), not the steps an iterator built ahead of it.
+        """
         self._check_open()
         stats = self._runner.run(self._engine_stats())
         builds = np.array(self._build_s)
         build_median_s = float(np.median(builds)) if len(builds) else None
+        with self._lock:
+            delivered = self._delivered
         return dataclasses.replace(
-            stats, build_median_s=build_median_s, host_batch_rows=len(self._host_rows)
+            stats,
+            steps_loaded=delivered,
+            build_median_s=build_median_s,
+            host_batch_rows=len(self._host_rows),
         )
 
     async def _engine_stats(self) -> EngineStats:
         return self._engine.stats()
 
     def interval_stats(self) -> IntervalStats:
-        """What happened since the previous call (loads, waits, fills, bytes): log every N steps."""
+        """What happened since the previous call (loads, waits, fills, bytes): log every N steps.
+
+        ``steps_loaded`` counts the batches the trainer received in the interval, as in
+        :meth:`stats`.
+        """
         self._check_open()
-        return self._runner.run(self._engine_interval_stats())
+        interval = self._runner.run(self._engine_interval_stats())
+        with self._lock:
+            delivered, self._delivered_at_interval = (
+                self._delivered - self._delivered_at_interval,
+                self._delivered,
+            )
+        return dataclasses.replace(interval, steps_loaded=delivered)
 
     async def _engine_interval_stats(self) -> IntervalStats:
         return self._engine.interval_stats()
@@ -299,6 +324,10 @@ class ShufflingLoader:
                 "this ShufflingLoader was created in another process (before a fork); "
                 "create a new loader in this process"
             )
+
+    def _count_delivered(self) -> None:
+        with self._lock:
+            self._delivered += 1
 
     def _rows(self, step: int) -> np.ndarray:
         self._check_open()
@@ -421,6 +450,7 @@ class BatchIterator(Iterator[tuple[int, Any]]):
                 self._step = self._stop_step  # an error ends the iteration
                 self.close()
                 raise
+            self._loader._count_delivered()  # (load() above counts its own)
         self._step = step + 1
         if self._step >= self._stop_step:
             self.close()

@@ -16,7 +16,7 @@ from conftest import random_sequences
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import asyncflat.inspection as inspect_mod
+import asyncflat.inspection.scan as inspect_mod
 from asyncflat import FlatTokensParams, ShufflePlan, TokenBatchParams, write_flat_tokens
 from asyncflat.cli import main
 from asyncflat.errors import CorruptChunkError, DatasetFormatError
@@ -579,7 +579,7 @@ def test_bench_never_runs_the_current_directorys_scripts(tmp_path: Path) -> None
 def test_bench_of_an_installed_package_needs_bench_dir(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import asyncflat.cli as cli
+    import asyncflat.cli.bench as cli
 
     # A wheel install: site-packages/asyncflat/cli.py next to somebody else's bench/.
     site = tmp_path / "site-packages"

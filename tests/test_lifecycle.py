@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import os
 import queue
@@ -401,13 +402,39 @@ def test_one_loader_shared_by_threads_gives_each_the_right_batch(dataset: str) -
 
 
 def _buffers(loader: ShufflingLoader) -> list[Any]:
-    """Weak references to the loader's shuffle buffers (the numpy arrays its fills write)."""
+    """Weak references to the loader's shuffle buffers: the (seqs_per_buffer, len) uint32 arrays
+    reachable from the loader object, found by walking the object graph as a memory profiler
+    would (modules, classes and functions are not followed: they lead to everything)."""
+    import types
     import weakref
 
-    pairs = loader._engine._fills._buffers.values()
-    refs = [weakref.ref(b) for pair in pairs for b in pair._buffers if b is not None]
+    shape = (loader.plan.seqs_per_buffer, loader.plan.seq_len)
+    skip = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType)
+    seen: set[int] = set()
+    stack: list[Any] = [loader]
+    refs = []
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, skip):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, np.ndarray):
+            if obj.base is None and obj.shape == shape and obj.dtype == np.uint32:
+                refs.append(weakref.ref(obj))
+            continue
+        stack.extend(gc.get_referents(obj))
     assert refs, "the loader allocated no buffer"
     return refs
+
+
+def _loop_catcher(loops: list[Any]) -> Any:
+    """A ``store_wrapper`` that notes the loop it is called on (the loader's engine loop)."""
+
+    def wrap(store: Any) -> Any:
+        loops.append(asyncio.get_running_loop())
+        return store
+
+    return wrap
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
@@ -427,7 +454,9 @@ def test_hundreds_of_cycles_free_threads_descriptors_and_buffers_without_gc(data
     gc.disable()
     try:
         for i in range(120):
-            loader = ShufflingLoader("train", p, BATCH, SINGLE, options=options)
+            loops: list[Any] = []  # the engine loop, to run the collector on (i % 3 == 0)
+            wrap = _loop_catcher(loops) if i % 3 == 0 else None
+            loader = ShufflingLoader("train", p, BATCH, SINGLE, options=options, store_wrapper=wrap)
             loader.load(i % 7)
             if i % 4 == 0:
                 iterator = loader.iter(i % 5)
@@ -435,14 +464,14 @@ def test_hundreds_of_cycles_free_threads_descriptors_and_buffers_without_gc(data
             refs = _buffers(loader)
             if i % 3 == 0:
                 loader.self = loader  # type: ignore[attr-defined]  # only the collector frees it
-                runner = loader._runner
                 del loader
                 if i % 4 == 0:
                     del iterator
                     # the iterator's finalizer stopped its thread; the loader is in a cycle
                 # The cyclic collector runs on whichever thread allocates: here the loop's own.
-                # (run() returns before the scheduled shutdown ends, so wait for it below.)
-                runner.run(_collect_on_the_loop())
+                # (It returns before the scheduled shutdown ends, so wait for it below.)
+                run_on = asyncio.run_coroutine_threadsafe(_collect_on_the_loop(), loops[0])
+                run_on.result(15)
             elif i % 3 == 1:
                 closer = threading.Thread(target=loader.close)
                 closer.start()

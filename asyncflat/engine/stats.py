@@ -123,7 +123,9 @@ class EngineStats(_Readable):
     are bounded windows (the counters before them are totals over the whole run).
     """
 
-    #: loads served by the engine (each gather; an iterator's look-ahead loads count too)
+    #: batches the trainer received: through ``ShufflingLoader``, each ``load()`` that returned
+    #: and each item an iterator handed out, not the steps an iterator built ahead of the
+    #: trainer; from :meth:`Engine.stats` alone, the engine's gathers
     steps_loaded: int
     #: median and maximum wait of the last ``len(step_waits_s)`` loads
     wait_median_s: float | None

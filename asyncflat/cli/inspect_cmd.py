@@ -1,0 +1,126 @@
+"""``asyncflat inspect``: describe a dataset, what loader parameters cost on it, and verify it."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+from ..errors import ConfigError
+from .output import human_bytes, print_json
+
+__all__ = ["cmd_inspect"]
+
+log = logging.getLogger(__name__)
+
+
+def _print_summary(summary: Any) -> None:
+    s = summary
+    print(
+        f"{s.split}: {s.token_count:,} tokens, {s.sequence_count:,} sequences, "
+        f"max_token_id {s.max_token_id:,} (zarr format {s.zarr_format})"
+    )
+    if s.lengths is not None:
+        ls = s.lengths
+        print(
+            f"  sequence lengths: min {ls.min:,}, median {ls.median:,}, p90 {ls.p90:,}, "
+            f"max {ls.max:,}, mean {ls.mean:,.1f}"
+        )
+        buckets = [f"[{1 << k},{1 << (k + 1)}) {n:,}" for k, n in enumerate(ls.log2_histogram) if n]
+        print(f"  length histogram: {' | '.join(buckets)}")
+    shards = f", shards of {s.shard_tokens:,}" if s.shard_tokens else ""
+    ratio = (
+        f"{s.tokens_nbytes / s.tokens_nbytes_stored:.2f}x"
+        if s.tokens_nbytes and s.tokens_nbytes_stored
+        else "-"
+    )
+    print(
+        f"  encoded_tokens: chunks of {s.chunk_tokens:,} tokens{shards}, "
+        f"{' + '.join(s.token_codecs) or 'uncompressed'}; {human_bytes(s.tokens_nbytes)} -> "
+        f"{human_bytes(s.tokens_nbytes_stored)} stored ({ratio})"
+    )
+    codecs = " + ".join(s.seq_starts_codecs) or "uncompressed"
+    print(
+        f"  seq_starts: chunks of {s.seq_starts_chunk:,}, {codecs}; "
+        f"{human_bytes(s.seq_starts_nbytes)} -> {human_bytes(s.seq_starts_nbytes_stored)} stored"
+    )
+
+
+def _print_figures(f: Any, args: argparse.Namespace, spb: int) -> None:
+    packing = "no packing" if args.no_packing else "packing"
+    print(
+        f"  loader (len {args.len}, batch {args.batch}, streams {args.streams}, "
+        f"{args.read_blocks_per_buffer} blocks x {spb} sequences per buffer, "
+        f"{packing}):"
+    )
+    print(
+        f"    steps {f.step_count:,}, minipochs {f.minipoch_count:,}, read blocks "
+        f"{f.read_block_count:,}, rows used {f.rows_used:,} of {f.seq_count:,}"
+    )
+    amp = "-" if f.read_amplification is None else f"{f.read_amplification:.2f}"
+    print(
+        f"    shuffle buffer {human_bytes(f.buffer_bytes)}; per host ({f.hosts} hosts) "
+        f"{human_bytes(f.buffer_bytes_per_host)} (2 x {f.streams_per_host} streams), for a split of "
+        f"{human_bytes(f.split_bytes)} (as uint32); read amplification {amp} (chunk tokens decoded "
+        "per token used)"
+    )
+    unit = "tokens" if not args.no_packing else "sequences"
+    print(f"    dropped by rounding: {f.dropped_fraction:.1%} of the split's {unit} per epoch")
+    if f.sizing_warning:
+        print(f"    warning: {f.sizing_warning}")
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from ..config import FlatTokensParams, TokenBatchParams
+    from ..format import SPLITS
+    from ..inspection import describe_split, loader_figures, verify_split
+
+    splits = [args.split] if args.split else list(SPLITS)
+    loader_args = (args.len, args.batch)
+    spb = args.sequences_per_block or (max(1, (1 << 20) // args.len) if args.len else 1)
+    from ..errors import redact
+
+    report: dict[str, Any] = {"path": redact(args.path), "splits": {}}
+    if not args.json:
+        print(redact(args.path))
+    for split in splits:
+        summary = describe_split(
+            args.path, split, scan_lengths=not args.no_lengths, progress=not args.no_progress
+        )
+        entry: dict[str, Any] = {"summary": summary.to_dict()}
+        if not args.json:
+            _print_summary(summary)
+        if None not in loader_args and summary.sequence_count:
+            params = FlatTokensParams(
+                filespec=args.path,
+                streams=args.streams,
+                read_blocks_per_shuffle_buffer=args.read_blocks_per_buffer,
+                sequences_per_read_block=spb,
+                seed=args.seed,
+                sequence_packing=not args.no_packing,
+            )
+            try:
+                batch_params = TokenBatchParams(len=args.len, batch=args.batch)
+                figures = loader_figures(summary, params, batch_params, hosts=args.hosts)
+            except ConfigError as exc:  # e.g. too small a split for these parameters
+                entry["loader_error"] = str(exc)
+                if not args.json:
+                    print(f"  loader: {exc}")
+            else:
+                entry["loader"] = figures.to_dict()
+                if figures.sizing_warning:
+                    log.warning("%s: %s", split, figures.sizing_warning)
+                if not args.json:
+                    _print_figures(figures, args, spb)
+        if args.verify:
+            result = verify_split(args.path, split, progress=not args.no_progress)
+            entry["verify"] = result.to_dict()
+            if not args.json:
+                print(
+                    f"  verify: ok ({result.token_count:,} tokens and {result.sequence_count + 1:,} "
+                    f"offsets checked in {result.seconds:.2f} s)"
+                )
+        report["splits"][split] = entry
+    if args.json:
+        print_json(report)
+    return 0

@@ -1,0 +1,144 @@
+"""``loader_figures``: what a loader configuration costs on a split, from the plan."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..config import FlatTokensParams, TokenBatchParams
+from ..errors import ConfigError, DatasetTooLargeError
+from ..plan import ShufflePlan
+from . import scan
+from .results import LoaderFigures, SplitSummary
+from .scan import _open_source, _run, _seq_start_windows
+
+__all__ = ["loader_figures"]
+
+#: Bytes per read block that loader_figures' arrays take at their peak (block order, buffer
+#: ids, first and last chunks, and the sort that deduplicates them).
+_FIGURES_BYTES_PER_BLOCK = 160
+
+
+def loader_figures(
+    summary: SplitSummary,
+    params: FlatTokensParams,
+    batch_params: TokenBatchParams,
+    *,
+    hosts: int = 1,
+    storage_options: Mapping[str, Any] | None = None,
+) -> LoaderFigures:
+    """Steps, minipochs, buffer memory and read amplification of a loader over ``summary``'s split.
+
+    ``hosts`` splits the batch rows evenly (the default sharding over all processes); a host's
+    memory is 2 buffers for each stream its rows touch. Read amplification is the tokens the
+    loader decodes (whole chunks) per token it keeps: with packing, each chunk decoded once per
+    fill, whichever of the fill's blocks share it (the engine's small cache of recent chunks can
+    only lower this); without packing, each block is one read of its sequences' token span
+    (``seq_starts`` is scanned here for that).
+
+    ``sizing_warning`` is set (the loader logs the same) when rounding to whole blocks, streams
+    and batches leaves more than 1% of the split unserved.
+
+    Raises :class:`~asyncflat.errors.ConfigError` for a configuration the loader refuses.
+    """
+    plan = ShufflePlan.create(
+        params, batch_params, token_count=summary.token_count, sequence_count=summary.sequence_count
+    )
+    if hosts < 1 or batch_params.batch % hosts:
+        raise ConfigError(f"hosts={hosts} must be >= 1 and divide batch={batch_params.batch}")
+    rows = np.arange(batch_params.batch) // plan.rows_per_stream_step
+    per_host = batch_params.batch // hosts
+    streams_per_host = max(
+        len(np.unique(rows[h * per_host : (h + 1) * per_host])) for h in range(hosts)
+    )
+    need = _FIGURES_BYTES_PER_BLOCK * plan.read_block_count
+    if need > plan.plan_memory_budget:
+        raise DatasetTooLargeError(
+            f"{summary.filespec}/{summary.split}: {plan.read_block_count} read blocks; the "
+            f"figures need {need} bytes, more than the plan's budget of "
+            f"{plan.plan_memory_budget}; grow sequences_per_read_block"
+        )
+    if params.sequence_packing:
+        amplification = _packed_amplification(plan, summary.chunk_tokens)
+    else:
+        amplification = _run(
+            _unpacked_amplification(summary, plan, storage_options),
+            getattr(summary, "_filespec", summary.filespec),
+        )
+    rows_used = plan.step_count * plan.batch
+    return LoaderFigures(
+        seq_count=plan.seq_count,
+        read_block_count=plan.read_block_count,
+        step_count=plan.step_count,
+        minipoch_count=plan.minipoch_count,
+        rows_used=rows_used,
+        rows_skipped=plan.seq_count - rows_used,
+        buffer_bytes=plan.buffer_bytes,
+        hosts=hosts,
+        streams_per_host=streams_per_host,
+        buffer_bytes_per_host=2 * streams_per_host * plan.buffer_bytes,
+        read_amplification=amplification,
+        dropped_fraction=plan.dropped_fraction,
+        split_bytes=4 * summary.token_count,
+        sizing_warning=plan.sizing_warning(),
+    )
+
+
+def _packed_amplification(plan: ShufflePlan, chunk: int) -> float | None:
+    """Chunk tokens decoded per block token, when each fill decodes each chunk it touches once."""
+    bt = plan.sequences_per_read_block * plan.seq_len
+    k = np.arange(plan.read_block_count, dtype=np.int64)
+    blocks = plan.block_order.astype(np.int64)
+    minipoch = (k // plan.streams) // plan.read_blocks_per_shuffle_buffer
+    buffer_id = minipoch * plan.streams + k % plan.streams
+    first = blocks * bt // chunk
+    last = ((blocks + 1) * bt - 1) // chunk
+    # Chunks strictly inside a block belong to that block alone: count them directly. The first
+    # and last chunk of a block may be shared with other blocks of the same fill: deduplicate.
+    interior = np.maximum(last - first - 1, 0).sum()
+    edges = np.unique(
+        np.concatenate([np.stack([buffer_id, first], axis=1), np.stack([buffer_id, last], axis=1)]),
+        axis=0,
+    )
+    edge_chunks = edges[:, 1]
+    edge_tokens = np.minimum(chunk, plan.token_count - edge_chunks * chunk).sum()
+    useful = plan.read_block_count * bt
+    return float((interior * chunk + edge_tokens) / useful) if useful else None
+
+
+async def _unpacked_amplification(
+    summary: SplitSummary, plan: ShufflePlan, storage_options: Mapping[str, Any] | None
+) -> float | None:
+    """Each block is one read of its sequences' token span; every chunk it touches is decoded.
+
+    (The engine stops at the last token it keeps, so this slightly overstates long sequences.)
+    """
+    spb, chunk, seq_len = plan.sequences_per_read_block, summary.chunk_tokens, plan.seq_len
+    used = plan.read_block_count * spb + 1  # the seq_starts entries the blocks cover
+    bounds: list[np.ndarray] = []
+    kept = 0
+    filespec = getattr(summary, "_filespec", summary.filespec)
+    source = await _open_source(filespec, summary.split, storage_options)
+    try:
+        scan_chunk = int(spb * max(1, scan._STARTS_WINDOW // spb))  # windows start on block bounds
+        previous: int | None = None
+        async for base, window in _seq_start_windows(source, scan_chunk, False, stop=used):
+            values = window.astype(np.int64)
+            bounds.append(values[(-base) % spb :: spb])
+            if previous is not None:
+                values = np.concatenate([[previous], values])
+            kept += int(np.minimum(np.diff(values), seq_len).sum())
+            previous = int(values[-1])
+    finally:
+        await source.aclose()
+    ends = np.concatenate(bounds)
+    first, last = ends[:-1] // chunk, (ends[1:] - 1) // chunk
+
+    def chunk_len(c: np.ndarray) -> np.ndarray:
+        return np.minimum(chunk, plan.token_count - c * chunk)
+
+    decoded = np.where(last > first, chunk_len(first) + chunk_len(last), chunk_len(first))
+    decoded = decoded + np.maximum(last - first - 1, 0) * chunk
+    return float(decoded.sum() / kept) if kept else None
