@@ -97,13 +97,13 @@ class Recorder:
             return
         finish, needed = verdict
         elapsed = now - fill.started
-        rate = fill.useful_bytes / elapsed / 2**20 if elapsed > 0 else 0.0
+        rate = fill.useful_bytes / elapsed if elapsed > 0 else 0.0
         self.lateness.warn(
             f"fill of stream {fill.stream} minipoch {fill.minipoch}",
             fill.needed_from,
             finish - needed,
             f"{fill.blocks_done}/{len(fill.blocks)} blocks after {elapsed:.2f} s at "
-            f"{rate:.0f} MiB/s; the trainer loads {self.rate.per_second() or 0:.1f} steps/s",
+            f"{_per_second(rate)}; the trainer loads {self.rate.per_second() or 0:.1f} steps/s",
         )
 
     def snapshot(
@@ -176,3 +176,11 @@ class Recorder:
             requests=delta("requests"),
             retries=delta("retries"),
         )
+
+
+def _per_second(bytes_per_s: float) -> str:
+    """A byte rate in the unit that keeps it readable: small blocks read at KiB/s, not 0 MiB/s."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if bytes_per_s >= scale:
+            return f"{bytes_per_s / scale:.1f} {unit}/s"
+    return f"{bytes_per_s:.0f} B/s"
