@@ -301,7 +301,8 @@ class ZarrTokenSource:
     async def _read_range(self, key: str, lo: int, hi: int) -> bytes:
         if self._local_root is not None and hi - lo <= _PREAD_MAX_BYTES:
             # Row reads of a plain local store: a few KiB from the page cache, read right here.
-            data = pread(self._local_root, key, lo, hi, name=self.name)
+            cap = self._guard.max_object_bytes(key) if self._guard is not None else None
+            data = pread(self._local_root, key, lo, hi, name=self.name, max_object_bytes=cap)
             self.io.requests += 1
             self.io.bytes_read += len(data)
             return data

@@ -38,6 +38,7 @@ from ..errors import (
     redact,
 )
 from .blosc import frame_problem
+from .filesystems import file_kind
 from .gate import METADATA_MAX_BYTES, ChunkGate, ChunkRejected, UnsupportedCodec, gate_for
 from .limiter import AdaptiveLimiter
 from .retry import is_throttle, retrying
@@ -200,6 +201,11 @@ class GuardedStore(PerKeyWrapperStore):
                 ) from None
             self._shared.gates[f"{array.store_path.path}/"] = gate
 
+    def max_object_bytes(self, key: str) -> int | None:
+        """The largest legal encoding of the chunk object ``key`` (None: not a gated array)."""
+        gate = self._gate(key)
+        return gate.max_object_bytes if gate is not None else None
+
     def _gate(self, key: str) -> ChunkGate | None:
         """The gate of the array ``key`` belongs to (the longest registered prefix)."""
         best: tuple[int, ChunkGate] | None = None
@@ -239,15 +245,7 @@ class GuardedStore(PerKeyWrapperStore):
             if os.path.commonpath([real, root]) != root:
                 raise error(f"{describe()}: resolves to {real}, outside the store {root}")
         if not stat.S_ISREG(st.st_mode):
-            kind = (
-                "a FIFO"
-                if stat.S_ISFIFO(st.st_mode)
-                else "a device"
-                if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
-                else "a directory"
-                if stat.S_ISDIR(st.st_mode)
-                else "not a regular file"
-            )
+            kind = file_kind(st.st_mode)
             raise error(f"{describe()}: is {kind}, not a regular file: refused unread")
         cap = METADATA_MAX_BYTES if metadata else gate.max_object_bytes if gate else None
         if cap is not None and st.st_size > cap:
