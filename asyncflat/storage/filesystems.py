@@ -26,8 +26,17 @@ from zarr.abc.store import ByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.storage import FsspecStore, LocalStore, WrapperStore
 
-from ..config import redact_url
-from ..errors import ConfigError, CorruptChunkError, DatasetFormatError, StorageError
+from ..errors import (
+    AsyncflatError,
+    ConfigError,
+    CorruptChunkError,
+    DatasetFormatError,
+    StorageError,
+    carries_secret,
+    option_secrets,
+    redact,
+    scrubbed,
+)
 
 __all__ = [
     "OWN_RETRIES_OPTION",
@@ -35,6 +44,7 @@ __all__ = [
     "bounded",
     "close_filesystem",
     "close_store",
+    "construction_error",
     "file_kind",
     "filesystem",
     "is_url",
@@ -75,12 +85,12 @@ def filesystem(
         cls: Any = fsspec.get_filesystem_class(protocol)
     except ImportError as exc:
         raise ConfigError(
-            f"{redact_url(url)}: the filesystem for {protocol}:// is not installed: {exc}"
+            f"{redact(url)}: the filesystem for {protocol}:// is not installed: {exc}"
         ) from None
     except ValueError:
         if "::" not in url:  # chained URLs (simplecache::gs://...) are resolved by url_to_fs
             raise ConfigError(
-                f"{redact_url(url)}: unknown URL protocol {protocol!r} (no fsspec filesystem is "
+                f"{redact(url)}: unknown URL protocol {protocol!r} (no fsspec filesystem is "
                 f"registered for {protocol}://; known: {', '.join(_known_protocols())})"
             ) from None
         cls = None
@@ -119,10 +129,36 @@ def filesystem(
         )
     try:
         fs, path = fsspec.url_to_fs(url, **opts)
-    except (ValueError, ImportError) as exc:
-        raise ConfigError(f"{redact_url(url)}: cannot open this URL: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - any constructor's error, re-raised scrubbed
+        secrets = option_secrets(storage_options)
+        raise construction_error(exc, url, secrets) from (
+            None if carries_secret(exc, secrets) else exc
+        )
     set_own_retries(fs, own_retries or 1)
     return fs, path
+
+
+def construction_error(exc: BaseException, url: str, secrets: Iterable[str]) -> AsyncflatError:
+    """What to raise for ``exc``, raised while making the filesystem or store of ``url``: the
+    message names the URL (``user:***@``) and never shows a secret (URL userinfo, credential
+    query parameters, any value of ``storage_options``). A constructor rejecting its arguments
+    (``TypeError``, ``ValueError``, ``KeyError``, a missing package) is a :class:`ConfigError`;
+    anything else (a credential exchange, the network) a :class:`StorageError`. Raise it
+    ``from None`` when :func:`~asyncflat.errors.carries_secret`."""
+    secrets = tuple(secrets)
+    if isinstance(exc, AsyncflatError):
+        scrubbed_exc = scrubbed(exc, url, secrets)
+        assert isinstance(scrubbed_exc, AsyncflatError)
+        return scrubbed_exc
+    cls = (
+        ConfigError
+        if isinstance(exc, (TypeError, ValueError, KeyError, ImportError))
+        else StorageError
+    )
+    return cls(
+        f"{redact(url)}: cannot open this URL with these storage_options: "
+        f"{type(exc).__name__}: {redact(str(exc), secrets)}"
+    )
 
 
 def _known_protocols() -> list[str]:
