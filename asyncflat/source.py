@@ -249,6 +249,7 @@ class ZarrTokenSource:
             limiter=AdaptiveLimiter(max_concurrent_requests, io),
             retry=retry,
             io=io,
+            secrets=secrets,
         )
         try:
             async with asyncio.timeout(retry.deadline_s) as budget:

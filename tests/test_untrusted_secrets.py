@@ -217,3 +217,47 @@ def test_an_unknown_protocol_with_credentials_is_a_config_error_without_them() -
     assert isinstance(exc, asyncflat.ConfigError), repr(exc)
     assert "nosuchfs://reader:***@host/d.zarr: unknown URL protocol" in str(exc), str(exc)
     assert_clean(chain_text(exc), "the error")
+
+
+@pytest.mark.parametrize("error", [ConnectionError, PermissionError])
+def test_a_read_error_that_repeats_an_option_value_is_scrubbed(
+    tmp_path: Path, error: type[Exception]
+) -> None:
+    """A transient failure (retried, then a TransientStorageError quoting it) or a permanent one,
+    raised by the filesystem after open with a storage_options value in its message."""
+    from zarr.storage import WrapperStore
+
+    from asyncflat.source import ZarrTokenSource
+
+    rng = np.random.default_rng(2)
+    asyncflat.write_flat_tokens(
+        tmp_path / "d.zarr", {"train": [rng.integers(0, 50, size=30) for _ in range(20)]}
+    )
+
+    class Failing(WrapperStore):  # type: ignore[type-arg]
+        armed = False
+
+        async def get(self, key: str, *args: object, **kwargs: object) -> object:
+            if Failing.armed and "encoded_tokens/c" in key:
+                raise error(f"GET /{key}?access_token={TOKEN} refused for token {TOKEN}")
+            return await self._store.get(key, *args, **kwargs)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        source = await ZarrTokenSource.open(
+            str(tmp_path / "d.zarr"),
+            "train",
+            storage_options={"token": TOKEN},
+            retry=asyncflat.RetryPolicy(max_attempts=2, initial_backoff_s=0.001),
+            store_wrapper=Failing,
+        )
+        Failing.armed = True
+        try:
+            await source.read_tokens(0, 10)
+        finally:
+            await source.aclose()
+
+    with pytest.raises(AsyncflatError) as info:
+        asyncio.run(main())
+    text = chain_text(info.value)
+    assert "encoded_tokens" in str(info.value) and "refused for token ***" in str(info.value)
+    assert "tok-OPTION" not in text, text

@@ -36,6 +36,7 @@ from ..errors import (
     StorageError,
     carries_secret,
     redact,
+    scrubbed,
 )
 from .blosc import frame_problem
 from .filesystems import file_kind
@@ -135,6 +136,9 @@ class _Shared:
     #: Serve a missing chunk as zarr would (fill values) instead of refusing it: for readers
     #: of metadata and end entries that zarr's writer may have left unwritten (empty splits).
     allow_missing: bool = False
+    #: Values of ``storage_options`` (:func:`~asyncflat.errors.option_secrets`): never shown in
+    #: an error, like URL userinfo.
+    secrets: tuple[str, ...] = ()
 
 
 def _local_root(store: Store) -> str | None:
@@ -160,6 +164,7 @@ class GuardedStore(PerKeyWrapperStore):
         limiter: AdaptiveLimiter,
         retry: RetryPolicy,
         io: IOCounters,
+        secrets: tuple[str, ...] = (),
         _shared: _Shared | None = None,
     ) -> None:
         super().__init__(store)
@@ -171,6 +176,7 @@ class GuardedStore(PerKeyWrapperStore):
             SingleFlight(_SUFFIX_CACHE_ENTRIES),
             set(),
             local_root=_local_root(store),
+            secrets=secrets,
         )
 
     def _with_store(self, store: Store) -> GuardedStore:
@@ -313,12 +319,15 @@ class GuardedStore(PerKeyWrapperStore):
 
         try:
             buffer = await retrying(attempt, shared.retry, describe=describe, on_retry=count_retry)
-        except AsyncflatError:
-            raise
+        except AsyncflatError as exc:  # e.g. the last transient error, its message included
+            if not carries_secret(exc, shared.secrets):
+                raise
+            raise scrubbed(exc, describe(), shared.secrets) from None
         except Exception as exc:  # noqa: BLE001 - re-raised, chained unless it holds a secret
             raise StorageError(
-                f"reading {describe()} failed: {type(exc).__name__}: {redact(str(exc))}"
-            ) from (None if carries_secret(exc) else exc)
+                f"reading {describe()} failed: {type(exc).__name__}: "
+                f"{redact(str(exc), shared.secrets)}"
+            ) from (None if carries_secret(exc, shared.secrets) else exc)
         io.requests += 1
         if buffer is None:
             if not key.endswith(METADATA_SUFFIXES) and not shared.allow_missing:
