@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import urllib.parse
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -184,20 +185,30 @@ def scrubbed(exc: BaseException, where: str, secrets: Iterable[str] = ()) -> Bas
 
 
 _LOG_REDACTION: list[bool] = []
+#: storage_options values seen by the stores opened so far (replaced whole, never mutated: the
+#: factory reads it from any thread).
+_LOG_SECRETS: tuple[str, ...] = ()
+_LOG_LOCK = threading.Lock()
 
 
-def install_log_redaction() -> None:
+def install_log_redaction(secrets: Iterable[str] = ()) -> None:
     """Redact URL secrets from every log record made from now on, asyncflat's and those of the
-    libraries under it (fsspec, aiohttp, botocore log URLs at DEBUG).
+    libraries under it (fsspec, aiohttp, botocore log URLs at DEBUG), and ``secrets`` (the
+    :func:`option_secrets` of a store being opened) from then on too.
 
     A log-record factory is the one place that sees every logger's records before any handler
     formats them; it chains the factory installed before it, and touches only records whose
     message :func:`redact` changes. Installed once, when asyncflat first opens a store.
     """
-    if _LOG_REDACTION:
-        return
-    _LOG_REDACTION.append(True)
-    previous = logging.getLogRecordFactory()
+    global _LOG_SECRETS
+    with _LOG_LOCK:
+        new = set(secrets) - set(_LOG_SECRETS)
+        if new:
+            _LOG_SECRETS = (*_LOG_SECRETS, *sorted(new))
+        if _LOG_REDACTION:
+            return
+        _LOG_REDACTION.append(True)
+        previous = logging.getLogRecordFactory()
 
     def factory(*args: object, **kwargs: object) -> logging.LogRecord:
         record = previous(*args, **kwargs)
@@ -205,8 +216,9 @@ def install_log_redaction() -> None:
             message = record.getMessage()
         except Exception:  # noqa: BLE001 - a malformed record is logging's to report
             return record
-        if "://" in message or "=" in message:
-            clean = redact(message)
+        secrets = _LOG_SECRETS
+        if "://" in message or "=" in message or any(s in message for s in secrets):
+            clean = redact(message, secrets)
             if clean != message:
                 record.msg, record.args = clean, None
         return record

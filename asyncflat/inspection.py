@@ -36,13 +36,14 @@ from .errors import (
     DatasetTooLargeError,
     carries_secret,
     install_log_redaction,
+    option_secrets,
     redact,
     scrubbed,
 )
 from .format import SplitArrays, open_split
 from .plan import ShufflePlan
 from .source import ZarrTokenSource, _make_store
-from .storage.filesystems import close_store
+from .storage.filesystems import close_store, construction_error
 
 __all__ = [
     "LengthStats",
@@ -185,7 +186,11 @@ def describe_split(
     windows) for the length statistics; without it only metadata is read. A ``seq_starts`` that
     is not strictly increasing raises :class:`DatasetFormatError`.
     """
-    return _run(_describe(filespec, split, scan_lengths, storage_options, progress), filespec)
+    return _run(
+        _describe(filespec, split, scan_lengths, storage_options, progress),
+        filespec,
+        storage_options,
+    )
 
 
 def loader_figures(
@@ -233,6 +238,7 @@ def loader_figures(
         amplification = _run(
             _unpacked_amplification(summary, plan, storage_options),
             getattr(summary, "_filespec", summary.filespec),
+            storage_options,
         )
     rows_used = plan.step_count * plan.batch
     return LoaderFigures(
@@ -271,7 +277,7 @@ def verify_split(
     Returns a :class:`VerifyReport`; raises :class:`DatasetFormatError` naming the first
     offending index, or :class:`CorruptChunkError` naming the chunk that does not decode.
     """
-    return _run(_verify(filespec, split, storage_options, progress), filespec)
+    return _run(_verify(filespec, split, storage_options, progress), filespec, storage_options)
 
 
 # --------------------------------------------------------------------------------------------
@@ -279,16 +285,18 @@ def verify_split(
 # --------------------------------------------------------------------------------------------
 
 
-def _run(coro: Any, filespec: str) -> Any:
-    """Run ``coro`` on a loop of its own; errors leave with any URL secret removed."""
-    install_log_redaction()
+def _run(coro: Any, filespec: str, storage_options: Mapping[str, Any] | None) -> Any:
+    """Run ``coro`` on a loop of its own; errors leave with any URL secret and any value of
+    ``storage_options`` removed."""
+    secrets = option_secrets(storage_options)
+    install_log_redaction(secrets)
     runner = LoopThread(name="asyncflat-inspect", cpu_threads=2)
     try:
         return runner.run(coro)
     except AsyncflatError as exc:
-        if not carries_secret(exc):
+        if not carries_secret(exc, secrets):
             raise
-        raise scrubbed(exc, filespec) from None
+        raise scrubbed(exc, filespec, secrets) from None
     finally:
         runner.close()
 
@@ -299,10 +307,11 @@ async def _open_arrays(
     """The split's arrays (through a guarded store) and the raw store, to close after."""
     try:
         store = _make_store(filespec, storage_options)
-    except AsyncflatError:
-        raise
     except Exception as exc:  # noqa: BLE001 - a filesystem constructor, credential exchange
-        raise scrubbed(exc, filespec) from (None if carries_secret(exc) else exc)
+        secrets = option_secrets(storage_options)
+        raise construction_error(exc, filespec, secrets) from (
+            None if carries_secret(exc, secrets) else exc
+        )
     try:
         return await open_split(store, split, name=filespec), store
     except BaseException:

@@ -37,6 +37,7 @@ from .errors import (
     CorruptChunkError,
     TransientStorageError,
     carries_secret,
+    install_log_redaction,
     option_secrets,
     scrubbed,
 )
@@ -234,6 +235,7 @@ class ZarrTokenSource:
         """
         retry = retry or RetryPolicy()
         secrets = option_secrets(storage_options)
+        install_log_redaction(secrets)
         try:
             raw = make_store(filespec, storage_options, timeout_s=retry.attempt_timeout_s)
         except Exception as exc:  # noqa: BLE001 - a filesystem constructor, credential exchange

@@ -221,10 +221,11 @@ def test_an_unknown_protocol_with_credentials_is_a_config_error_without_them() -
 
 @pytest.mark.parametrize("error", [ConnectionError, PermissionError])
 def test_a_read_error_that_repeats_an_option_value_is_scrubbed(
-    tmp_path: Path, error: type[Exception]
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, error: type[Exception]
 ) -> None:
-    """A transient failure (retried, then a TransientStorageError quoting it) or a permanent one,
-    raised by the filesystem after open with a storage_options value in its message."""
+    """A transient failure (retried, logged, then a TransientStorageError quoting it) or a
+    permanent one, raised by the filesystem after open with a storage_options value in it."""
+    caplog.set_level(logging.DEBUG)
     from zarr.storage import WrapperStore
 
     from asyncflat.source import ZarrTokenSource
@@ -261,3 +262,8 @@ def test_a_read_error_that_repeats_an_option_value_is_scrubbed(
     text = chain_text(info.value)
     assert "encoded_tokens" in str(info.value) and "refused for token ***" in str(info.value)
     assert "tok-OPTION" not in text, text
+    records = [r.getMessage() for r in caplog.records]
+    if error is ConnectionError:  # retried: the retry is logged, with the error's text
+        assert any("retrying" in m and "refused for token ***" in m for m in records), records
+    for message in records:
+        assert "tok-OPTION" not in message, message
