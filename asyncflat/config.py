@@ -14,13 +14,12 @@ message, not minutes later inside a background fill.
 import dataclasses
 import operator
 import os
-import re
 from collections.abc import Mapping
 from typing import Any, Optional, Union
 
 import numpy as np
 
-from .errors import ArgumentTypeError, ConfigError
+from .errors import ArgumentTypeError, ConfigError, redact
 
 __all__ = [
     "EngineOptions",
@@ -95,12 +94,10 @@ class TokenBatchParams:
         _int_field(self, "batch", minimum=1)
 
 
-_URL_PASSWORD = re.compile(r"(://[^/@:]*):[^/@]*@")
-
-
 def redact_url(url: str) -> str:
-    """``url`` with any ``user:password@`` password replaced by ``***``."""
-    return _URL_PASSWORD.sub(r"\1:***@", url)
+    """``url`` with its secrets replaced by ``***`` (``user:***@``, a bare ``***@`` token,
+    credential query parameters): :func:`asyncflat.errors.redact`."""
+    return redact(url)
 
 
 def _redacted(options: Mapping[str, Any] | None) -> str:

@@ -24,6 +24,10 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
+import urllib.parse
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 __all__ = [
     "ArgumentTypeError",
@@ -40,6 +44,7 @@ __all__ = [
     "TransientStorageError",
     "carries_secret",
     "install_log_redaction",
+    "option_secrets",
     "redact",
     "scrubbed",
 ]
@@ -105,57 +110,105 @@ _QUERY_SECRET = re.compile(
 )
 
 
-def redact(text: str) -> str:
+def redact(text: str, secrets: Iterable[str] = ()) -> str:
     """``text`` with the secrets of any URL in it removed: ``scheme://user:***@host`` (a bare
     ``scheme://token@host`` becomes ``scheme://***@host``) and credential-like query parameters
-    (``?token=***``). Every message, log line and CLI output that shows a dataset URL uses it."""
+    (``?token=***``). Every message, log line and CLI output that shows a dataset URL uses it.
+
+    ``secrets`` (see :func:`option_secrets`): further strings to replace with ``***`` wherever
+    they appear (the values of ``storage_options``)."""
 
     def userinfo(match: re.Match[str]) -> str:
         user = match.group("user")
         return f"{match.group('scheme')}{user + ':' if user is not None else ''}***@"
 
+    for secret in sorted(secrets, key=len, reverse=True):
+        text = text.replace(secret, "***")
     return _QUERY_SECRET.sub(r"\g<key>***", _USERINFO.sub(userinfo, text))
 
 
-def carries_secret(exc: BaseException) -> bool:
-    """Whether ``exc`` or any exception in its chain shows a URL secret :func:`redact` removes."""
+#: Option values shorter than this are not treated as secrets (``True``, ``"us"``, ``3``).
+_MIN_SECRET_CHARS = 4
+
+
+def option_secrets(options: Any) -> tuple[str, ...]:
+    """Every string value in ``storage_options`` (nested mappings and sequences included) that
+    could be a credential, as given and URL-quoted (a token ends up in query strings), for
+    :func:`redact`. Keys are not secret; every value is treated as one."""
+    found: set[str] = set()
+
+    def walk(value: Any, depth: int) -> None:
+        if depth > 8:
+            return
+        if isinstance(value, bytes):
+            value = value.decode("utf-8", "replace")
+        if isinstance(value, str):
+            if len(value) >= _MIN_SECRET_CHARS:
+                found.update({value, urllib.parse.quote(value, safe=""), repr(value)[1:-1]})
+        elif isinstance(value, Mapping):
+            for item in value.values():
+                walk(item, depth + 1)
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            for item in value:
+                walk(item, depth + 1)
+
+    walk(options, 0)
+    return tuple(found)
+
+
+def carries_secret(exc: BaseException, secrets: Iterable[str] = ()) -> bool:
+    """Whether ``exc`` or any exception in its chain shows a secret :func:`redact` removes."""
+    secrets = tuple(secrets)
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
         text = str(current)
-        if redact(text) != text:
+        if redact(text, secrets) != text:
             return True
         current = current.__cause__ or current.__context__
     return False
 
 
-def scrubbed(exc: BaseException, where: str) -> BaseException:
+def scrubbed(exc: BaseException, where: str, secrets: Iterable[str] = ()) -> BaseException:
     """``exc`` fit to show: asyncflat's own errors with their message redacted, anything else
     (a filesystem's constructor, a credential exchange) as a :class:`StorageError` naming
     ``where``. Raise the result ``from None`` when :func:`carries_secret`: no chained
     traceback may carry the secret."""
+    secrets = tuple(secrets)
     if isinstance(exc, AsyncflatError):
         text = str(exc)
-        return type(exc)(redact(text)) if redact(text) != text else exc
-    return StorageError(f"{redact(where)}: {type(exc).__name__}: {redact(str(exc))}")
+        return type(exc)(redact(text, secrets)) if redact(text, secrets) != text else exc
+    return StorageError(
+        f"{redact(where, secrets)}: {type(exc).__name__}: {redact(str(exc), secrets)}"
+    )
 
 
 _LOG_REDACTION: list[bool] = []
+#: storage_options values seen by the stores opened so far (replaced whole, never mutated: the
+#: factory reads it from any thread).
+_LOG_SECRETS: tuple[str, ...] = ()
+_LOG_LOCK = threading.Lock()
 
 
-def install_log_redaction() -> None:
+def install_log_redaction(secrets: Iterable[str] = ()) -> None:
     """Redact URL secrets from every log record made from now on, asyncflat's and those of the
-    libraries under it (fsspec, aiohttp, botocore log URLs at DEBUG).
+    libraries under it (fsspec, aiohttp, botocore log URLs at DEBUG), and ``secrets`` (the
+    :func:`option_secrets` of a store being opened) from then on too.
 
     A log-record factory is the one place that sees every logger's records before any handler
     formats them; it chains the factory installed before it, and touches only records whose
     message :func:`redact` changes. Installed once, when asyncflat first opens a store.
     """
-    if _LOG_REDACTION:
-        return
-    _LOG_REDACTION.append(True)
-    previous = logging.getLogRecordFactory()
+    global _LOG_SECRETS
+    with _LOG_LOCK:
+        new = set(secrets) - set(_LOG_SECRETS)
+        if new:
+            _LOG_SECRETS = (*_LOG_SECRETS, *sorted(new))
+        if _LOG_REDACTION:
+            return
+        _LOG_REDACTION.append(True)
+        previous = logging.getLogRecordFactory()
 
     def factory(*args: object, **kwargs: object) -> logging.LogRecord:
         record = previous(*args, **kwargs)
@@ -163,8 +216,9 @@ def install_log_redaction() -> None:
             message = record.getMessage()
         except Exception:  # noqa: BLE001 - a malformed record is logging's to report
             return record
-        if "://" in message or "=" in message:
-            clean = redact(message)
+        secrets = _LOG_SECRETS
+        if "://" in message or "=" in message or any(s in message for s in secrets):
+            clean = redact(message, secrets)
             if clean != message:
                 record.msg, record.args = clean, None
         return record

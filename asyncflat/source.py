@@ -32,7 +32,15 @@ from zarr.core.buffer import default_buffer_prototype
 
 from ._single_flight import SingleFlight
 from .config import RetryPolicy, redact_url
-from .errors import AsyncflatError, CorruptChunkError, TransientStorageError
+from .errors import (
+    AsyncflatError,
+    CorruptChunkError,
+    TransientStorageError,
+    carries_secret,
+    install_log_redaction,
+    option_secrets,
+    scrubbed,
+)
 from .format import SplitArrays, open_split
 from .storage import blosc as _blosc
 from .storage.filesystems import (
@@ -40,6 +48,7 @@ from .storage.filesystems import (
     bounded,
     close_filesystem,
     close_store,
+    construction_error,
     filesystem,
     is_url,
     local_root,
@@ -225,7 +234,14 @@ class ZarrTokenSource:
         ``retry.attempt_timeout_s``): a silent store fails construction, it does not hang it.
         """
         retry = retry or RetryPolicy()
-        raw = make_store(filespec, storage_options, timeout_s=retry.attempt_timeout_s)
+        secrets = option_secrets(storage_options)
+        install_log_redaction(secrets)
+        try:
+            raw = make_store(filespec, storage_options, timeout_s=retry.attempt_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - a filesystem constructor, credential exchange
+            raise construction_error(exc, filespec, secrets) from (
+                None if carries_secret(exc, secrets) else exc
+            )
         timed = bounded(raw, retry.attempt_timeout_s)
         store = timed if store_wrapper is None else store_wrapper(timed)
         io = IOCounters()
@@ -235,6 +251,7 @@ class ZarrTokenSource:
             limiter=AdaptiveLimiter(max_concurrent_requests, io),
             retry=retry,
             io=io,
+            secrets=secrets,
         )
         try:
             async with asyncio.timeout(retry.deadline_s) as budget:
@@ -247,6 +264,11 @@ class ZarrTokenSource:
                 f"{redact_url(filespec)}/{split}: opening the dataset took longer than "
                 f"RetryPolicy.deadline_s={retry.deadline_s:g} s"
             ) from exc
+        except AsyncflatError as exc:
+            await close_store(raw)
+            if not carries_secret(exc, secrets):
+                raise
+            raise scrubbed(exc, filespec, secrets) from None
         except BaseException:
             await close_store(raw)
             raise
@@ -301,7 +323,8 @@ class ZarrTokenSource:
     async def _read_range(self, key: str, lo: int, hi: int) -> bytes:
         if self._local_root is not None and hi - lo <= _PREAD_MAX_BYTES:
             # Row reads of a plain local store: a few KiB from the page cache, read right here.
-            data = pread(self._local_root, key, lo, hi, name=self.name)
+            cap = self._guard.max_object_bytes(key) if self._guard is not None else None
+            data = pread(self._local_root, key, lo, hi, name=self.name, max_object_bytes=cap)
             self.io.requests += 1
             self.io.bytes_read += len(data)
             return data

@@ -8,15 +8,18 @@ the libraries' under us) and all output of ``python -m asyncflat inspect`` must 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import http.server
+import importlib
 import logging
 import os
 import subprocess
 import sys
 import threading
 import traceback
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -135,3 +138,132 @@ def test_no_secret_in_cli_output(served: str) -> None:
         else:
             assert proc.returncode == 0, proc.stderr
             assert "reader:***@127.0.0.1" in proc.stdout, proc.stdout
+
+
+# -- errors while making the filesystem ---------------------------------------------------------
+
+
+TOKEN = "ya29.tok-OPTION-5e2d/x"
+
+
+class _EchoingFileSystem:
+    """A third-party filesystem whose constructor repeats its arguments in its errors (as
+    gcsfs does with a string token, in the URL of a ``requests.ConnectionError``)."""
+
+    protocol = "echofs"
+    async_impl = True
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        if kwargs.get("fail") == "type":
+            raise TypeError(f"__init__() got an unexpected keyword argument 'fail' ({kwargs})")
+        raise ConnectionError(
+            f"HTTPSConnectionPool: Max retries exceeded with url: /tokeninfo?access_token="
+            f"{urllib.parse.quote(str(kwargs.get('token')), safe='')} (token {kwargs['token']!r})"
+        )
+
+    @classmethod
+    def _get_kwargs_from_urls(cls, path: str) -> dict[str, object]:
+        return {}
+
+    @classmethod
+    def _strip_protocol(cls, path: str) -> str:
+        return path.split("://", 1)[-1]
+
+
+def open_source(url: str, options: dict[str, object]) -> BaseException:
+    from asyncflat.source import ZarrTokenSource
+
+    async def main() -> None:
+        await ZarrTokenSource.open(url, "train", storage_options=options)
+
+    with pytest.raises(AsyncflatError) as info:
+        asyncio.run(main())
+    return info.value
+
+
+@pytest.mark.parametrize(
+    "mode,expected",
+    [("network", "StorageError"), ("type", "ConfigError")],
+)
+def test_filesystem_constructor_errors_are_wrapped_without_secrets(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, mode: str, expected: str
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    registry = importlib.import_module("fsspec.registry")
+    monkeypatch.setitem(registry._registry, "echofs", _EchoingFileSystem)
+    url = f"echofs://reader:{SECRET}@bucket/d.zarr"
+    exc = open_source(url, {"token": TOKEN, "fail": mode})
+    assert expected in [c.__name__ for c in type(exc).__mro__], repr(exc)
+    message = str(exc)
+    assert message.startswith("echofs://reader:***@bucket/d.zarr: cannot open this URL"), message
+    text = chain_text(exc) + "\n".join(r.getMessage() for r in caplog.records)
+    assert_clean(text, "the error")
+    for shown in (TOKEN, urllib.parse.quote(TOKEN, safe=""), "tok-OPTION"):
+        assert shown not in text, text
+
+
+def test_a_bad_option_to_a_real_filesystem_is_a_config_error_without_secrets() -> None:
+    # gcsfs validates ``access`` in its constructor (anonymous: no credential exchange, no network).
+    url = f"gs://reader:{SECRET}@bucket/d.zarr"
+    exc = open_source(url, {"token": "anon", "access": f"bogus-{TOKEN}"})
+    assert isinstance(exc, asyncflat.ConfigError), repr(exc)
+    assert "gs://reader:***@bucket/d.zarr" in str(exc) and "access must be one of" in str(exc)
+    assert_clean(chain_text(exc), "the error")
+    assert "tok-OPTION" not in chain_text(exc)
+
+
+def test_an_unknown_protocol_with_credentials_is_a_config_error_without_them() -> None:
+    exc = open_source(f"nosuchfs://reader:{SECRET}@host/d.zarr", {"token": TOKEN})
+    assert isinstance(exc, asyncflat.ConfigError), repr(exc)
+    assert "nosuchfs://reader:***@host/d.zarr: unknown URL protocol" in str(exc), str(exc)
+    assert_clean(chain_text(exc), "the error")
+
+
+@pytest.mark.parametrize("error", [ConnectionError, PermissionError])
+def test_a_read_error_that_repeats_an_option_value_is_scrubbed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, error: type[Exception]
+) -> None:
+    """A transient failure (retried, logged, then a TransientStorageError quoting it) or a
+    permanent one, raised by the filesystem after open with a storage_options value in it."""
+    caplog.set_level(logging.DEBUG)
+    from zarr.storage import WrapperStore
+
+    from asyncflat.source import ZarrTokenSource
+
+    rng = np.random.default_rng(2)
+    asyncflat.write_flat_tokens(
+        tmp_path / "d.zarr", {"train": [rng.integers(0, 50, size=30) for _ in range(20)]}
+    )
+
+    class Failing(WrapperStore):  # type: ignore[type-arg]
+        armed = False
+
+        async def get(self, key: str, *args: object, **kwargs: object) -> object:
+            if Failing.armed and "encoded_tokens/c" in key:
+                raise error(f"GET /{key}?access_token={TOKEN} refused for token {TOKEN}")
+            return await self._store.get(key, *args, **kwargs)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        source = await ZarrTokenSource.open(
+            str(tmp_path / "d.zarr"),
+            "train",
+            storage_options={"token": TOKEN},
+            retry=asyncflat.RetryPolicy(max_attempts=2, initial_backoff_s=0.001),
+            store_wrapper=Failing,
+        )
+        Failing.armed = True
+        try:
+            await source.read_tokens(0, 10)
+        finally:
+            await source.aclose()
+
+    with pytest.raises(AsyncflatError) as info:
+        asyncio.run(main())
+    text = chain_text(info.value)
+    assert "encoded_tokens" in str(info.value) and "refused for token ***" in str(info.value)
+    assert "tok-OPTION" not in text, text
+    records = [r.getMessage() for r in caplog.records]
+    if error is ConnectionError:  # retried: the retry is logged, with the error's text
+        assert any("retrying" in m and "refused for token ***" in m for m in records), records
+    for message in records:
+        assert "tok-OPTION" not in message, message

@@ -35,7 +35,11 @@ def describe_split(
     windows) for the length statistics; without it only metadata is read. A ``seq_starts`` that
     is not strictly increasing raises :class:`DatasetFormatError`.
     """
-    return _run(_describe(filespec, split, scan_lengths, storage_options, progress), filespec)
+    return _run(
+        _describe(filespec, split, scan_lengths, storage_options, progress),
+        filespec,
+        storage_options,
+    )
 
 
 def _codec_names(array: Any) -> list[str]:

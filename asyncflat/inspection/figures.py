@@ -66,6 +66,7 @@ def loader_figures(
         amplification = _run(
             _unpacked_amplification(summary, plan, storage_options),
             getattr(summary, "_filespec", summary.filespec),
+            storage_options,
         )
     rows_used = plan.step_count * plan.batch
     return LoaderFigures(

@@ -16,11 +16,12 @@ from ..errors import (
     DatasetFormatError,
     carries_secret,
     install_log_redaction,
+    option_secrets,
     scrubbed,
 )
 from ..format import SplitArrays, open_split
 from ..source import ZarrTokenSource, _make_store
-from ..storage.filesystems import close_store
+from ..storage.filesystems import close_store, construction_error
 
 #: Tokens / seq_starts entries read per request while scanning (rounded to whole chunks):
 #: 16 MiB of tokens and 8 MiB of offsets, so a scan's memory stays bounded.
@@ -28,16 +29,18 @@ _TOKEN_WINDOW = 1 << 22
 _STARTS_WINDOW = 1 << 20
 
 
-def _run(coro: Any, filespec: str) -> Any:
-    """Run ``coro`` on a loop of its own; errors leave with any URL secret removed."""
-    install_log_redaction()
+def _run(coro: Any, filespec: str, storage_options: Mapping[str, Any] | None) -> Any:
+    """Run ``coro`` on a loop of its own; errors leave with any URL secret and any value of
+    ``storage_options`` removed."""
+    secrets = option_secrets(storage_options)
+    install_log_redaction(secrets)
     runner = LoopThread(name="asyncflat-inspect", cpu_threads=2)
     try:
         return runner.run(coro)
     except AsyncflatError as exc:
-        if not carries_secret(exc):
+        if not carries_secret(exc, secrets):
             raise
-        raise scrubbed(exc, filespec) from None
+        raise scrubbed(exc, filespec, secrets) from None
     finally:
         runner.close()
 
@@ -48,10 +51,11 @@ async def _open_arrays(
     """The split's arrays (through a guarded store) and the raw store, to close after."""
     try:
         store = _make_store(filespec, storage_options)
-    except AsyncflatError:
-        raise
     except Exception as exc:  # noqa: BLE001 - a filesystem constructor, credential exchange
-        raise scrubbed(exc, filespec) from (None if carries_secret(exc) else exc)
+        secrets = option_secrets(storage_options)
+        raise construction_error(exc, filespec, secrets) from (
+            None if carries_secret(exc, secrets) else exc
+        )
     try:
         return await open_split(store, split, name=filespec), store
     except BaseException:

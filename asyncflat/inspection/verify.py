@@ -38,7 +38,7 @@ def verify_split(
     Returns a :class:`VerifyReport`; raises :class:`DatasetFormatError` naming the first
     offending index, or :class:`CorruptChunkError` naming the chunk that does not decode.
     """
-    return _run(_verify(filespec, split, storage_options, progress), filespec)
+    return _run(_verify(filespec, split, storage_options, progress), filespec, storage_options)
 
 
 async def _verify(

@@ -11,9 +11,12 @@ not multiply (gcsfs retries 6 times, s3fs 5 times, botocore 3-5 times, each arou
 from __future__ import annotations
 
 import asyncio
+import errno
+import functools
 import inspect
 import logging
 import os
+import stat
 import sys
 import types
 from collections.abc import Awaitable, Iterable, Mapping
@@ -23,8 +26,17 @@ from zarr.abc.store import ByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.storage import FsspecStore, LocalStore, WrapperStore
 
-from ..config import redact_url
-from ..errors import ConfigError, CorruptChunkError, DatasetFormatError, StorageError
+from ..errors import (
+    AsyncflatError,
+    ConfigError,
+    CorruptChunkError,
+    DatasetFormatError,
+    StorageError,
+    carries_secret,
+    option_secrets,
+    redact,
+    scrubbed,
+)
 
 __all__ = [
     "OWN_RETRIES_OPTION",
@@ -32,6 +44,8 @@ __all__ = [
     "bounded",
     "close_filesystem",
     "close_store",
+    "construction_error",
+    "file_kind",
     "filesystem",
     "is_url",
     "local_root",
@@ -71,12 +85,12 @@ def filesystem(
         cls: Any = fsspec.get_filesystem_class(protocol)
     except ImportError as exc:
         raise ConfigError(
-            f"{redact_url(url)}: the filesystem for {protocol}:// is not installed: {exc}"
+            f"{redact(url)}: the filesystem for {protocol}:// is not installed: {exc}"
         ) from None
     except ValueError:
         if "::" not in url:  # chained URLs (simplecache::gs://...) are resolved by url_to_fs
             raise ConfigError(
-                f"{redact_url(url)}: unknown URL protocol {protocol!r} (no fsspec filesystem is "
+                f"{redact(url)}: unknown URL protocol {protocol!r} (no fsspec filesystem is "
                 f"registered for {protocol}://; known: {', '.join(_known_protocols())})"
             ) from None
         cls = None
@@ -115,10 +129,36 @@ def filesystem(
         )
     try:
         fs, path = fsspec.url_to_fs(url, **opts)
-    except (ValueError, ImportError) as exc:
-        raise ConfigError(f"{redact_url(url)}: cannot open this URL: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - any constructor's error, re-raised scrubbed
+        secrets = option_secrets(storage_options)
+        raise construction_error(exc, url, secrets) from (
+            None if carries_secret(exc, secrets) else exc
+        )
     set_own_retries(fs, own_retries or 1)
     return fs, path
+
+
+def construction_error(exc: BaseException, url: str, secrets: Iterable[str]) -> AsyncflatError:
+    """What to raise for ``exc``, raised while making the filesystem or store of ``url``: the
+    message names the URL (``user:***@``) and never shows a secret (URL userinfo, credential
+    query parameters, any value of ``storage_options``). A constructor rejecting its arguments
+    (``TypeError``, ``ValueError``, ``KeyError``, a missing package) is a :class:`ConfigError`;
+    anything else (a credential exchange, the network) a :class:`StorageError`. Raise it
+    ``from None`` when :func:`~asyncflat.errors.carries_secret`."""
+    secrets = tuple(secrets)
+    if isinstance(exc, AsyncflatError):
+        scrubbed_exc = scrubbed(exc, url, secrets)
+        assert isinstance(scrubbed_exc, AsyncflatError)
+        return scrubbed_exc
+    cls = (
+        ConfigError
+        if isinstance(exc, (TypeError, ValueError, KeyError, ImportError))
+        else StorageError
+    )
+    return cls(
+        f"{redact(url)}: cannot open this URL with these storage_options: "
+        f"{type(exc).__name__}: {redact(str(exc), secrets)}"
+    )
 
 
 def _known_protocols() -> list[str]:
@@ -245,26 +285,119 @@ def local_root(store: Store) -> str | None:
     return str(store.root) if isinstance(store, LocalStore) else None
 
 
-def pread(root: str, key: str, lo: int, hi: int, *, name: str) -> bytes:
+#: How a local chunk object is opened for a row read: never through a symlink (an in-store
+#: symlink is resolved and checked first), never blocking (a FIFO opens at once and is then
+#: refused), never inherited by a child process.
+_OPEN_FLAGS = (
+    os.O_RDONLY
+    | getattr(os, "O_NOFOLLOW", 0)
+    | getattr(os, "O_NONBLOCK", 0)
+    | getattr(os, "O_CLOEXEC", 0)
+)
+#: Where Linux shows the path of an open file descriptor (a containment check without a race).
+_PROC_FD = "/proc/self/fd"
+
+
+def file_kind(mode: int) -> str:
+    """What a non-regular file is, in words, for messages (``a FIFO``, ``a device``, ...)."""
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISLNK(mode):
+        return "a symlink"
+    return "not a regular file"
+
+
+@functools.lru_cache(maxsize=64)
+def _real_root(root: str) -> str:
+    return os.path.realpath(root)
+
+
+def _inside(real: str, root: str) -> bool:
+    return real == root or real.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def _open_local(root: str, path: str, where: str) -> int:
+    """A descriptor of ``path`` (under the store directory ``root``) for reading, opened with
+    :data:`_OPEN_FLAGS`. A symlink is followed only to a file inside the store."""
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except FileNotFoundError:
+        raise CorruptChunkError(f"{where}: chunk object is missing from the store") from None
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.EMLINK) or not os.path.islink(path):
+            raise StorageError(f"reading {where} failed: {exc}") from None
+        # An in-store symlink (documented to read): resolve it, check where it leads, and
+        # open what it resolves to, again without following a symlink.
+        real = os.path.realpath(path)
+        if not _inside(real, _real_root(root)):
+            raise CorruptChunkError(
+                f"{where}: is a symlink to {real}, outside the store {_real_root(root)}"
+            ) from None
+        try:
+            fd = os.open(real, _OPEN_FLAGS)
+        except FileNotFoundError:
+            raise CorruptChunkError(f"{where}: is a broken symlink (to {real})") from None
+        except OSError as exc2:
+            raise StorageError(f"reading {where} failed: {exc2}") from None
+    try:
+        # A directory on the way may be a symlink too: check where the file really is. Linux
+        # names the open file itself (no window between the check and the read).
+        try:
+            real = os.readlink(f"{_PROC_FD}/{fd}")
+        except OSError:
+            real = os.path.realpath(path)
+        if not _inside(real, _real_root(root)):
+            raise CorruptChunkError(f"{where}: resolves to {real}, outside the store {root}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def pread(
+    root: str, key: str, lo: int, hi: int, *, name: str, max_object_bytes: int | None = None
+) -> bytes:
     """Bytes ``[lo, hi)`` of object ``key`` of the local store at ``root``, read right here.
 
     Row reads are a few KiB from the page cache: a thread hop through the store would cost 100x
     the read itself. Errors name the file (``root/key``, a path that exists when the store is
     whole) and the range; ``name`` is the dataset as the user spelled it, for context.
+
+    The object must be a regular file inside the store (a symlink may lead only inside it), at
+    least ``hi`` bytes long and, when ``max_object_bytes`` is given (the largest legal encoding
+    of its chunk), no larger: a FIFO, a device, a directory or an 8 GiB sparse file is a
+    :class:`CorruptChunkError` naming the file, refused before a byte is read (never a hang).
     """
-    where = f"{os.path.join(root, key)} (bytes={lo}-{hi - 1}; dataset {name})"
+    path = os.path.join(root, key)
+    where = f"{path} (bytes={lo}-{hi - 1}; dataset {name})"
+    fd = _open_local(root, path, where)
     try:
-        fd = os.open(os.path.join(root, key), os.O_RDONLY)
-    except FileNotFoundError:
-        raise CorruptChunkError(f"{where}: chunk object is missing from the store") from None
-    except OSError as exc:
-        raise StorageError(f"reading {where} failed: {exc}") from exc
-    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptChunkError(
+                f"{where}: is {file_kind(st.st_mode)}, not a regular file: refused unread"
+            )
+        if max_object_bytes is not None and st.st_size > max_object_bytes:
+            raise CorruptChunkError(
+                f"{where}: object has {st.st_size} bytes, more than any legal encoding of its "
+                f"chunk ({max_object_bytes} bytes): refused unread"
+            )
+        if st.st_size < hi:
+            raise CorruptChunkError(
+                f"{where}: chunk object is truncated: got {max(0, st.st_size - lo)} bytes "
+                f"(the object has {st.st_size})"
+            )
         data = os.pread(fd, hi - lo, lo)
     except OSError as exc:
         raise StorageError(f"reading {where} failed: {exc}") from exc
     finally:
         os.close(fd)
-    if len(data) < hi - lo:
+    if len(data) < hi - lo:  # it shrank since fstat
         raise CorruptChunkError(f"{where}: chunk object is truncated: got {len(data)} bytes")
     return data

@@ -36,8 +36,10 @@ from ..errors import (
     StorageError,
     carries_secret,
     redact,
+    scrubbed,
 )
 from .blosc import frame_problem
+from .filesystems import file_kind
 from .gate import METADATA_MAX_BYTES, ChunkGate, ChunkRejected, UnsupportedCodec, gate_for
 from .limiter import AdaptiveLimiter
 from .retry import is_throttle, retrying
@@ -134,6 +136,9 @@ class _Shared:
     #: Serve a missing chunk as zarr would (fill values) instead of refusing it: for readers
     #: of metadata and end entries that zarr's writer may have left unwritten (empty splits).
     allow_missing: bool = False
+    #: Values of ``storage_options`` (:func:`~asyncflat.errors.option_secrets`): never shown in
+    #: an error, like URL userinfo.
+    secrets: tuple[str, ...] = ()
 
 
 def _local_root(store: Store) -> str | None:
@@ -159,6 +164,7 @@ class GuardedStore(PerKeyWrapperStore):
         limiter: AdaptiveLimiter,
         retry: RetryPolicy,
         io: IOCounters,
+        secrets: tuple[str, ...] = (),
         _shared: _Shared | None = None,
     ) -> None:
         super().__init__(store)
@@ -170,6 +176,7 @@ class GuardedStore(PerKeyWrapperStore):
             SingleFlight(_SUFFIX_CACHE_ENTRIES),
             set(),
             local_root=_local_root(store),
+            secrets=secrets,
         )
 
     def _with_store(self, store: Store) -> GuardedStore:
@@ -199,6 +206,11 @@ class GuardedStore(PerKeyWrapperStore):
                     "zlib, bz2, lzma, lz4, crc32c, sharding)"
                 ) from None
             self._shared.gates[f"{array.store_path.path}/"] = gate
+
+    def max_object_bytes(self, key: str) -> int | None:
+        """The largest legal encoding of the chunk object ``key`` (None: not a gated array)."""
+        gate = self._gate(key)
+        return gate.max_object_bytes if gate is not None else None
 
     def _gate(self, key: str) -> ChunkGate | None:
         """The gate of the array ``key`` belongs to (the longest registered prefix)."""
@@ -239,15 +251,7 @@ class GuardedStore(PerKeyWrapperStore):
             if os.path.commonpath([real, root]) != root:
                 raise error(f"{describe()}: resolves to {real}, outside the store {root}")
         if not stat.S_ISREG(st.st_mode):
-            kind = (
-                "a FIFO"
-                if stat.S_ISFIFO(st.st_mode)
-                else "a device"
-                if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
-                else "a directory"
-                if stat.S_ISDIR(st.st_mode)
-                else "not a regular file"
-            )
+            kind = file_kind(st.st_mode)
             raise error(f"{describe()}: is {kind}, not a regular file: refused unread")
         cap = METADATA_MAX_BYTES if metadata else gate.max_object_bytes if gate else None
         if cap is not None and st.st_size > cap:
@@ -315,12 +319,15 @@ class GuardedStore(PerKeyWrapperStore):
 
         try:
             buffer = await retrying(attempt, shared.retry, describe=describe, on_retry=count_retry)
-        except AsyncflatError:
-            raise
+        except AsyncflatError as exc:  # e.g. the last transient error, its message included
+            if not carries_secret(exc, shared.secrets):
+                raise
+            raise scrubbed(exc, describe(), shared.secrets) from None
         except Exception as exc:  # noqa: BLE001 - re-raised, chained unless it holds a secret
             raise StorageError(
-                f"reading {describe()} failed: {type(exc).__name__}: {redact(str(exc))}"
-            ) from (None if carries_secret(exc) else exc)
+                f"reading {describe()} failed: {type(exc).__name__}: "
+                f"{redact(str(exc), shared.secrets)}"
+            ) from (None if carries_secret(exc, shared.secrets) else exc)
         io.requests += 1
         if buffer is None:
             if not key.endswith(METADATA_SUFFIXES) and not shared.allow_missing:

@@ -1,0 +1,185 @@
+"""Row reads of a local store (``pread`` on the engine's thread) meet hostile objects.
+
+A load that arrives before its blocks reads its few rows straight from the chunk file, without
+the store layer. That path must refuse what the store layer refuses: a FIFO (which would block
+the engine's thread forever), a device, a directory, a symlink out of the store, an object
+larger than any legal encoding of its chunk, with a :class:`CorruptChunkError` naming the file,
+and keep reading a symlink that stays inside the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zarr
+from conftest import random_sequences
+
+import asyncflat.source
+from asyncflat import CorruptChunkError, FlatTokensWriter
+from asyncflat.format import encode_sequences
+from asyncflat.source import ZarrTokenSource
+
+pytestmark = pytest.mark.timeout(30)  # a hang (a FIFO opened blocking) fails, not waits
+
+CHUNK = 1024
+
+
+def write(path: Path, codec: str) -> np.ndarray:
+    sequences = random_sequences(11, 120)
+    encoded, lengths = encode_sequences(sequences)
+    if codec == "blosc":
+        with FlatTokensWriter(path, zarr_format=2, chunk_tokens=CHUNK) as writer:
+            writer.append("train", sequences)
+    else:  # uncompressed: row reads are plain ranged reads of the chunk file
+        starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.uint64)
+        group = zarr.open_group(str(path), mode="w", zarr_format=3).create_group("train")
+        group.create_array(
+            "encoded_tokens", shape=encoded.shape, chunks=(CHUNK,), dtype="uint32", compressors=None
+        )[:] = encoded
+        group.create_array("seq_starts", shape=starts.shape, chunks=(4096,), dtype="uint64")[:] = (
+            starts
+        )
+        group.attrs["max_token_id"] = int((encoded >> 1).max())
+    return encoded
+
+
+def chunk_path(path: Path, index: int) -> Path:
+    base = path / "train" / "encoded_tokens"
+    return next(p for p in (base / "c" / str(index), base / str(index)) if p.exists())
+
+
+def read_rows(
+    path: Path, monkeypatch: pytest.MonkeyPatch, plant: Callable[[Path], None]
+) -> tuple[list[tuple[str, str]], Any]:
+    """Open the split, read rows of chunk 0, ``plant`` something at chunk 1's file, read rows
+    of chunk 1. Returns the files ``pread`` was asked for and the rows read (or the error)."""
+    calls: list[tuple[str, str]] = []
+    real_pread = asyncflat.source.pread
+
+    def spy(root: str, key: str, *args: Any, **kwargs: Any) -> bytes:
+        calls.append((root, key))
+        return real_pread(root, key, *args, **kwargs)
+
+    monkeypatch.setattr(asyncflat.source, "pread", spy)
+
+    async def main() -> Any:
+        source = await ZarrTokenSource.open(str(path), "train")
+        try:
+            first = np.empty(16, np.uint32)
+            await source.read_items(0, 100, first)
+            plant(chunk_path(path, 1))
+            rows = np.empty(16, np.uint32)
+            try:
+                await source.read_items(1, 200, rows)
+            except CorruptChunkError as exc:
+                return first, exc
+            return first, rows
+        finally:
+            await source.aclose()
+
+    first, outcome = asyncio.run(asyncio.wait_for(main(), timeout=20))
+    return calls, (first, outcome)
+
+
+def make_fifo(target: Path) -> None:
+    target.unlink()
+    os.mkfifo(target)
+
+
+def make_directory(target: Path) -> None:
+    target.unlink()
+    target.mkdir()
+    (target / "inner").write_bytes(b"x" * 64)
+
+
+def make_device(target: Path) -> None:
+    target.unlink()
+    try:
+        os.mknod(target, 0o600 | stat.S_IFCHR, os.makedev(1, 5))  # what /dev/zero is
+    except PermissionError:
+        pytest.skip("this machine does not let the tests make a device node (mknod)")
+
+
+def make_sparse(target: Path) -> None:
+    with open(target, "r+b") as f:
+        f.truncate(8 << 30)  # 8 GiB, 0 bytes on disk
+
+
+def link_out(target: Path) -> None:
+    target.unlink()
+    target.symlink_to("/dev/zero")
+
+
+@pytest.mark.parametrize("codec", ["blosc", "raw"])
+@pytest.mark.parametrize(
+    "plant,words",
+    [
+        (make_fifo, ["is a FIFO, not a regular file", "refused unread"]),
+        (make_directory, ["is a directory, not a regular file"]),
+        (make_device, ["is a device, not a regular file"]),
+        (make_sparse, ["8589934592 bytes", "more than any legal encoding", "refused unread"]),
+        (link_out, ["symlink to /dev/zero, outside the store"]),
+    ],
+    ids=["fifo", "directory", "device", "sparse-8GiB", "symlink-out"],
+)
+def test_a_row_read_refuses_what_is_not_a_chunk_file(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    codec: str,
+    plant: Callable[[Path], None],
+    words: list[str],
+) -> None:
+    path = tmp_path / "d.zarr"
+    encoded = write(path, codec)
+    calls, (first, outcome) = read_rows(path, monkeypatch, plant)
+    np.testing.assert_array_equal(first, encoded[100:116])
+    assert calls and all(key.startswith("train/encoded_tokens/") for _, key in calls), calls
+    assert any(key.endswith("1") for _, key in calls), calls  # chunk 1 went through pread
+    assert isinstance(outcome, CorruptChunkError), f"expected a refusal, read {outcome}"
+    message = str(outcome)
+    assert str(chunk_path(path, 1)) in message, message
+    for word in words:
+        assert word in message, message
+
+
+@pytest.mark.parametrize("codec", ["blosc", "raw"])
+def test_a_row_read_follows_a_symlink_inside_the_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, codec: str
+) -> None:
+    path = tmp_path / "d.zarr"
+    encoded = write(path, codec)
+
+    def link_in(target: Path) -> None:
+        moved = path / "train" / "moved-chunk"
+        target.rename(moved)
+        target.symlink_to(moved)
+
+    calls, (_, rows) = read_rows(path, monkeypatch, link_in)
+    assert any(key.endswith("1") for _, key in calls), calls
+    assert not isinstance(rows, Exception), rows
+    np.testing.assert_array_equal(rows, encoded[CHUNK + 200 : CHUNK + 216])
+
+
+def test_a_row_read_refuses_a_chunk_directory_linked_out_of_the_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file itself is regular, but a directory on its way leads out of the store."""
+    path = tmp_path / "d.zarr"
+    write(path, "raw")
+    outside = tmp_path / "elsewhere"
+
+    def move_out(target: Path) -> None:
+        chunks = target.parent
+        chunks.rename(outside)
+        chunks.symlink_to(outside)
+
+    _, (_, outcome) = read_rows(path, monkeypatch, move_out)
+    assert isinstance(outcome, CorruptChunkError), outcome
+    assert "outside the store" in str(outcome) and str(outside) in str(outcome), str(outcome)
