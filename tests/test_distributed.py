@@ -26,6 +26,7 @@ from asyncflat.convert import convert_files
 from asyncflat.distributed import convert_distributed
 from asyncflat.distributed.plan import make_plan
 from asyncflat.errors import ConfigError
+from helpers.servers import MOTO_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = {
@@ -303,6 +304,12 @@ def test_local_tiktoken_file(corpus: Path, tmp_path: Path) -> None:
 # -- on a Ray cluster ---------------------------------------------------------------------------
 
 
+#: The workers' environment: this checkout first, and for writing to moto's S3 the fixture's fake
+#: credentials with EC2 metadata probing off (the workers start before the S3 fixture sets them,
+#: and a botocore without them asks 169.254.169.254, slowly, for credentials and region).
+WORKER_ENV = {"PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0", **MOTO_ENV}
+
+
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[str]:
     """A local Ray cluster with 2 worker CPUs on 127.0.0.1, started once (only this module uses
@@ -321,7 +328,7 @@ def ray_cluster() -> Iterator[str]:
                 num_cpus=2,
                 include_dashboard=False,
                 log_to_driver=False,
-                runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"}},
+                runtime_env={"env_vars": WORKER_ENV},
             )
         try:
             address = context.address_info["address"]
@@ -536,3 +543,83 @@ def test_cli_engine_ray(
     assert_same_store(out, reference["v3_sharded"])
     assert main(["convert", str(corpus), "-o", str(tmp_path / "x"), "--ray-address", "auto"]) != 0
     assert "--ray-address and --work-dir need --engine ray" in capsys.readouterr().err
+
+
+# -- the single-machine reading rules, on every engine --------------------------------------------
+
+
+def oversized_inputs(root: Path) -> dict[str, Path]:
+    """Inputs each holding one document of 1,200 UTF-8 bytes (600 characters) late in the file,
+    past several 1,000-byte units; the txt has CRLF and lone-CR line endings before it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root.mkdir()
+    big = "é" * 600
+    endings = ["\n", "\r\n", "\r"]
+    txt = root / "a.txt"
+    txt.write_bytes(
+        "".join(
+            (big if i == 130 else f"line {i}") + endings[i % 3] for i in range(200)
+        ).encode()
+    )
+    lines = [json.dumps({"text": big if i == 90 else f"document {i}"}) for i in range(120)]
+    (root / "b.jsonl").write_text("\n".join(lines) + "\n")
+    with gzip.open(root / "c.txt.gz", "wt", encoding="utf-8") as f:
+        f.write("short\n" * 30 + big + "\nafter\n")
+    texts = [big if i == 70 else f"row {i}" for i in range(100)]
+    pq.write_table(pa.table({"text": texts}), root / "d.parquet", row_group_size=25)
+    return {p.suffix: p for p in sorted(root.iterdir())}
+
+
+def test_oversized_document_fails_alike_on_both_engines(tmp_path: Path) -> None:
+    """``max_document_bytes`` is enforced by the same reader on both engines: the same error,
+    naming the same line (or row) of the file, from a unit in the middle of it."""
+    inputs = oversized_inputs(tmp_path / "in")
+    assert len(inputs) == 4
+    options: dict[str, Any] = dict(engine="local", unit_bytes=300)
+    for path in inputs.values():
+        with pytest.raises(ConfigError) as single:
+            convert_files([path], tmp_path / "single.zarr", max_document_bytes=1000)
+        with pytest.raises(ConfigError) as dist:
+            convert_distributed(
+                [path],
+                tmp_path / "d.zarr",
+                work_dir=str(tmp_path / f"pieces{path.suffix}"),
+                max_document_bytes=1000,
+                **options,
+            )
+        assert str(dist.value) == str(single.value)
+        assert "of at least 1,200 bytes is over max_document_bytes (1,000" in str(dist.value)
+        where = {".txt": ":131:", ".jsonl": ":91:", ".gz": ":31:", ".parquet": " row 70:"}
+        assert f"{path}{where[path.suffix]}" in str(dist.value)
+    assert not (tmp_path / "single.zarr").exists() and not (tmp_path / "d.zarr").exists()
+    # A piece tokenized under one bound is not reused under another (it is in the fingerprint).
+    work = str(tmp_path / "pieces.txt")
+    with pytest.raises(ConfigError, match=r"changed since: max_document_bytes\)"):
+        convert_distributed([inputs[".txt"]], tmp_path / "d.zarr", work_dir=work, **options)
+    # A bound that fits accepts them, and the outputs are equal.
+    convert_files(list(inputs.values()), tmp_path / "single.zarr", max_document_bytes=1200)
+    convert_distributed(
+        list(inputs.values()), tmp_path / "d.zarr", max_document_bytes=1200, **options
+    )
+    assert_same_store(tmp_path / "d.zarr", tmp_path / "single.zarr")
+
+
+def test_symlink_rules_are_the_single_machine_ones(tmp_path: Path) -> None:
+    outside = tmp_path / "elsewhere.txt"
+    outside.write_text("from outside\n")
+    corpus = tmp_path / "in"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("inside\n")
+    (corpus / "b.txt").symlink_to(outside)
+    for follow, docs in ((False, 1), (True, 2)):
+        out = tmp_path / f"o{follow}.zarr"
+        report = convert_distributed(
+            [corpus], out, engine="local", follow_symlinks=follow, validation_fraction=0.0
+        )
+        want = convert_files(
+            [corpus], tmp_path / f"w{follow}.zarr", follow_symlinks=follow, validation_fraction=0.0
+        )
+        assert report.documents == want.documents == docs
+        assert_same_store(out, tmp_path / f"w{follow}.zarr")

@@ -142,12 +142,16 @@ def run_write_job(task: WriteTask) -> tuple[str, str, int]:
         data, max_id = _encoded_tokens(task)
     else:
         data, max_id = _seq_starts(task), 0
-    array = zarr.open_array(
-        task.target.store(),
-        path=f"{job.split}/{job.array}",
-        mode="r+",
-        zarr_format=task.target.zarr_format,
-    )
+    # Chunks equal to the fill value are written too, as the single-machine writer does (an
+    # empty split's seq_starts is one 0; a reader fetching objects directly must find them).
+    # zarr keeps this setting only at run time, read from its config when an array is opened.
+    with zarr.config.set({"array.write_empty_chunks": True}):
+        array = zarr.open_array(
+            task.target.store(),
+            path=f"{job.split}/{job.array}",
+            mode="r+",
+            zarr_format=task.target.zarr_format,
+        )
     array[job.start : job.end] = data
     return job.split, job.array, max_id
 
