@@ -470,7 +470,8 @@ def test_ray_driver_killed_then_rerun_resumes(
 
 
 @pytest.mark.cloud
-@pytest.mark.parametrize("backend", ["gcs", "s3"])
+# The GCS emulator: test_cli_ray_into_bucket_then_train_from_it, the same checks from the CLI.
+@pytest.mark.parametrize("backend", ["s3"])
 def test_ray_into_bucket_equals_local(
     ray_cluster: str,
     corpus: Path,
@@ -559,9 +560,7 @@ def oversized_inputs(root: Path) -> dict[str, Path]:
     endings = ["\n", "\r\n", "\r"]
     txt = root / "a.txt"
     txt.write_bytes(
-        "".join(
-            (big if i == 130 else f"line {i}") + endings[i % 3] for i in range(200)
-        ).encode()
+        "".join((big if i == 130 else f"line {i}") + endings[i % 3] for i in range(200)).encode()
     )
     lines = [json.dumps({"text": big if i == 90 else f"document {i}"}) for i in range(120)]
     (root / "b.jsonl").write_text("\n".join(lines) + "\n")
@@ -623,3 +622,96 @@ def test_symlink_rules_are_the_single_machine_ones(tmp_path: Path) -> None:
         )
         assert report.documents == want.documents == docs
         assert_same_store(out, tmp_path / f"w{follow}.zarr")
+
+
+def test_ray_and_cli_enforce_max_document_bytes(
+    ray_cluster: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from asyncflat.cli import main
+
+    inputs = oversized_inputs(tmp_path / "in")
+    path = inputs[".jsonl"]
+    with pytest.raises(ConfigError) as single:
+        convert_files([path], tmp_path / "single.zarr", max_document_bytes=1000)
+    with pytest.raises(ConfigError) as ray:
+        convert_distributed(
+            [path], tmp_path / "ray.zarr", engine="ray", unit_bytes=300, max_document_bytes=1000
+        )
+    assert str(ray.value) == str(single.value) and f"{path}:91: document" in str(ray.value)
+    # From the command line: the bound reaches the Ray tasks, and both engines say the same.
+    errors = []
+    for engine in ("local", "ray"):
+        args = ["convert", str(inputs[".txt"]), "-o", str(tmp_path / f"cli-{engine}.zarr")]
+        args += ["--engine", engine, "--max-document-bytes", "1000", "--no-progress"]
+        args += ["--ray-address", ray_cluster] if engine == "ray" else ["--workers", "1"]
+        assert main(args) == 1
+        errors.append(capsys.readouterr().err.replace(f"{tmp_path}/", ""))
+    assert errors[0] == errors[1]
+    assert errors[0].startswith(
+        "asyncflat convert: error: in/a.txt:131: document of at least 1,200 bytes is over "
+        "max_document_bytes (1,000;"
+    )
+    args = ["convert", str(inputs[".txt"]), "-o", str(tmp_path / "ok.zarr"), "--engine", "ray"]
+    args += ["--ray-address", ray_cluster, "--max-document-bytes", "1200", "--no-progress"]
+    assert main(args) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "cli-ray.zarr.pieces",  # the failed runs' pieces, kept for a rerun
+        "in",
+        "ok.zarr",
+        "ray.zarr.pieces",
+    ]
+
+
+@pytest.mark.cloud
+def test_cli_ray_into_bucket_then_train_from_it(
+    ray_cluster: str,
+    corpus: Path,
+    tmp_path: Path,
+    gcs_emulator: Any,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """End to end from the command line: convert on Ray into a bucket (the GCS emulator), then
+    train from the bucket: every object equals a local single-machine conversion's, and so do
+    the loader's batches."""
+    import fsspec
+
+    from asyncflat import FlatTokensParams, ShufflingLoader, TokenBatchParams
+    from asyncflat.cli import main
+
+    options = gcs_emulator.storage_options()
+    url = "gs://asyncflat-test/cli-e2e/corpus.zarr"
+    local = tmp_path / "local.zarr"
+    common = ["--validation-fraction", "0.2", "--seed", "3", "--chunk-tokens", "2048"]
+    common += ["--shard-tokens", "8192", "--json", "--no-progress"]
+    assert main(["convert", str(corpus), "-o", str(local), "--workers", "1", *common]) == 0
+    here_report = json.loads(capsys.readouterr().out)
+    args = ["convert", str(corpus), "-o", url, "--engine", "ray", "--ray-address", ray_cluster]
+    args += ["--storage-options", json.dumps(options), *common]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["output"] == url and report["parallelism"] == 2
+    for field in ("documents", "sequences", "tokens", "max_token_id"):
+        assert report[field] == here_report[field]
+    fs = fsspec.filesystem("gs", **options)
+    prefix = "asyncflat-test/cli-e2e/corpus.zarr"
+    fs.invalidate_cache()
+    assert {k.removeprefix(prefix + "/"): fs.cat_file(k) for k in fs.find(prefix)} == tree(local)
+    assert not fs.find(prefix + ".pieces")  # pieces removed after the commit
+
+    batch = TokenBatchParams(len=64, batch=8)
+    for split in ("train", "validation"):
+        with (
+            ShufflingLoader(
+                split,
+                FlatTokensParams(url, 2, 2, 8, 7, True, storage_options=options),
+                batch,
+            ) as remote,
+            ShufflingLoader(split, FlatTokensParams(str(local), 2, 2, 8, 7, True), batch) as here,
+        ):
+            assert remote.step_count == here.step_count > 5
+            for step in [*range(5), remote.step_count - 1]:
+                got, want = remote.load(step), here.load(step)
+                np.testing.assert_array_equal(np.asarray(got.targets), np.asarray(want.targets))
+                np.testing.assert_array_equal(
+                    np.asarray(got.is_seq_start), np.asarray(want.is_seq_start)
+                )
