@@ -291,7 +291,7 @@ def iter_range_documents(
             return f"{path}:{before[0] + lineno}"
 
         raw.seek(start)
-        text = _open_text(path, _ByteRange(raw, end - start))
+        text = _open_text(path, io.BufferedReader(_ByteRange(raw, end - start)))
         yield from _text_documents(
             path, text, suffix, text_field, txt_mode, max_document_bytes, name, None
         )

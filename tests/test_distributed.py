@@ -21,12 +21,12 @@ from typing import Any
 import numpy as np
 import pytest
 import zarr
+from helpers.servers import MOTO_ENV
 
 from asyncflat.convert import convert_files
 from asyncflat.distributed import convert_distributed
 from asyncflat.distributed.plan import make_plan
 from asyncflat.errors import ConfigError
-from helpers.servers import MOTO_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = {
