@@ -605,7 +605,40 @@ def test_oversized_document_fails_alike_on_both_engines(tmp_path: Path) -> None:
     assert_same_store(tmp_path / "d.zarr", tmp_path / "single.zarr")
 
 
+def test_byte_ranges_read_as_the_whole_file(tmp_path: Path) -> None:
+    """Any line-aligned cut of a file gives the whole file's documents; a line's number in an
+    error counts universal newlines (\\n, \\r\\n, lone \\r) from the file's start, also when a
+    \\r\\n straddles the line counter's 1 MiB read blocks."""
+    from asyncflat.corpus import iter_file_documents, iter_range_documents
+
+    txt = tmp_path / "a.txt"
+    txt.write_bytes(b"one\r\ntwo\rthree\n\n\xc3\xa9\r\n\r\nlast\n")
+    jsonl = tmp_path / "b.jsonl"
+    jsonl.write_bytes(b'{"text": "a"}\r\n\n{"text": "b\\u00e9"}\n  \n{"text": ""}\n')
+    for path in (txt, jsonl):
+        data = path.read_bytes()
+        whole = list(iter_file_documents(path))
+        cuts = [i + 1 for i, byte in enumerate(data) if byte == ord("\n")]
+        for cut in [0, *cuts]:
+            got = [*iter_range_documents(path, 0, cut), *iter_range_documents(path, cut, len(data))]
+            assert got == whole, (path.name, cut)
+    lines = ["x"] * 5 + ["y" * 2000]
+    big = tmp_path / "c.txt"
+    short = (b"a" * 99 + b"\n") * 10485  # 10,485 lines, then a line whose \r ends the first
+    head = short + b"p" * ((1 << 20) - 1 - len(short)) + b"\r\n"  # block; its \n starts the next
+    big.write_bytes(head + b"b\rc\n" + "\n".join(lines).encode() + b"\n")
+    start = len(head) + 4
+    with pytest.raises(ConfigError) as single:
+        list(iter_file_documents(big, max_document_bytes=1000))
+    with pytest.raises(ConfigError) as ranged:
+        list(iter_range_documents(big, start, big.stat().st_size, max_document_bytes=1000))
+    assert str(ranged.value) == str(single.value)
+    assert f"{big}:{10485 + 1 + 2 + 6}: document" in str(single.value)
+
+
 def test_symlink_rules_are_the_single_machine_ones(tmp_path: Path) -> None:
+    """--follow-symlinks as on one machine (with an empty validation split: its one-entry
+    ``seq_starts`` chunk, all fill value, is written as the single-machine writer writes it)."""
     outside = tmp_path / "elsewhere.txt"
     outside.write_text("from outside\n")
     corpus = tmp_path / "in"
