@@ -162,18 +162,39 @@ def unit_documents(
 
 
 def read_lengths(work: Location, index: int) -> np.ndarray:
-    raw = work.get(piece_name(index, "lengths"))
-    if raw is None:
-        raise ConfigError(f"piece {work.path(piece_name(index, 'lengths'))} is missing")
-    return np.frombuffer(raw, "<i8")
+    return read_lengths_many(work, [index])[0]
+
+
+def read_lengths_many(work: Location, indices: list[int]) -> list[np.ndarray]:
+    """The per-document lengths of each piece (fetched concurrently from an object store)."""
+    names = [piece_name(i, "lengths") for i in indices]
+    try:
+        blobs = work.get_many_ranges([(name, 0, None) for name in names])
+    except FileNotFoundError:
+        missing = next(n for n in names if not work.exists(n))
+        raise ConfigError(f"piece {work.path(missing)} is missing") from None
+    return [np.frombuffer(blob, "<i8") for blob in blobs]
 
 
 def read_token_ranges(work: Location, index: int, ranges: list[tuple[int, int]]) -> np.ndarray:
     """Token ids ``[a, b)`` of piece ``index`` for each (a, b), concatenated."""
-    blobs = work.get_ranges(piece_name(index, "tokens"), [(4 * a, 4 * b) for a, b in ranges])
-    if not blobs:
-        return np.zeros(0, np.uint32)
-    return np.frombuffer(b"".join(blobs), "<u4")
+    return read_token_ranges_many(work, [(index, ranges)])[0]
+
+
+def read_token_ranges_many(
+    work: Location, wanted: list[tuple[int, list[tuple[int, int]]]]
+) -> list[np.ndarray]:
+    """For each (piece index, ranges): its token ids ``[a, b)`` for each (a, b), concatenated;
+    every range of every piece is requested at once (concurrently from an object store)."""
+    requests: list[tuple[str, int, int | None]] = [
+        (piece_name(index, "tokens"), 4 * a, 4 * b) for index, ranges in wanted for a, b in ranges
+    ]
+    blobs = iter(work.get_many_ranges(requests))
+    out = []
+    for _, ranges in wanted:
+        data = b"".join(next(blobs) for _ in ranges)
+        out.append(np.frombuffer(data, "<u4") if data else np.zeros(0, np.uint32))
+    return out
 
 
 def describe(info: PieceInfo) -> dict[str, Any]:
