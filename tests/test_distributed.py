@@ -748,3 +748,32 @@ def test_cli_ray_into_bucket_then_train_from_it(
                 np.testing.assert_array_equal(
                     np.asarray(got.is_seq_start), np.asarray(want.is_seq_start)
                 )
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_a_piece_lost_before_the_write_pass_is_named(
+    corpus: Path, tmp_path: Path, where: str
+) -> None:
+    import fsspec
+
+    from asyncflat.distributed import InProcessEngine
+    from asyncflat.distributed.layout import split_stats
+
+    work = str(tmp_path / "work") if where == "local" else "memory://asyncflat-lost/work"
+    fs, root = fsspec.core.url_to_fs(work)
+
+    class LosesAPiece(InProcessEngine):
+        def map(self, fn: Any, jobs: Any) -> Iterator[tuple[int, Any]]:
+            if fn is split_stats:
+                fs.rm(f"{root}/pieces/00000002.lengths")
+            yield from super().map(fn, jobs)
+
+    try:
+        with pytest.raises(ConfigError, match=rf"piece {work}/pieces/00000002.lengths is missing"):
+            convert_distributed(
+                [corpus], tmp_path / "o.zarr", engine=LosesAPiece(), work_dir=work, unit_bytes=5000
+            )
+    finally:
+        if where == "memory":
+            fs.rm(root, recursive=True)
+    assert not (tmp_path / "o.zarr").exists()
