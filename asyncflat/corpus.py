@@ -23,7 +23,7 @@ import io
 import json
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,8 @@ __all__ = [
     "expand_inputs",
     "iter_documents",
     "iter_file_documents",
+    "iter_parquet_documents",
+    "iter_range_documents",
 ]
 
 log = logging.getLogger(__name__)
@@ -167,9 +169,10 @@ def json_record_limit(max_document_bytes: int) -> int:
 
 
 def _bounded_lines(
-    f: io.TextIOBase, limit: int, where: str, what: str = "document"
+    f: io.TextIOBase, limit: int, name: Callable[[int], str], what: str = "document"
 ) -> Iterator[tuple[int, str]]:
-    """``(line number, line without its ending)``, reading no line longer than ``limit``."""
+    """``(line number, line without its ending)``, reading no line longer than ``limit``;
+    ``name(lineno)`` is where an error says the line is."""
     lineno = 0
     while True:
         line = f.readline(limit + 3)  # the document, its line ending, and one more
@@ -178,7 +181,7 @@ def _bounded_lines(
         lineno += 1
         text = line.rstrip("\r\n")
         if len(text) * 4 > limit:  # the cheap test first: this runs for every line
-            check_document_size(text, limit, f"{where}:{lineno}", what)
+            check_document_size(text, limit, name(lineno), what)
         yield lineno, text
 
 
@@ -192,23 +195,26 @@ def _text_value(value: Any, where: str, text_field: str) -> str:
     return value
 
 
-def _json_text(line: str, where: str, text_field: str) -> str:
+def _json_text(line: str, where: Callable[[], str], text_field: str) -> str:
+    """The text of one ``.jsonl`` record; ``where()`` names it in an error (only then called:
+    naming a line of a byte range counts the lines before it)."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"{where}: invalid JSON: {exc}") from None
+        raise ConfigError(f"{where()}: invalid JSON: {exc}") from None
     if not isinstance(record, dict):
         raise ConfigError(
-            f"{where}: expected a JSON object with field {text_field!r}, "
+            f"{where()}: expected a JSON object with field {text_field!r}, "
             f"got a {type(record).__name__}"
         )
     if text_field not in record:
         present = ", ".join(repr(k) for k in list(record)[:20]) or "none"
         raise ConfigError(
-            f"{where}: no field {text_field!r} in this record (fields: {present}); "
+            f"{where()}: no field {text_field!r} in this record (fields: {present}); "
             "choose one with text_field / --text-field"
         )
-    return _text_value(record[text_field], where, text_field)
+    value = record[text_field]
+    return value if isinstance(value, str) else _text_value(value, where(), text_field)
 
 
 def iter_file_documents(
@@ -227,40 +233,145 @@ def iter_file_documents(
     if suffix is None:
         raise ConfigError(f"input {path}: unsupported file type (expected one of {SUFFIXES})")
     if suffix == ".parquet":
-        yield from _iter_parquet(path, text_field, max_document_bytes)
+        yield from iter_parquet_documents(
+            path, text_field=text_field, max_document_bytes=max_document_bytes
+        )
         if progress is not None:
             progress.done += path.stat().st_size
         return
     with open(path, "rb") as raw:
         start = progress.done if progress is not None else 0
-        try:
-            with _open_text(path, raw) as f:
-                if txt_mode == "file" and suffix in (".txt", ".txt.gz"):
-                    text = f.read(max_document_bytes + 1)
-                    check_document_size(text, max_document_bytes, str(path))
-                    yield text
-                elif suffix in (".txt", ".txt.gz"):
-                    for lineno, text in _bounded_lines(f, max_document_bytes, str(path)):
-                        if progress is not None and not lineno % _PROGRESS_LINES:
-                            progress.done = start + raw.tell()
-                        yield text
-                else:
-                    record_limit = json_record_limit(max_document_bytes)
-                    lines = _bounded_lines(f, record_limit, str(path), "JSON record")
-                    for lineno, line in lines:
-                        if progress is not None and not lineno % _PROGRESS_LINES:
-                            progress.done = start + raw.tell()
-                        if line.strip():
-                            where = f"{path}:{lineno}"
-                            text = _json_text(line, where, text_field)
-                            check_document_size(text, max_document_bytes, where)
-                            yield text
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"{path}: not valid UTF-8 text: {exc}") from None
-        except (gzip.BadGzipFile, EOFError) as exc:
-            raise ConfigError(f"{path}: not a valid gzip file: {exc}") from None
+
+        def tick() -> None:
+            if progress is not None:
+                progress.done = start + raw.tell()
+
+        yield from _text_documents(
+            path,
+            _open_text(path, raw),
+            suffix,
+            text_field,
+            txt_mode,
+            max_document_bytes,
+            lambda lineno: f"{path}:{lineno}",
+            tick,
+        )
         if progress is not None:
             progress.done = start + path.stat().st_size
+
+
+def iter_range_documents(
+    path: str | os.PathLike[str],
+    start: int,
+    end: int,
+    *,
+    text_field: str = "text",
+    txt_mode: str = "line",
+    max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES,
+) -> Iterator[str]:
+    """Yield the documents of bytes ``[start, end)`` of an uncompressed ``.txt`` / ``.jsonl``
+    file, with exactly :func:`iter_file_documents`' rules; ``start`` must begin a line (0, or
+    just after a ``\\n``). Errors name the line of the file, counted from its start.
+
+    Concatenating the documents of consecutive ranges that cover a file gives the file's."""
+    if txt_mode not in ("line", "file"):
+        raise ConfigError(f"txt_mode must be 'line' or 'file', got {txt_mode!r}")
+    path = Path(path)
+    suffix = file_suffix(path)
+    if suffix not in (".txt", ".jsonl"):
+        raise ConfigError(f"input {path}: a byte range needs an uncompressed .txt or .jsonl file")
+    if not 0 <= start <= end:
+        raise ConfigError(f"input {path}: invalid byte range [{start}, {end})")
+    with open(path, "rb") as raw:
+        before: list[int] = []
+
+        def name(lineno: int) -> str:
+            if not before:  # counted only for an error message
+                before.append(_count_lines(path, start))
+            return f"{path}:{before[0] + lineno}"
+
+        raw.seek(start)
+        text = _open_text(path, io.BufferedReader(_ByteRange(raw, end - start)))
+        yield from _text_documents(
+            path, text, suffix, text_field, txt_mode, max_document_bytes, name, None
+        )
+
+
+def _text_documents(
+    path: Path,
+    f: io.TextIOBase,
+    suffix: str,
+    text_field: str,
+    txt_mode: str,
+    max_document_bytes: int,
+    name: Callable[[int], str],
+    tick: Callable[[], None] | None,
+) -> Iterator[str]:
+    """The documents of an open ``.txt`` / ``.jsonl`` text stream (closed afterwards)."""
+    try:
+        with f:
+            if txt_mode == "file" and suffix in (".txt", ".txt.gz"):
+                text = f.read(max_document_bytes + 1)
+                check_document_size(text, max_document_bytes, str(path))
+                yield text
+            elif suffix in (".txt", ".txt.gz"):
+                for lineno, text in _bounded_lines(f, max_document_bytes, name):
+                    if tick is not None and not lineno % _PROGRESS_LINES:
+                        tick()
+                    yield text
+            else:
+                record_limit = json_record_limit(max_document_bytes)
+                for lineno, line in _bounded_lines(f, record_limit, name, "JSON record"):
+                    if tick is not None and not lineno % _PROGRESS_LINES:
+                        tick()
+                    if line.strip():
+                        text = _json_text(line, lambda: name(lineno), text_field)  # noqa: B023
+                        if len(text) * 4 > max_document_bytes:
+                            check_document_size(text, max_document_bytes, name(lineno))
+                        yield text
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not valid UTF-8 text: {exc}") from None
+    except (gzip.BadGzipFile, EOFError) as exc:
+        raise ConfigError(f"{path}: not a valid gzip file: {exc}") from None
+
+
+class _ByteRange(io.RawIOBase):
+    """The next ``size`` bytes of an open binary file, as a stream of their own (the file
+    itself is left open)."""
+
+    def __init__(self, raw: io.BufferedIOBase, size: int) -> None:
+        self._raw = raw
+        self._left = size
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        n = min(len(buffer), self._left)
+        if n <= 0:
+            return 0
+        got = self._raw.readinto(memoryview(buffer).cast("B")[:n])
+        self._left -= got
+        return got
+
+
+def _count_lines(path: Path, end: int) -> int:
+    """Lines in bytes ``[0, end)`` of ``raw`` split as universal newlines (``\\n``, ``\\r\\n``,
+    a lone ``\\r``), ``end`` being just after a line ending; read in blocks, never whole lines."""
+    lines = 0
+    left = end
+    carried_cr = False
+    with open(path, "rb") as raw:
+        while left > 0:
+            block = raw.read(min(left, 1 << 20))
+            if not block:
+                break
+            left -= len(block)
+            lines += block.count(b"\n") + block.count(b"\r") - block.count(b"\r\n")
+            if carried_cr and block.startswith(b"\n"):
+                lines -= 1  # a \r\n split across blocks: counted once, as its \r
+            carried_cr = block.endswith(b"\r")
+    return lines
 
 
 def iter_documents(
@@ -315,10 +426,29 @@ def open_parquet(path: Path, text_field: str) -> Any:
     return parquet
 
 
-def _iter_parquet(path: Path, text_field: str, max_document_bytes: int) -> Iterator[str]:
+def iter_parquet_documents(
+    path: str | os.PathLike[str],
+    *,
+    text_field: str = "text",
+    max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES,
+    row_group: int | None = None,
+) -> Iterator[str]:
+    """Yield the documents of a ``.parquet`` file, or of one of its row groups, with exactly
+    :func:`iter_file_documents`' rules (errors name the row of the file)."""
+    path = Path(path)
     parquet = open_parquet(path, text_field)
     row = 0
-    for batch in parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=[text_field]):
+    groups = None
+    if row_group is not None:
+        meta = parquet.metadata
+        if not 0 <= row_group < meta.num_row_groups:
+            raise ConfigError(f"{path}: no row group {row_group}")
+        row = sum(meta.row_group(i).num_rows for i in range(row_group))
+        groups = [row_group]
+    batches = parquet.iter_batches(
+        batch_size=_PARQUET_BATCH_ROWS, row_groups=groups, columns=[text_field]
+    )
+    for batch in batches:
         for value in batch.column(0).to_pylist():
             where = f"{path} row {row}"
             text = _text_value(value, where, text_field)

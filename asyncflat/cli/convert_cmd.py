@@ -77,12 +77,12 @@ def _run_convert(args: argparse.Namespace) -> Any:
         from ..distributed import convert_distributed
 
         del options["workers"]  # the cluster's CPUs are the workers
-        del options["max_document_bytes"]  # not yet enforced by the distributed reader
         return convert_distributed(
             args.inputs,
             args.output,
             text_field=args.text_field,
             txt_mode=args.txt_mode,
+            follow_symlinks=args.follow_symlinks,
             engine="ray",
             ray_address=args.ray_address,
             work_dir=args.work_dir,

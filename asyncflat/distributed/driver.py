@@ -14,6 +14,7 @@ import numpy as np
 
 from .._typecheck import checked
 from ..convert import ConvertReport, load_tokenizer, validation_mask
+from ..corpus import DEFAULT_MAX_DOCUMENT_BYTES
 from ..errors import ConfigError
 from ..format import SPLITS
 from ..tokenizer import check_tokenizer
@@ -66,6 +67,8 @@ def convert_distributed(
     unit_bytes: int = 64 << 20,
     write_run_tokens: int = 1 << 26,
     keep_pieces: bool = False,
+    max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES,
+    follow_symlinks: bool = False,
 ) -> DistributedReport:
     """Convert files like :func:`asyncflat.convert.convert_files`, as tasks on a cluster.
 
@@ -82,6 +85,8 @@ def convert_distributed(
       4 bytes per token plus 8 per document, and are removed after the commit unless
       ``keep_pieces``. A rerun with the same inputs, tokenizer and reading options reuses the
       finished pieces there; anything else is refused.
+    * ``max_document_bytes``, ``follow_symlinks``, ``text_field``, ``txt_mode``: read as
+      :func:`asyncflat.convert.convert_files` reads (the same functions, the same errors).
     * ``unit_bytes``: input bytes per tokenize task (what a killed task loses);
       ``write_run_tokens``: tokens per write task (rounded to whole stored objects).
     """
@@ -104,7 +109,13 @@ def convert_distributed(
             )
 
     plan = make_plan(
-        inputs, tokenizer=tok.spec, text_field=text_field, txt_mode=txt_mode, unit_bytes=unit_bytes
+        inputs,
+        tokenizer=tok.spec,
+        text_field=text_field,
+        txt_mode=txt_mode,
+        unit_bytes=unit_bytes,
+        max_document_bytes=max_document_bytes,
+        follow_symlinks=follow_symlinks,
     )
     out = Location(os.fspath(output), storage_options)
     staging = out if is_url(out.root) else Location(f"{out.root}.partial-{plan.digest[:12]}")
@@ -121,7 +132,8 @@ def convert_distributed(
     else:
         eng = InProcessEngine()
     try:
-        pieces, resumed = _tokenize_pass(eng, plan, work, tok.spec, text_field, txt_mode, progress)
+        read = _ReadOptions(text_field, txt_mode, max_document_bytes)
+        pieces, resumed = _tokenize_pass(eng, plan, work, tok.spec, read, progress)
         layouts = _layouts(eng, pieces, work, validation_fraction, seed)
         shapes = {s: (layouts[s].tokens, layouts[s].sequences + 1) for s in SPLITS}
         object_tokens = shard_tokens or chunk_tokens
@@ -171,6 +183,13 @@ def convert_distributed(
     return report
 
 
+@dataclasses.dataclass(frozen=True)
+class _ReadOptions:
+    text_field: str
+    txt_mode: str
+    max_document_bytes: int
+
+
 def _claim_work_dir(work: Location, plan: Plan) -> None:
     """Record the plan in ``work``; refuse a work dir that holds another conversion's pieces."""
     raw = work.get("plan.json")
@@ -195,8 +214,7 @@ def _tokenize_pass(
     plan: Plan,
     work: Location,
     spec: str,
-    text_field: str,
-    txt_mode: str,
+    read: _ReadOptions,
     bar: bool,
 ) -> tuple[list[PieceInfo], int]:
     progress = Progress(len(plan.units), sum(u.size for u in plan.units), bar=bar)
@@ -207,7 +225,17 @@ def _tokenize_pass(
         for unit in plan.units:
             info = finished.get(unit.index)
             if info is None:
-                todo.append(TokenizeJob(unit, plan.digest, spec, text_field, txt_mode, work))
+                todo.append(
+                    TokenizeJob(
+                        unit,
+                        plan.digest,
+                        spec,
+                        read.text_field,
+                        read.txt_mode,
+                        work,
+                        read.max_document_bytes,
+                    )
+                )
             else:
                 pieces[unit.index] = info
                 progress.resumed(info.tokens, info.input_bytes)

@@ -16,7 +16,7 @@ import numpy as np
 from ..convert import validation_mask
 from ..format import SPLITS
 from ..writer import SEQ_STARTS_CHUNK
-from .pieces import read_lengths
+from .pieces import read_lengths_many
 from .storage import Location
 
 __all__ = ["SplitLayout", "StatsJob", "WriteJob", "plan_writes", "selected", "split_stats"]
@@ -41,8 +41,8 @@ class StatsJob:
 def split_stats(job: StatsJob) -> list[tuple[int, int, int, int, int]]:
     """For each piece: (index, train sequences, train tokens, validation sequences, tokens)."""
     out = []
-    for index, doc_offset in job.pieces:
-        lengths = read_lengths(job.work, index)
+    all_lengths = read_lengths_many(job.work, [index for index, _ in job.pieces])
+    for (index, doc_offset), lengths in zip(job.pieces, all_lengths):
         row = [index]
         for split in SPLITS:
             mask = selected(lengths, doc_offset, split, job.fraction, job.seed)

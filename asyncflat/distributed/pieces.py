@@ -10,8 +10,7 @@ not done, so a task killed mid-write is simply redone.
 from __future__ import annotations
 
 import dataclasses
-import gzip
-import io
+import itertools
 import json
 import os
 from collections.abc import Iterator
@@ -20,19 +19,17 @@ from typing import Any
 import numpy as np
 
 from ..convert import DOCS_PER_BATCH, Tokenizer, _tokenize, load_tokenizer
-from ..corpus import _json_text, _text_value
+from ..corpus import (
+    DEFAULT_MAX_DOCUMENT_BYTES,
+    iter_file_documents,
+    iter_parquet_documents,
+    iter_range_documents,
+)
 from ..errors import ConfigError
 from .plan import Unit
 from .storage import Location
 
 __all__ = ["PieceInfo", "TokenizeJob", "piece_name", "read_manifests", "tokenize_unit"]
-
-
-def _jsonl_text(line: str, where: str, text_field: str) -> str | None:
-    """The document of one ``.jsonl`` line; None for a blank line (not a document)."""
-    if not line.strip():
-        return None
-    return _json_text(line, where, text_field)
 
 
 def piece_name(index: int, what: str) -> str:
@@ -59,6 +56,7 @@ class TokenizeJob:
     text_field: str
     txt_mode: str
     work: Location
+    max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES
 
 
 def read_manifests(work: Location, indices: list[int], plan_digest: str) -> dict[int, PieceInfo]:
@@ -97,11 +95,11 @@ def tokenize_unit(job: TokenizeJob) -> PieceInfo:
     """Read, tokenize and store one unit; returns its manifest. Input errors raise ConfigError."""
     tok = _worker_tokenizer(job.tokenizer)
     unit = job.unit
-    docs = list(unit_documents(unit, job.text_field, job.txt_mode))
+    docs = unit_documents(unit, job.text_field, job.txt_mode, job.max_document_bytes)
     ids_parts: list[np.ndarray] = []
     len_parts: list[np.ndarray] = []
-    for start in range(0, len(docs), DOCS_PER_BATCH):
-        ids, lengths = _tokenize(tok, docs[start : start + DOCS_PER_BATCH])
+    while batch := list(itertools.islice(docs, DOCS_PER_BATCH)):
+        ids, lengths = _tokenize(tok, batch)
         ids_parts.append(ids)
         len_parts.append(lengths)
     ids = np.concatenate(ids_parts) if ids_parts else np.zeros(0, np.uint32)
@@ -122,60 +120,40 @@ def tokenize_unit(job: TokenizeJob) -> PieceInfo:
 
 
 # --------------------------------------------------------------------------------------------
-# Reading a unit's documents: the same rules as asyncflat.convert.iter_documents
+# Reading a unit's documents: asyncflat.corpus's readers, so the rules (document size bound,
+# line numbering, errors) are the single-machine converter's
 # --------------------------------------------------------------------------------------------
 
 
-def unit_documents(unit: Unit, text_field: str, txt_mode: str) -> Iterator[str]:
-    try:
-        if unit.kind == "parquet":
-            yield from _parquet_documents(unit, text_field)
-            return
-        with _open_unit(unit) as f:
-            if unit.kind == "txt":
-                if txt_mode == "file":
-                    yield f.read()
-                else:
-                    for line in f:
-                        yield line.rstrip("\r\n")
-            else:
-                for lineno, line in enumerate(f, 1):
-                    try:
-                        text = _jsonl_text(line, "", text_field)
-                    except ConfigError:
-                        # Name the line of the file, not of the range: count the lines before it.
-                        where = f"{unit.path}:{_lines_before(unit) + lineno}"
-                        _jsonl_text(line, where, text_field)
-                        raise
-                    if text is not None:
-                        yield text
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{unit.path}: not valid UTF-8 text: {exc}") from exc
-
-
-def _open_unit(unit: Unit) -> io.TextIOBase:
+def unit_documents(
+    unit: Unit,
+    text_field: str,
+    txt_mode: str,
+    max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES,
+) -> Iterator[str]:
+    """The documents of ``unit``, in order."""
+    if unit.kind == "parquet":
+        return iter_parquet_documents(
+            unit.path,
+            text_field=text_field,
+            max_document_bytes=max_document_bytes,
+            row_group=unit.start,
+        )
     if unit.gz:
-        return gzip.open(unit.path, "rt", encoding="utf-8", newline="")
-    with open(unit.path, "rb") as raw:
-        raw.seek(unit.start)
-        data = raw.read(unit.end - unit.start)
-    return io.TextIOWrapper(io.BytesIO(data), encoding="utf-8", newline="")
-
-
-def _lines_before(unit: Unit) -> int:
-    if unit.gz or unit.start == 0:
-        return 0
-    with open(unit.path, "rb") as raw:
-        prefix = raw.read(unit.start)
-    return sum(1 for _ in io.TextIOWrapper(io.BytesIO(prefix), encoding="utf-8", newline=""))
-
-
-def _parquet_documents(unit: Unit, text_field: str) -> Iterator[str]:
-    import pyarrow.parquet as pq
-
-    table = pq.ParquetFile(unit.path).read_row_group(unit.start, columns=[text_field])
-    for i, value in enumerate(table.column(0).to_pylist()):
-        yield _text_value(value, f"{unit.path} row {unit.first_row + i}", text_field)
+        return iter_file_documents(
+            unit.path,
+            text_field=text_field,
+            txt_mode=txt_mode,
+            max_document_bytes=max_document_bytes,
+        )
+    return iter_range_documents(
+        unit.path,
+        unit.start,
+        unit.end,
+        text_field=text_field,
+        txt_mode=txt_mode,
+        max_document_bytes=max_document_bytes,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -184,18 +162,39 @@ def _parquet_documents(unit: Unit, text_field: str) -> Iterator[str]:
 
 
 def read_lengths(work: Location, index: int) -> np.ndarray:
-    raw = work.get(piece_name(index, "lengths"))
-    if raw is None:
-        raise ConfigError(f"piece {work.path(piece_name(index, 'lengths'))} is missing")
-    return np.frombuffer(raw, "<i8")
+    return read_lengths_many(work, [index])[0]
+
+
+def read_lengths_many(work: Location, indices: list[int]) -> list[np.ndarray]:
+    """The per-document lengths of each piece (fetched concurrently from an object store)."""
+    names = [piece_name(i, "lengths") for i in indices]
+    try:
+        blobs = work.get_many_ranges([(name, 0, None) for name in names])
+    except FileNotFoundError:
+        missing = next(n for n in names if not work.exists(n))
+        raise ConfigError(f"piece {work.path(missing)} is missing") from None
+    return [np.frombuffer(blob, "<i8") for blob in blobs]
 
 
 def read_token_ranges(work: Location, index: int, ranges: list[tuple[int, int]]) -> np.ndarray:
     """Token ids ``[a, b)`` of piece ``index`` for each (a, b), concatenated."""
-    blobs = work.get_ranges(piece_name(index, "tokens"), [(4 * a, 4 * b) for a, b in ranges])
-    if not blobs:
-        return np.zeros(0, np.uint32)
-    return np.frombuffer(b"".join(blobs), "<u4")
+    return read_token_ranges_many(work, [(index, ranges)])[0]
+
+
+def read_token_ranges_many(
+    work: Location, wanted: list[tuple[int, list[tuple[int, int]]]]
+) -> list[np.ndarray]:
+    """For each (piece index, ranges): its token ids ``[a, b)`` for each (a, b), concatenated;
+    every range of every piece is requested at once (concurrently from an object store)."""
+    requests: list[tuple[str, int, int | None]] = [
+        (piece_name(index, "tokens"), 4 * a, 4 * b) for index, ranges in wanted for a, b in ranges
+    ]
+    blobs = iter(work.get_many_ranges(requests))
+    out = []
+    for _, ranges in wanted:
+        data = b"".join(next(blobs) for _ in ranges)
+        out.append(np.frombuffer(data, "<u4") if data else np.zeros(0, np.uint32))
+    return out
 
 
 def describe(info: PieceInfo) -> dict[str, Any]:

@@ -21,9 +21,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..convert import _expand
+from ..corpus import (
+    DEFAULT_MAX_DOCUMENT_BYTES,
+    check_max_document_bytes,
+    expand_inputs,
+    open_parquet,
+)
 from ..corpus import file_suffix as _suffix
-from ..corpus import open_parquet
 from ..errors import ConfigError
 
 __all__ = ["Plan", "Unit", "make_plan", "tokenizer_fingerprint"]
@@ -90,13 +94,17 @@ def make_plan(
     text_field: str,
     txt_mode: str,
     unit_bytes: int,
+    max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES,
+    follow_symlinks: bool = False,
 ) -> Plan:
-    """Cut ``inputs`` into units of about ``unit_bytes`` (each a whole number of lines)."""
+    """Cut ``inputs`` (expanded as :func:`asyncflat.corpus.expand_inputs` does) into units of
+    about ``unit_bytes`` (each a whole number of lines)."""
+    check_max_document_bytes(max_document_bytes)
     if txt_mode not in ("line", "file"):
         raise ConfigError(f"txt_mode must be 'line' or 'file', got {txt_mode!r}")
     if isinstance(unit_bytes, bool) or not isinstance(unit_bytes, int) or unit_bytes < 1:
         raise ConfigError(f"unit_bytes must be an integer >= 1, got {unit_bytes!r}")
-    files = _expand(inputs)
+    files = expand_inputs(inputs, follow_symlinks=follow_symlinks)
     units: list[Unit] = []
     stamps = []
     for path in files:
@@ -106,7 +114,8 @@ def make_plan(
         assert suffix is not None
         kind = suffix.removesuffix(".gz").lstrip(".")
         gz = suffix.endswith(".gz")
-        name = str(path.resolve())
+        # Absolute (workers may run elsewhere), not resolved: errors name the path as given.
+        name = os.path.abspath(path)
 
         def add(start: int, end: int, first_row: int, size: int) -> None:
             units.append(Unit(len(units), name, kind, gz, start, end, first_row, size))  # noqa: B023
@@ -127,6 +136,8 @@ def make_plan(
         "text_field": text_field,
         "txt_mode": txt_mode,
         "unit_bytes": unit_bytes,
+        # a piece tokenized under a larger bound may hold documents a smaller one refuses
+        "max_document_bytes": max_document_bytes,
     }
     return Plan(tuple(units), fingerprint)
 

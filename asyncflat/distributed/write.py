@@ -21,7 +21,7 @@ from ..errors import ConfigError
 from ..format import SPLITS
 from ..writer import create_split_arrays
 from .layout import WriteJob, selected
-from .pieces import read_lengths, read_token_ranges
+from .pieces import read_lengths_many, read_token_ranges_many
 from .storage import Location
 
 __all__ = ["OutputTarget", "run_write_job"]
@@ -142,19 +142,24 @@ def run_write_job(task: WriteTask) -> tuple[str, str, int]:
         data, max_id = _encoded_tokens(task)
     else:
         data, max_id = _seq_starts(task), 0
-    array = zarr.open_array(
-        task.target.store(),
-        path=f"{job.split}/{job.array}",
-        mode="r+",
-        zarr_format=task.target.zarr_format,
-    )
+    # Chunks equal to the fill value are written too, as the single-machine writer does (an
+    # empty split's seq_starts is one 0; a reader fetching objects directly must find them).
+    # zarr keeps this setting only at run time, read from its config when an array is opened.
+    with zarr.config.set({"array.write_empty_chunks": True}):
+        array = zarr.open_array(
+            task.target.store(),
+            path=f"{job.split}/{job.array}",
+            mode="r+",
+            zarr_format=task.target.zarr_format,
+        )
     array[job.start : job.end] = data
     return job.split, job.array, max_id
 
 
-def _split_docs(task: WriteTask, index: int, doc_offset: int) -> tuple[np.ndarray, np.ndarray]:
+def _split_docs(
+    task: WriteTask, lengths: np.ndarray, doc_offset: int
+) -> tuple[np.ndarray, np.ndarray]:
     """(lengths, start in the piece's token file) of the piece's sequences of the split."""
-    lengths = read_lengths(task.work, index)
     starts = np.zeros(lengths.size, np.int64)
     np.cumsum(lengths[:-1], out=starts[1:])
     mask = selected(lengths, doc_offset, task.job.split, task.fraction, task.seed)
@@ -165,8 +170,12 @@ def _encoded_tokens(task: WriteTask) -> tuple[np.ndarray, int]:
     job = task.job
     out = np.empty(job.end - job.start, np.uint32)
     max_id = 0
-    for index, doc_offset, _seq_off, tok_off in job.pieces:
-        lengths, piece_starts = _split_docs(task, index, doc_offset)
+    # Every piece's lengths, then every token range, each fetched in one concurrent batch.
+    all_lengths = read_lengths_many(task.work, [p[0] for p in job.pieces])
+    placed = []  # (split_starts, lo) of each piece's documents in this run
+    wanted = []  # (piece index, token ranges) to read
+    for (index, doc_offset, _seq_off, tok_off), piece_lengths in zip(job.pieces, all_lengths):
+        lengths, piece_starts = _split_docs(task, piece_lengths, doc_offset)
         split_starts = tok_off + np.concatenate(([0], np.cumsum(lengths)[:-1]))
         keep = (split_starts < job.end) & (split_starts + lengths > job.start)
         lengths, piece_starts, split_starts = lengths[keep], piece_starts[keep], split_starts[keep]
@@ -177,9 +186,9 @@ def _encoded_tokens(task: WriteTask) -> tuple[np.ndarray, int]:
         breaks = np.flatnonzero(a[1:] != b[:-1]) + 1
         firsts = np.concatenate(([0], breaks))
         lasts = np.concatenate((breaks, [a.size])) - 1
-        ids = read_token_ranges(
-            task.work, index, [(int(a[f]), int(b[la])) for f, la in zip(firsts, lasts)]
-        )
+        placed.append((split_starts, lo))
+        wanted.append((index, [(int(a[f]), int(b[la])) for f, la in zip(firsts, lasts)]))
+    for (split_starts, lo), ids in zip(placed, read_token_ranges_many(task.work, wanted)):
         if not ids.size:
             continue
         max_id = max(max_id, int(ids.max()))
@@ -195,8 +204,9 @@ def _seq_starts(task: WriteTask) -> np.ndarray:
     job = task.job
     first_seq = max(job.start - 1, 0)  # seq_starts[j] = end of sequence j - 1
     parts = [np.zeros(1, np.uint64)] if job.start == 0 else []
-    for index, doc_offset, seq_off, tok_off in job.pieces:
-        lengths, _ = _split_docs(task, index, doc_offset)
+    all_lengths = read_lengths_many(task.work, [p[0] for p in job.pieces])
+    for (_index, doc_offset, seq_off, tok_off), piece_lengths in zip(job.pieces, all_lengths):
+        lengths, _ = _split_docs(task, piece_lengths, doc_offset)
         ends = np.uint64(tok_off) + np.cumsum(lengths, dtype=np.uint64)
         lo = max(first_seq - seq_off, 0)
         hi = min(job.end - 1 - seq_off, lengths.size)
