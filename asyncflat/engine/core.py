@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from .._heap import trim_later
 from ..config import EngineOptions
 from ..errors import AsyncflatError, LoaderClosedError, StorageError
 from ..plan import NEVER, ShufflePlan
@@ -297,6 +298,8 @@ class Engine:
             return
         fill.unit_done(unit)
         self._recorder.unit_done(fill, sum(piece[3] for piece in unit.pieces) * 4)
+        if fill.done:
+            trim_later(asyncio.get_running_loop())  # the fill's transient reads, freed
 
     async def _read_unit(self, unit: Unit) -> None:
         fill = unit.fill
