@@ -21,6 +21,7 @@ __all__ = ["trim_later"]
 
 log = logging.getLogger(__name__)
 
+
 @functools.cache
 def _resolve() -> Callable[[int], int] | None:
     """glibc's ``malloc_trim``, or None where there is none."""
@@ -31,7 +32,7 @@ def _resolve() -> Callable[[int], int] | None:
     except (OSError, AttributeError):
         return None  # not glibc
     function.argtypes, function.restype = [ctypes.c_size_t], ctypes.c_int
-    return function  # type: ignore[no-any-return]
+    return function
 
 
 def _trim(function: Callable[[int], int]) -> None:

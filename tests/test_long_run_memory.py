@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -97,3 +98,32 @@ def test_thousands_of_random_loads_hold_flat_memory_after_warm_up(tmp_path: Path
         f"{blocks1 - blocks0} more Python blocks in use after {MEASURED_LOADS} random loads "
         f"(bound {BLOCKS_BOUND}): Python state is kept per load or per fill"
     )
+
+
+def test_the_heap_is_trimmed_once_per_finished_fill(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After each fill the engine hands glibc's free heap pages back (``malloc_trim``, on its
+    worker pool): a fill's transient chunk reads otherwise stay resident in the heap."""
+    import asyncflat._heap
+    import asyncflat.engine.core
+
+    if asyncflat._heap._resolve() is None:
+        pytest.skip("no glibc malloc_trim here")
+    trimmed: list[int] = []
+    real = asyncflat._heap._trim
+    monkeypatch.setattr(asyncflat._heap, "_trim", lambda fn: trimmed.append(fn(0)) or real(fn))
+    path = str(tmp_path / "data.zarr")
+    asyncflat.write_flat_tokens(path, {"train": random_sequences(3, 200, max_len=80)})
+    params = FlatTokensParams(path, 1, 2, 4, seed=0, sequence_packing=True)
+    with ShufflingLoader("train", params, TokenBatchParams(len=16, batch=4), SINGLE) as loader:
+        for step in range(loader.step_count):
+            loader.load(step)
+        fills = loader.stats().fills_completed
+        deadline = time.monotonic() + 10
+        while len(trimmed) < fills and time.monotonic() < deadline:  # the pool runs them
+            time.sleep(0.01)
+    assert asyncflat.engine.core.trim_later is asyncflat._heap.trim_later
+    assert fills >= 3
+    assert len(trimmed) == fills
+    assert all(result in (0, 1) for result in trimmed)
