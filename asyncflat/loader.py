@@ -13,7 +13,6 @@ background thread (:mod:`asyncflat._background`), so the trainer's ``next()`` re
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import logging
@@ -70,6 +69,8 @@ log = logging.getLogger(__name__)
 _host_batch_indices = host_batch_indices  # the old private name
 _prefetch_ids = itertools.count()
 _DEFAULT_OPTIONS = EngineOptions()
+#: build times kept for ``stats().build_median_s``
+BUILD_HISTORY = 4096
 
 
 class ShufflingLoader:
@@ -115,7 +116,11 @@ class ShufflingLoader:
         self._injected_source = source
         self._lock = threading.Lock()
         self._closed = False
-        self._build_s: collections.deque[float] = collections.deque(maxlen=1 << 16)  # recent builds
+        # The last BUILD_HISTORY build times, in numpy: a fixed size from the start, so a long
+        # run's memory does not creep up by one float object per load.
+        self._build_s = np.zeros(BUILD_HISTORY, np.float64)
+        self._builds = itertools.count()  # next() is atomic: loads from several threads
+        self._built = 0
         #: batches handed to the trainer, and that count at the last interval_stats() call
         self._delivered = 0
         self._delivered_at_interval = 0
@@ -240,7 +245,7 @@ class ShufflingLoader:
         """
         self._check_open()
         stats = self._runner.run(self._engine_stats())
-        builds = np.array(self._build_s)
+        builds = self._build_s[: min(self._built, BUILD_HISTORY)]
         build_median_s = float(np.median(builds)) if len(builds) else None
         with self._lock:
             delivered = self._delivered
@@ -344,7 +349,9 @@ class ShufflingLoader:
         rows = self._rows(step)
         t0 = time.perf_counter()
         batch = self._builder.build(rows)
-        self._build_s.append(time.perf_counter() - t0)
+        n = next(self._builds)
+        self._build_s[n % BUILD_HISTORY] = time.perf_counter() - t0
+        self._built = max(self._built, n + 1)
         return batch
 
     def _start_prefetch(self, start: int, depth: int) -> BackgroundBuilder[Any]:
@@ -376,7 +383,12 @@ class ShufflingLoader:
 
 class _Pin:
     """An iterator's pin on the minipochs it is positioned in (:meth:`Engine.pin`), so other
-    threads' loads and prefetches do not evict the buffers the iterator reads next."""
+    threads' loads and prefetches do not evict the buffers the iterator reads next.
+
+    Held per minipoch, not per step: moving within the minipochs already pinned changes
+    nothing (no engine lock, no counter churn on every ``next()``); entering the next minipoch
+    pins the new keys before releasing the old ones, so the minipoch read now is never unpinned
+    in between."""
 
     def __init__(self, engine: Engine, host_rows: np.ndarray) -> None:
         self._engine, self._rows = engine, host_rows
@@ -384,17 +396,20 @@ class _Pin:
         self._lock = threading.Lock()
 
     def move(self, step: int) -> None:
-        keys = self._engine.pin(step, self._rows)
-        with self._lock:
+        keys = self._engine.pin_keys(step, self._rows)
+        with self._lock:  # pin and unpin under it: a release() in between cannot leak a pin
+            if keys == self._keys:
+                return
             old, self._keys = self._keys, keys
-        if old is not None:
-            self._engine.unpin(old)
+            self._engine.pin(keys)
+            if old is not None:
+                self._engine.unpin(old)
 
     def release(self) -> None:
         with self._lock:
             old, self._keys = self._keys, None
-        if old is not None:
-            self._engine.unpin(old)
+            if old is not None:
+                self._engine.unpin(old)
 
 
 class BatchIterator(Iterator[tuple[int, Any]]):

@@ -69,7 +69,28 @@ def rss_bytes() -> int:
 
 
 def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's peak RSS: ``VmHWM``. (``ru_maxrss`` carries over ``exec``: a benchmark
+    child started by a bigger parent would read the parent's peak as its own.)"""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # no /proc: best effort
+
+
+def reset_peak_rss() -> bool:
+    """Start ``VmHWM`` again from the current RSS (Linux >= 4.0), so a peak read later is the
+    peak since now, not a transient of the start-up (an LLVM compile, an import). False if the
+    kernel does not allow it (then the peak also covers what came before)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def emit(figures: dict) -> None:

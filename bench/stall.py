@@ -29,7 +29,15 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # This checkout's asyncflat, even when another one is installed.
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from _common import REFERENCE_TOKENS, emit, ensure_dataset, out_dir, peak_rss_bytes, rss_bytes
+from _common import (
+    REFERENCE_TOKENS,
+    emit,
+    ensure_dataset,
+    out_dir,
+    peak_rss_bytes,
+    reset_peak_rss,
+    rss_bytes,
+)
 
 
 def child(args: argparse.Namespace) -> None:
@@ -53,6 +61,7 @@ def child(args: argparse.Namespace) -> None:
     rss_jit = rss_bytes()
     asyncflat.permutation(0, 1 << 16)
     rss0 = rss_bytes()
+    reset_peak_rss()  # the peak below: over the epoch, not the start-up's transients
     options = asyncflat.EngineOptions(prefetch=args.mode == "on")
     latencies = []
     with asyncflat.ShufflingLoader("train", params, batch_params, options=options) as loader:

@@ -115,3 +115,46 @@ def test_threads_loading_random_and_sequential_steps_all_get_the_oracles_batches
     assert time.monotonic() - started < 60
     # What concurrency costs: at most two extra buffers per stream, allocated once each.
     assert stats.buffer_allocations <= 2 * (2 + 2), stats.buffer_allocations
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_an_iterator_pins_each_minipoch_once_not_each_step(
+    depth: int, sequences: list[np.ndarray], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An iterator holds a pin on the minipochs it is in (and the next): taken when it enters
+    them, released when it leaves, not taken and released again on every ``next()``; while it
+    walks, exactly its current keys are pinned, once each; closing it leaves no pin."""
+    from asyncflat.engine.table import FillTable
+
+    path = str(tmp_path / "data.zarr")
+    asyncflat.write_flat_tokens(path, {"train": sequences}, zarr_format=3, chunk_tokens=512)
+    params = FlatTokensParams(path, 2, 2, 16, seed=5, sequence_packing=True)
+    calls: list[tuple[tuple[int, int], ...]] = []
+    real_pin = FillTable.pin
+
+    def counting_pin(self: FillTable, keys: list[tuple[int, int]], delta: int) -> None:
+        if delta > 0:
+            calls.append(tuple(keys))
+        real_pin(self, keys, delta)
+
+    monkeypatch.setattr(FillTable, "pin", counting_pin)
+    options = EngineOptions(prefetch_to_device=depth)
+    with ShufflingLoader("train", params, BATCH, SINGLE, options=options) as loader:
+        engine, rows = loader._engine, loader._host_rows
+        steps = loader.step_count
+        wanted = [tuple(engine.pin_keys(step, rows)) for step in range(steps)]
+        changes = [k for i, k in enumerate(wanted) if i == 0 or k != wanted[i - 1]]
+        assert len(changes) < steps // 3  # many steps per minipoch: the case that matters
+        iterator = loader.iter()
+        for step, _batch in iterator:
+            if step + 1 < steps:
+                pins = dict(engine._fills._pins)
+                assert pins == dict.fromkeys(wanted[step + 1], 1), step
+        assert calls == changes
+        assert not engine._fills._pins  # the finished iterator let go of everything
+        calls.clear()
+        iterator = loader.iter(steps // 2)
+        next(iterator)
+        iterator.close()
+        assert not engine._fills._pins
+        assert len(calls) <= 2

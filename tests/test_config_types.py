@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import typing
+from collections.abc import Callable, Sequence
 from typing import Any, Union
 
 import numpy as np
@@ -194,3 +195,79 @@ def test_step_argument_refuses_everything_else(bad: Any) -> None:
 
 def test_every_config_class_is_exported() -> None:
     assert all(cls.__name__ in asyncflat.__all__ for cls in CONFIG_CLASSES)
+
+
+# -- run-time argument checks of the public entry points (asyncflat._typecheck.checked) ----------
+
+
+def test_checked_entry_points_name_the_argument_for_every_kind_of_annotation() -> None:
+    from asyncflat._typecheck import checked
+
+    @checked
+    def entry(
+        params: TokenBatchParams,
+        path: str | pathlib.Path,
+        inputs: Sequence[str],
+        hook: Callable[[int], int] | None = None,
+        *,
+        ratio: float = 0.5,
+        anything: Any = None,
+    ) -> int:
+        return len(inputs)
+
+    ok = TokenBatchParams(len=8, batch=2)
+    assert entry(ok, "p", ["a"], lambda x: x, ratio=1, anything=object()) == 1  # int for float
+    assert entry(ok, pathlib.Path("p"), ("a", "b")) == 2
+    cases: list[tuple[Any, str]] = [
+        (lambda: entry({"len": 8}, "p", []), r'argument "params" \(dict\) is not an instance of'),
+        (lambda: entry(ok, 3, []), r'argument "path" \(int\) did not match any element'),
+        (lambda: entry(ok, "p", [1]), r'item 0 of argument "inputs" \(list\) is not an instance'),
+        (lambda: entry(ok, "p", [], "hook"), r'argument "hook" \(str\)'),
+        (lambda: entry(ok, "p", [], ratio="x"), r'argument "ratio" \(str\)'),
+    ]
+    for call, match in cases:
+        with pytest.raises(ArgumentTypeError, match=r"entry\(\): " + match):
+            call()
+    with pytest.raises(TypeError):  # a wrong call is the interpreter's own error, unchanged
+        entry(ok)  # type: ignore[call-arg]
+
+    @checked
+    def partly(known: int, unknown: NotImportedAtRunTime) -> None:  # type: ignore[name-defined]  # noqa: F821
+        pass
+
+    partly(1, object())  # what cannot be resolved is not checked; the rest still is
+    with pytest.raises(ArgumentTypeError, match=r'argument "known" \(str\)'):
+        partly("1", object())
+
+
+def test_importing_and_constructing_entry_points_does_not_import_typeguard() -> None:
+    """typeguard (and its unittest.mock) costs ~0.5 s of import and instrumentation: the checks
+    of classes and unions of classes need none of it."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import sys
+        import asyncflat, asyncflat.loader, asyncflat.epochs
+        from asyncflat import TokenBatchParams
+        from asyncflat._typecheck import checked
+
+        @checked
+        def f(a: TokenBatchParams, b: int | None = None) -> None:
+            pass
+
+        f(TokenBatchParams(len=8, batch=2), 3)
+        assert "typeguard" not in sys.modules, "typeguard imported"
+        """
+    )
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**__import__("os").environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"},
+    )
+    assert done.returncode == 0, done.stderr

@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from .._heap import trim_later
 from ..config import EngineOptions
 from ..errors import AsyncflatError, LoaderClosedError, StorageError
 from ..plan import NEVER, ShufflePlan
@@ -203,18 +204,21 @@ class Engine:
             self._scheduler.clear()
             self._fills.clear()
 
-    def pin(self, step: int, batch_indices: np.ndarray) -> list[tuple[int, int]]:
-        """Pin the minipochs ``step`` reads, and the next ones, for an iterator positioned at
-        ``step``: a prefetch never evicts them, a load of another minipoch takes an extra
-        buffer first. Returns the keys to pass to :meth:`unpin`. Any thread."""
+    def pin_keys(self, step: int, batch_indices: np.ndarray) -> list[tuple[int, int]]:
+        """The (stream, minipoch) keys an iterator positioned at ``step`` pins: the minipochs
+        the step reads and the next ones. Equal for every step of a minipoch, so an iterator
+        pins once per minipoch (see :meth:`pin`). Any thread; no lock."""
         loc = self.plan.locate(step, batch_indices)
-        keys = sorted({(s, m) for s, m in zip(loc.stream.tolist(), loc.minipoch.tolist())})
-        keys += [(s, m + 1) for s, m in keys if m + 1 < self.plan.minipoch_count]
-        keys = sorted(set(keys))
+        keys = {(s, m) for s, m in zip(loc.stream.tolist(), loc.minipoch.tolist())}
+        keys |= {(s, m + 1) for s, m in keys if m + 1 < self.plan.minipoch_count}
+        return sorted(keys)
+
+    def pin(self, keys: list[tuple[int, int]]) -> None:
+        """Pin ``keys`` (from :meth:`pin_keys`) for an iterator: a prefetch never evicts their
+        fills, a load of another minipoch takes an extra buffer first. Any thread."""
         with self._lock:
             if not self._closed:
                 self._fills.pin(keys, 1)
-        return keys
 
     def unpin(self, keys: list[tuple[int, int]]) -> None:
         with self._lock:
@@ -294,6 +298,8 @@ class Engine:
             return
         fill.unit_done(unit)
         self._recorder.unit_done(fill, sum(piece[3] for piece in unit.pieces) * 4)
+        if fill.done:
+            trim_later(asyncio.get_running_loop())  # the fill's transient reads, freed
 
     async def _read_unit(self, unit: Unit) -> None:
         fill = unit.fill

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
 
 import numpy as np
 
@@ -241,9 +242,14 @@ class FrameLayout:
         """A frame-sized buffer holding only ``parts`` ((offset, bytes)) and the header/table.
 
         Pages never written are never touched, by us or by ``blosc_getitem``, which reads only
-        the header, the table and the blocks it decodes.
+        the header, the table and the blocks it decodes: the buffer is an anonymous mapping of
+        its own, so those pages are never resident and all of it goes back to the system when
+        the frame is dropped. (``np.zeros`` would not do: once glibc's adaptive mmap threshold
+        has grown past a frame's size, ``calloc`` serves it from the heap, zeroing every page,
+        and the heap keeps them after: a fresh loader's first load, reading its rows directly,
+        left ~one compressed chunk of resident memory per row.)
         """
-        frame = np.zeros(self.cbytes, np.uint8)
+        frame = np.frombuffer(mmap.mmap(-1, max(self.cbytes, 1)), np.uint8)[: self.cbytes]
         frame[:_HEADER] = np.frombuffer(self.header, np.uint8)
         if self._offsets is not None:
             lo, hi = self.offsets_range

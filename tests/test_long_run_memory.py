@@ -1,0 +1,129 @@
+"""A long random-access run on one loader holds flat memory once its bounded state is full.
+
+Thousands of ``load(step)`` calls at random steps (nearly every one a new minipoch, so fills
+start, finish and are recycled all the time). The loader keeps some bounded state that fills up
+during the first few hundred loads (the last 256 fill records, numpy rings of step waits and
+build times whose pages are touched as they fill, the allocator's arenas and jax's caches): the
+growth is measured only after that warm-up window, over the following loads, and must stay well
+under what a real leak would add. Retaining one batch per load (the smallest leak that matters:
+a jax array is ~3.5 KiB of RSS here, a host copy of the rows 2 KiB) adds several MiB over the
+measured window; the loader's own drift there is ~0.1-0.2 MiB.
+
+Two measures: the process's resident set (``VmRSS``, so native allocations count: numpy,
+jax/XLA buffers, Blosc) and the blocks of Python's small-object allocator in use (a leak of
+Python records, futures or dicts per load or fill, however small each, and whether the collector
+tracks them or not). ``tracemalloc`` is not used: it slows a jax process's loads ~20x.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from conftest import random_sequences
+
+import asyncflat
+from asyncflat import FlatTokensParams, ShufflingLoader, TokenBatchParams
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc"),
+]
+
+SINGLE = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+BATCH = TokenBatchParams(len=64, batch=8)  # 2 KiB of tokens per batch
+WARM_UP_LOADS = 400
+MEASURED_LOADS = 1_600
+#: RSS growth allowed over the measured loads (observed: 0.1-0.2 MiB; one batch per load: >3 MiB)
+RSS_BOUND_KIB = 1_024
+#: growth of Python's small blocks allowed (observed: -230..+300; one object per load: +1,600)
+BLOCKS_BOUND = 800
+
+
+def rss_kib() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+def python_blocks() -> int:
+    """Blocks of Python's small-object allocator in use: every small Python object, the ones
+    the collector does not track too (a dict of ints, a tuple, a float)."""
+    gc.collect()
+    return sys.getallocatedblocks()
+
+
+def test_thousands_of_random_loads_hold_flat_memory_after_warm_up(tmp_path: Path) -> None:
+    path = str(tmp_path / "data.zarr")
+    seqs = random_sequences(7, 400, max_len=320)
+    asyncflat.write_flat_tokens(path, {"train": seqs}, chunk_tokens=4096)
+    params = FlatTokensParams(path, 2, 2, 4, seed=0, sequence_packing=True)
+    rng = np.random.default_rng(0)
+    with ShufflingLoader("train", params, BATCH, SINGLE) as loader:
+        steps = loader.step_count
+        assert steps > 100  # random steps mostly land in another minipoch: a fill per load
+
+        def load_random(count: int) -> None:
+            for step in rng.integers(0, steps, count).tolist():
+                batch = loader.load(step)
+                assert batch.targets.shape == (BATCH.batch, BATCH.len)
+
+        load_random(WARM_UP_LOADS)
+        rss0 = rss_kib()
+        blocks0 = python_blocks()
+        fills0 = loader.stats().fills_completed
+        load_random(MEASURED_LOADS)
+        rss1 = rss_kib()
+        blocks1 = python_blocks()
+        stats = loader.stats()
+
+    # The run recycled fills all along (the case where a per-fill leak would show).
+    assert stats.fills_completed - fills0 > MEASURED_LOADS // 2, stats.fills_completed - fills0
+    assert len(stats.fills) <= 256
+    growth = rss1 - rss0
+    assert growth < RSS_BOUND_KIB, (
+        f"RSS grew {growth} KiB over {MEASURED_LOADS} random loads after a warm-up of "
+        f"{WARM_UP_LOADS} (bound {RSS_BOUND_KIB} KiB): something is kept per load"
+    )
+    assert blocks1 - blocks0 < BLOCKS_BOUND, (
+        f"{blocks1 - blocks0} more Python blocks in use after {MEASURED_LOADS} random loads "
+        f"(bound {BLOCKS_BOUND}): Python state is kept per load or per fill"
+    )
+
+
+def test_the_heap_is_trimmed_once_per_finished_fill(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After each fill the engine hands glibc's free heap pages back (``malloc_trim``, on its
+    worker pool): a fill's transient chunk reads otherwise stay resident in the heap."""
+    import asyncflat._heap
+    import asyncflat.engine.core
+
+    if asyncflat._heap._resolve() is None:
+        pytest.skip("no glibc malloc_trim here")
+    trimmed: list[int] = []
+    real = asyncflat._heap._trim
+    monkeypatch.setattr(asyncflat._heap, "_trim", lambda fn: trimmed.append(fn(0)) or real(fn))
+    path = str(tmp_path / "data.zarr")
+    asyncflat.write_flat_tokens(path, {"train": random_sequences(3, 200, max_len=80)})
+    params = FlatTokensParams(path, 1, 2, 4, seed=0, sequence_packing=True)
+    with ShufflingLoader("train", params, TokenBatchParams(len=16, batch=4), SINGLE) as loader:
+        for step in range(loader.step_count):
+            loader.load(step)
+        fills = loader.stats().fills_completed
+        deadline = time.monotonic() + 10
+        while len(trimmed) < fills and time.monotonic() < deadline:  # the pool runs them
+            time.sleep(0.01)
+    assert asyncflat.engine.core.trim_later is asyncflat._heap.trim_later
+    assert fills >= 3
+    assert len(trimmed) == fills
+    assert all(result in (0, 1) for result in trimmed)
