@@ -52,7 +52,7 @@ from .storage.guarded import (
     PerKeyWrapperStore,
     describe_range,
 )
-from .storage.limiter import AdaptiveLimiter
+from .storage.limiter import AdaptiveLimiter, pool_size
 
 __all__ = [
     "OWN_RETRIES_OPTION",
@@ -225,7 +225,12 @@ class ZarrTokenSource:
         ``retry.attempt_timeout_s``): a silent store fails construction, it does not hang it.
         """
         retry = retry or RetryPolicy()
-        raw = make_store(filespec, storage_options, timeout_s=retry.attempt_timeout_s)
+        raw = make_store(
+            filespec,
+            storage_options,
+            timeout_s=retry.attempt_timeout_s,
+            max_connections=pool_size(max_concurrent_requests),
+        )
         timed = bounded(raw, retry.attempt_timeout_s)
         store = timed if store_wrapper is None else store_wrapper(timed)
         io = IOCounters()

@@ -21,6 +21,7 @@ from ..config import EngineOptions
 from ..errors import AsyncflatError, LoaderClosedError, StorageError
 from ..plan import NEVER, ShufflePlan
 from ..source import TokenSource
+from ..storage.limiter import DEMAND
 from .fill import Fill, FillWriter, Unit, read_unpacked_rows
 from .recorder import Recorder, log
 from .rows import RowReader
@@ -88,6 +89,8 @@ class Engine:
             if plan.sequence_packing and source.partial_reads and options.prefetch
             else None
         )
+        #: the step of the load waiting right now, if any: the units it needs are demand reads
+        self._waiting_step: int | None = None
         self._closed = False  # no load is served any more
         self._aclosed = False  # workers, row reads and the source closed
 
@@ -129,6 +132,7 @@ class Engine:
                     fills.append(fill)
                 if self.options.prefetch:
                     self._fills.prefetch_after(groups)
+            self._waiting_step = step
             try:
                 out = np.empty((len(loc.batch_index), self.plan.seq_len), np.uint32)
                 for fill, rows in zip(fills, groups.values()):
@@ -144,6 +148,7 @@ class Engine:
                         self._raise_fill_error(fill, step)
                     np.take(fill.buffer, buffer_rows, axis=0, out=out[rows])
             finally:
+                self._waiting_step = None
                 with self._lock:
                     for fill in fills:
                         fill.owners -= 1
@@ -275,6 +280,9 @@ class Engine:
 
     async def _run_unit(self, unit: Unit) -> None:
         fill = unit.fill
+        waiting = self._waiting_step
+        # A unit the waiting load needs goes ahead of every other request at the store.
+        demand = DEMAND.set(waiting is not None and unit.priority <= waiting)
         try:
             await self._read_unit(unit)
         except asyncio.CancelledError:
@@ -290,6 +298,8 @@ class Engine:
             )
             fill.fail(exc)
             return
+        finally:
+            DEMAND.reset(demand)
         if fill.cancelled:
             return
         fill.unit_done(unit)

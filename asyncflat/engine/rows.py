@@ -15,6 +15,7 @@ import numpy as np
 
 from ..plan import ShufflePlan
 from ..source import TokenSource
+from ..storage.limiter import DEMAND
 from .fill import Fill
 from .scheduler import UnitScheduler
 
@@ -36,15 +37,20 @@ class RowReader:
         have = ready[buffer_rows // spb]
         out[have] = fill.buffer[buffer_rows[have]]
         missing = np.flatnonzero(~have)
-        async with self._scheduler.paused():
-            reads = asyncio.gather(
-                *(self._read(fill, int(buffer_rows[i]), out[i]) for i in missing)
-            )
-            self._pending.add(reads)
-            try:
-                await reads
-            finally:
-                self._pending.discard(reads)
+        # The load waits on these reads: first in line at the store (the tasks copy the flag).
+        demand = DEMAND.set(True)
+        try:
+            async with self._scheduler.paused():
+                reads = asyncio.gather(
+                    *(self._read(fill, int(buffer_rows[i]), out[i]) for i in missing)
+                )
+                self._pending.add(reads)
+                try:
+                    await reads
+                finally:
+                    self._pending.discard(reads)
+        finally:
+            DEMAND.reset(demand)
         return len(missing)
 
     async def aclose(self) -> None:
