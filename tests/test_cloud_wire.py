@@ -17,6 +17,7 @@ from helpers.servers import TcpProxy
 
 import asyncflat
 from asyncflat import EngineOptions, FlatTokensParams, ShufflingLoader, TokenBatchParams
+from asyncflat.format import metadata_keys
 from asyncflat.source import _close_filesystem, _filesystem
 from asyncflat.storage.limiter import demand_headroom
 
@@ -112,3 +113,28 @@ def test_the_pool_size_never_overrides_the_callers(backend: Backend) -> None:
 
     # S3: the caller's 3 stays. GCS: the caller's session options stay, the pool is raised.
     assert asyncio.run(main()) == (3 if backend.name == "s3" else 400)
+
+
+def _open_requests(backend: Backend, fmt: str) -> tuple[list[Any], int]:
+    with backend.proxy(latency_s=0.05) as proxy:
+        params = _params(backend.url(f"wire/{fmt}.zarr"), backend.options(proxy))
+        with ShufflingLoader("train", params, BATCH):
+            opened = list(proxy.requests)
+            peak = proxy.peak_in_flight
+    return opened, peak
+
+
+@pytest.mark.parametrize("fmt", ["v3", "v2"])
+def test_a_fresh_open_costs_two_round_trips(backend: Backend, fmt: str) -> None:
+    """Every metadata object either format may hold is requested at once (zarr's walk down the
+    hierarchy is then served from them), then the ends of seq_starts: two round trips, and the
+    chunk holding both ends is read once."""
+    requests, peak = _open_requests(backend, fmt)
+    keys = metadata_keys("train")
+    paths = [r.path for r in requests]
+    first = paths[: len(keys)]
+    assert sorted(p.split(f"wire/{fmt}.zarr/", 1)[1] for p in first) == sorted(keys)
+    assert peak >= len(keys)  # all in flight together: one round trip
+    rest = paths[len(keys) :]
+    chunk0 = "train/seq_starts/c/0" if fmt == "v3" else "train/seq_starts/0"
+    assert [p.split(f"wire/{fmt}.zarr/", 1)[1] for p in rest] == [chunk0]
