@@ -28,7 +28,7 @@ import contextlib
 import dataclasses
 import operator
 from collections.abc import Awaitable, Iterable
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import zarr
@@ -229,7 +229,7 @@ async def _open_split(
     store: GuardedStore, split: str, name: str, where: str, fetched: dict[str, Any]
 ) -> SplitArrays:
     # The format is known from the first round trip: no probe of .zmetadata, no second guess.
-    zarr_format = None
+    zarr_format: Literal[2, 3] | None = None
     with contextlib.suppress(Exception):  # a failed read is reported by zarr's own below
         if await asyncio.shield(fetched["zarr.json"]) is not None:
             zarr_format = 3
