@@ -22,6 +22,7 @@ from asyncflat import (
     TokenBatchParams,
 )
 from asyncflat.engine import Engine
+from asyncflat.engine.core import ROWS_AHEAD_STEPS
 
 
 def make(
@@ -421,9 +422,19 @@ def test_a_load_ahead_of_its_blocks_reads_just_its_rows() -> None:
     async def main() -> None:
         batch = await asyncio.wait_for(engine.gather(step, ALL), 5)  # the blocks take 30 s
         np.testing.assert_array_equal(batch, oracle.encoded_batch(step))
-        assert source.item_reads == 8 and not source.reads  # one read per row, no whole chunk
         assert engine.stats()["rows_read_directly"] == 8
+        # One read per row, no whole chunk; the rows of the next steps are read ahead.
+        ahead = 8 * (1 + ROWS_AHEAD_STEPS)
+        for _ in range(100):
+            if source.item_reads >= ahead:
+                break
+            await asyncio.sleep(0.01)
+        assert source.item_reads == ahead and not source.reads
         assert {f["minipoch"] for f in engine.stats()["active_fills"]} == {1, 2}  # fills go on
+        for later in range(step + 1, step + 1 + ROWS_AHEAD_STEPS):  # served by the reads ahead
+            batch = await asyncio.wait_for(engine.gather(later, ALL), 5)
+            np.testing.assert_array_equal(batch, oracle.encoded_batch(later))
+            assert source.item_reads == ahead + 8 * (later - step) and not source.reads
         await engine.aclose()
 
     run(main)

@@ -31,6 +31,9 @@ from .table import FillTable, Groups
 
 __all__ = ["Engine"]
 
+#: Steps whose rows a load served by row reads starts reading ahead (a fill in progress).
+ROWS_AHEAD_STEPS = 8
+
 
 class Engine:
     """Serves rows of any step for the streams of this host; runs on one event loop.
@@ -85,7 +88,7 @@ class Engine:
         self._background_decodes = asyncio.Semaphore(max(1, options.decode_threads - 1))
         # A load ahead of its blocks reads just its rows when the source can do that cheaply.
         self._rows = (
-            RowReader(plan, source, self._scheduler)
+            RowReader(plan, source, self._scheduler, pause=not source.remote)
             if plan.sequence_packing and source.partial_reads and options.prefetch
             else None
         )
@@ -141,6 +144,8 @@ class Engine:
                         await self._make_urgent(fill)
                     if not fill.done and self._rows is not None:
                         await self._serve_early(fill, step, buffer_rows, out[rows])
+                        if not fill.done:
+                            self._rows.read_ahead(fill, self._rows_ahead(fill, step, batch_indices))
                         continue
                     if not fill.done:
                         await self._wait_ready(fill, step, buffer_rows)
@@ -351,6 +356,18 @@ class Engine:
                 exc,
                 f"step {step}: reading rows of stream {fill.stream} minipoch {fill.minipoch} failed",
             )
+
+    def _rows_ahead(self, fill: Fill, step: int, batch_indices: np.ndarray) -> np.ndarray:
+        """Buffer rows of ``fill`` that the next steps' loads of the same batch rows will read
+        (up to ``ROWS_AHEAD_STEPS`` steps, as long as they stay in this fill)."""
+        rows = []
+        for ahead in range(step + 1, min(step + 1 + ROWS_AHEAD_STEPS, self.plan.step_count)):
+            loc = self.plan.locate(ahead, batch_indices)
+            mine = (loc.stream == fill.stream) & (loc.minipoch == fill.minipoch)
+            if not mine.any():
+                break
+            rows.append(fill.perm[loc.position[mine]])
+        return np.concatenate(rows) if rows else np.empty(0, np.int64)
 
     async def _wait_ready(self, fill: Fill, step: int, buffer_rows: np.ndarray) -> None:
         if self.options.prefetch:
