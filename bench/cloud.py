@@ -203,8 +203,13 @@ def bare_rate(url: str, options: dict[str, Any], keys: list[str], concurrency: i
     """Wire bytes/s of ranged GETs of the whole objects ``keys``, ``concurrency`` in flight."""
 
     async def run(fs: Any, path: str) -> float:
-        sizes = await asyncio.gather(*(fs._size(f"{path}/{k}") for k in keys))
         limit = asyncio.Semaphore(concurrency)
+
+        async def size(key: str) -> int:
+            async with limit:
+                return int(await fs._size(f"{path}/{key}"))
+
+        sizes = await asyncio.gather(*(size(k) for k in keys))
 
         async def get(key: str, size: int) -> int:
             async with limit:
