@@ -438,3 +438,32 @@ def test_a_load_ahead_of_its_blocks_reads_just_its_rows() -> None:
         await engine.aclose()
 
     run(main)
+
+
+def test_behind_a_network_the_fill_streams_on_while_a_load_reads_its_rows() -> None:
+    # Row reads take 2 s, whole chunks 10 ms. On a remote store the fill is not paused while
+    # the load's rows are read (they go first at the store's limiter instead): chunk reads
+    # complete meanwhile.
+    source = FakeSource(
+        *make_data(rows=4096),
+        chunk=SEQ_LEN * 16,
+        latency_s=0.01,
+        partial_reads=True,
+        item_latency_s=2.0,
+    )
+    source.remote = True
+    engine = make(source, streams=1, rbpsb=32, spb=16, batch=8)
+    oracle = oracle_for(engine, source)
+    step = engine.plan.first_step(1) + 5
+
+    async def main() -> None:
+        load = asyncio.ensure_future(engine.gather(step, ALL))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 1.5
+        while not source.reads and loop.time() < deadline:
+            await asyncio.sleep(0.005)
+        assert source.reads and not load.done()  # chunks read while the rows are in flight
+        np.testing.assert_array_equal(await load, oracle.encoded_batch(step))
+        await engine.aclose()
+
+    run(main)
