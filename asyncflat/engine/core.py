@@ -143,8 +143,9 @@ class Engine:
                     if not fill.done:
                         await self._make_urgent(fill)
                     if not fill.done and self._rows is not None:
-                        ahead = self._rows_ahead(fill, step, batch_indices)
-                        await self._serve_early(fill, step, buffer_rows, out[rows], ahead)
+                        await self._serve_early(fill, step, buffer_rows, out[rows])
+                        if not fill.done:  # after this load's rows: they must not wait
+                            self._rows.read_ahead(fill, self._rows_ahead(fill, step, batch_indices))
                         continue
                     if not fill.done:
                         await self._wait_ready(fill, step, buffer_rows)
@@ -338,16 +339,14 @@ class Engine:
             await self._scheduler.wake_background()
 
     async def _serve_early(
-        self, fill: Fill, step: int, buffer_rows: np.ndarray, out: np.ndarray, ahead: np.ndarray
+        self, fill: Fill, step: int, buffer_rows: np.ndarray, out: np.ndarray
     ) -> None:
         """A fill still in progress: its finished rows from the buffer, the others read alone."""
         assert self._rows is not None
         if fill.error is not None:
             self._raise_fill_error(fill, step)
         try:
-            self._recorder.rows_read_directly += await self._rows.serve(
-                fill, buffer_rows, out, ahead
-            )
+            self._recorder.rows_read_directly += await self._rows.serve(fill, buffer_rows, out)
         except asyncio.CancelledError:
             if self._closed:  # aclose() cancelled the reads: the load learns why
                 raise LoaderClosedError("the engine was closed") from None

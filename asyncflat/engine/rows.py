@@ -47,16 +47,8 @@ class RowReader:
         #: rows of the next steps read ahead (:meth:`read_ahead`), per fill in progress
         self._ahead: dict[Fill, dict[int, asyncio.Task[np.ndarray]]] = {}
 
-    async def serve(
-        self,
-        fill: Fill,
-        buffer_rows: np.ndarray,
-        out: np.ndarray,
-        ahead: np.ndarray | None = None,
-    ) -> int:
-        """Rows ``buffer_rows`` of ``fill`` into ``out``; returns how many were read directly.
-        ``ahead``: rows the next loads will need, read ahead right behind these
-        (:meth:`read_ahead`)."""
+    async def serve(self, fill: Fill, buffer_rows: np.ndarray, out: np.ndarray) -> int:
+        """Rows ``buffer_rows`` of ``fill`` into ``out``; returns how many were read directly."""
         spb = self._plan.sequences_per_read_block
         ready = np.fromiter((event.is_set() for event in fill.ready), bool, len(fill.ready))
         have = ready[buffer_rows // spb]
@@ -70,8 +62,6 @@ class RowReader:
                     *(self._read_or_take(fill, int(buffer_rows[i]), out[i]) for i in missing)
                 )
                 self._pending.add(reads)
-                if ahead is not None:  # queued after this load's own reads
-                    self.read_ahead(fill, ahead)
                 try:
                     await reads
                 finally:
