@@ -441,15 +441,15 @@ def test_a_load_ahead_of_its_blocks_reads_just_its_rows() -> None:
 
 
 def test_behind_a_network_the_fill_streams_on_while_a_load_reads_its_rows() -> None:
-    # Row reads take 2 s, whole chunks 10 ms. On a remote store the fill is not paused while
-    # the load's rows are read (they go first at the store's limiter instead): chunk reads
-    # complete meanwhile.
+    # Row reads take 1 s, whole chunks 0.1 s. On a remote store a fill that has started is not
+    # paused while a load's rows are read (they go first at the store's limiter instead): chunk
+    # reads complete meanwhile. A fill not started yet waits for the first load's rows.
     source = FakeSource(
         *make_data(rows=4096),
         chunk=SEQ_LEN * 16,
-        latency_s=0.01,
+        latency_s=0.1,
         partial_reads=True,
-        item_latency_s=2.0,
+        item_latency_s=1.0,
     )
     source.remote = True
     engine = make(source, streams=1, rbpsb=32, spb=16, batch=8)
@@ -457,13 +457,20 @@ def test_behind_a_network_the_fill_streams_on_while_a_load_reads_its_rows() -> N
     step = engine.plan.first_step(1) + 5
 
     async def main() -> None:
-        load = asyncio.ensure_future(engine.gather(step, ALL))
+        first = asyncio.ensure_future(engine.gather(step, ALL))
+        await until(lambda: source.item_reads >= 8, "the first load's row reads")
+        assert not source.reads  # the fresh fill waits for them
+        np.testing.assert_array_equal(await first, oracle.encoded_batch(step))
+        later = step + 1 + ROWS_AHEAD_STEPS  # not read ahead
+        reads_before = len(source.reads)
+        load = asyncio.ensure_future(engine.gather(later, ALL))
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + 1.5
-        while not source.reads and loop.time() < deadline:
+        deadline = loop.time() + 0.8
+        # More chunks than the 16 workers had in flight: the fills went on taking units.
+        while len(source.reads) - reads_before <= 16 and loop.time() < deadline:
             await asyncio.sleep(0.005)
-        assert source.reads and not load.done()  # chunks read while the rows are in flight
-        np.testing.assert_array_equal(await load, oracle.encoded_batch(step))
+        assert len(source.reads) - reads_before > 16 and not load.done()
+        np.testing.assert_array_equal(await load, oracle.encoded_batch(later))
         await engine.aclose()
 
     run(main)

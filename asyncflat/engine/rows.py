@@ -30,7 +30,9 @@ class RowReader:
     ``pause``: the fill's workers take no new unit meanwhile (a local store, where reads are CPU
     work competing with the row reads). Behind a network the fill keeps streaming: the row
     reads are demand requests, which the store's limiter serves first
-    (:data:`~asyncflat.storage.limiter.DEMAND`), so they never queue behind the fill's.
+    (:data:`~asyncflat.storage.limiter.DEMAND`), so they never queue behind the fill's. Only a
+    fill that has not started yet waits for the load's rows (one round trip), so that its
+    requests do not reach the store ahead of them.
     """
 
     def __init__(
@@ -57,7 +59,10 @@ class RowReader:
         # The load waits on these reads: first in line at the store (the tasks copy the flag).
         demand = DEMAND.set(True)
         try:
-            async with self._scheduler.paused() if self._pause else contextlib.nullcontext():
+            # A fill none of whose reads has started (a resume, start-up) waits until the load's
+            # rows are read: its requests would otherwise reach the store first.
+            pause = self._pause or not any(unit.taken for unit in fill.units)
+            async with self._scheduler.paused() if pause else contextlib.nullcontext():
                 reads = asyncio.gather(
                     *(self._read_or_take(fill, int(buffer_rows[i]), out[i]) for i in missing)
                 )
