@@ -24,10 +24,11 @@ Worked example: sequences ``[5, 6]`` and ``[7]`` encode to ``encoded_tokens = [1
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import operator
 from collections.abc import Awaitable, Iterable
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import zarr
@@ -206,9 +207,43 @@ async def open_split(store: Store, split: str, *, name: str) -> SplitArrays:
     if not isinstance(store, GuardedStore):
         # Every chunk byte is checked before a decoder sees it, whoever opens the split.
         store = guard_store(store, name, allow_missing=True)
+    # Every metadata object either format may hold, requested at once: zarr's walk down the
+    # hierarchy (and its probes of the other format) is then served without a round trip.
+    with store.prefetching(metadata_keys(split)) as fetched:
+        return await _open_split(store, split, name, where, fetched)
 
+
+def metadata_keys(split: str) -> list[str]:
+    """The metadata objects opening ``split`` reads, in format 3 and format 2."""
+    nodes = [split, f"{split}/encoded_tokens", f"{split}/seq_starts"]
+    return [
+        "zarr.json",
+        *(f"{node}/zarr.json" for node in nodes),
+        ".zgroup",
+        ".zattrs",
+        *(f"{node}/{name}" for node in nodes for name in (".zarray", ".zgroup", ".zattrs")),
+    ]
+
+
+async def _open_split(
+    store: GuardedStore, split: str, name: str, where: str, fetched: dict[str, Any]
+) -> SplitArrays:
+    # The format is known from the first round trip: no probe of .zmetadata, no second guess.
+    zarr_format: Literal[2, 3] | None = None
+    with contextlib.suppress(Exception):  # a failed read is reported by zarr's own below
+        if await asyncio.shield(fetched["zarr.json"]) is not None:
+            zarr_format = 3
+        elif await asyncio.shield(fetched[".zgroup"]) is not None:
+            zarr_format = 2
     root = await _guarded(
-        zarr_async.open_group(store=store, mode="r"), name, "flat-tokens zarr group"
+        zarr_async.open_group(
+            store=store,
+            mode="r",
+            zarr_format=zarr_format,
+            use_consolidated=False if zarr_format else None,
+        ),
+        name,
+        "flat-tokens zarr group",
     )
     group = await _guarded(root.getitem(split), where, "split group")
     if not isinstance(group, zarr.AsyncGroup):

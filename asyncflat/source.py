@@ -61,7 +61,7 @@ from .storage.guarded import (
     PerKeyWrapperStore,
     describe_range,
 )
-from .storage.limiter import AdaptiveLimiter
+from .storage.limiter import AdaptiveLimiter, pool_size
 
 __all__ = [
     "OWN_RETRIES_OPTION",
@@ -92,6 +92,10 @@ _close_store = close_store
 _PREAD_MAX_BYTES = 1 << 20
 #: Frame layouts kept (one per chunk object read row by row).
 _LAYOUTS_KEPT = 4096
+#: Behind a network, a row of a Blosc chunk this small (decoded) is read with the whole object
+#: (one round trip; the transfer costs less than a second request's latency) instead of its
+#: frame's layout and then its blocks (two round trips).
+WHOLE_ROW_CHUNK = 1 << 20
 #: Whole chunks kept after their fills used them: consecutive fills often share a chunk.
 _CHUNKS_KEPT = 2
 
@@ -237,7 +241,12 @@ class ZarrTokenSource:
         secrets = option_secrets(storage_options)
         install_log_redaction(secrets)
         try:
-            raw = make_store(filespec, storage_options, timeout_s=retry.attempt_timeout_s)
+            raw = make_store(
+                filespec,
+                storage_options,
+                timeout_s=retry.attempt_timeout_s,
+                max_connections=pool_size(max_concurrent_requests),
+            )
         except Exception as exc:  # noqa: BLE001 - a filesystem constructor, credential exchange
             raise construction_error(exc, filespec, secrets) from (
                 None if carries_secret(exc, secrets) else exc
@@ -347,8 +356,11 @@ class ZarrTokenSource:
         layout: _blosc.FrameLayout | None = None
         loop = asyncio.get_running_loop()
         try:
-            if self._checksum:
-                # Only the whole object can be verified: read it (shared with the fills).
+            if self._checksum or (
+                self.remote and self._codec == "blosc" and self._chunk_nbytes <= WHOLE_ROW_CHUNK
+            ):
+                # Only the whole object can be verified; a small one costs one round trip where
+                # its layout and blocks cost two: read it (shared with the fills and other rows).
                 frame = await self._chunks.get(chunk_id, lambda: self._read_frame(chunk_id))
                 await loop.run_in_executor(None, self._decode, frame, first_item, out)
                 return

@@ -1,27 +1,30 @@
-"""Cloud benchmark: the engine's fill throughput against the store's own concurrent-GET rate,
-and load() stalls across minipoch boundaries, through gcsfs with injected network latency.
+"""Cloud benchmark: asyncflat against a bare client and the reference loader, over a modelled wire.
 
-    python bench/cloud.py                          # emulator + 25 ms proxy, 64 MiB of tokens
-    python bench/cloud.py --tokens-mib 8 --spb 16  # smoke run
-    python bench/cloud.py gs://bucket/bench.zarr --storage-options '{"token": "google_default"}'
+    python bench/cloud.py                          # moto S3 behind the wire model, ~1 min
+    python bench/cloud.py --backend gcs            # the GCS emulator instead
+    python bench/cloud.py --tokens-mib 8 --skip-reference   # smoke run
+    python bench/cloud.py s3://bucket/bench.zarr --storage-options '{"anon": false}'
 
-Without a URL it starts the GCS emulator (tests/helpers/servers.py: both emulator defects worked
-around) and a TCP proxy on 127.0.0.1 that adds ``--latency-ms`` to every request's round trip
-(pipelined, so concurrent transfers overlap), writes a dataset locally (chunks = one read block,
-asyncflat's recommended layout) and uploads it. With a ``gs://`` or ``s3://`` URL it uses that
-bucket as is (credentials: the filesystem's usual means, or ``--storage-options``), uploading
-the dataset only if nothing is there yet.
+Without a URL it starts the store (moto's S3 server or the GCS emulator, tests/helpers/servers.py)
+and, in front of it, a TCP proxy on 127.0.0.1 that models a cloud VM reading a same-region
+bucket: ``--latency-ms`` to first byte per request, ``--connection-MBps`` per connection and
+``--total-MBps`` for all of them together. Both run in a child process (they do not compete
+with the loaders for this process's GIL); the proxy counts the requests in flight as the wire
+sees them. The dataset is written in seqax's layout (zarr format 2, one chunk per read block) and
+uploaded. With a ``gs://`` or ``s3://`` URL that bucket is used as is (no wire figures).
 
-Figures, in one JSON line on stdout (MB = 10^6 bytes, "wire" = compressed bytes transferred):
+Figures, in one JSON line on stdout (MB = 10^6 bytes, wire = stored bytes transferred):
 
-(a) ``store_wire_MBps``: the store alone: concurrent GETs (``--concurrency`` in flight, the
-    engine's max_concurrent_reads) of exactly the chunk objects a fill of minipoch 0 reads;
-(b) ``fill_wire_MBps``: the engine: a fresh loader without prefetch, whose first load() waits
-    for the whole minipoch-0 buffer; wire bytes of that fill / its duration. Medians of
-    ``--repeats`` interleaved runs of (a) and (b); target ``fill_vs_store >= 0.8``;
-(c) ``stall``: a loop over every step with a simulated train step (``--step-ms`` of sleep),
-    >= 3 minipoch boundaries, prefetch on and off: median, p99 and max load() latency, and the
-    max over the boundary steps. Target with prefetch: ``max <= 2x median``.
+* ``fill``: a fresh loader without prefetch, whose first load() waits for the whole minipoch-0
+  buffer: its wire rate vs a bare client's ranged GETs of the same chunk objects at the same
+  concurrency (``fill_vs_bare``, target >= 0.9); requests in flight on the wire during each
+  (peak, time-weighted mean). Medians of ``--repeats`` interleaved runs.
+* ``steps`` (asyncflat and ``reference``, the seqax-style loader of bench/seqax_style.py reading
+  the same bucket through the AWS/GCS environment variables): construction, then every step of
+  ``--steps`` with a ``--step-ms`` train step between loads: worst boundary vs worst ordinary
+  load() (steps 1.. that start no minipoch), total wait from construction to the first boundary.
+* ``resume``: a fresh loader positioned mid-minipoch 1: seconds from construction to the first
+  batch and to the 11th (train steps between), and the waits of the 10 loads after the first.
 """
 
 from __future__ import annotations
@@ -37,83 +40,153 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout
 sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT / "tests"))  # helpers.servers: the emulator and the proxy
+sys.path.insert(0, str(ROOT / "tests"))  # helpers.servers: the stores and the proxy
 
 log = logging.getLogger("bench.cloud")
+BUCKET = "bench"
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("url", nargs="?", help="gs:// or s3:// dataset URL (default: emulator)")
+    parser.add_argument("url", nargs="?", help="gs:// or s3:// dataset URL (default: emulated)")
+    parser.add_argument("--backend", choices=["s3", "gcs"], default="s3")
     parser.add_argument("--storage-options", default="{}", help="JSON for the fsspec filesystem")
-    parser.add_argument("--latency-ms", type=float, default=25.0, help="proxy round-trip latency")
-    parser.add_argument(
-        "--tokens-mib", type=float, default=64.0, help="dataset size (uint32 tokens)"
-    )
+    parser.add_argument("--latency-ms", type=float, default=25.0, help="time to first byte")
+    parser.add_argument("--connection-MBps", type=float, default=64.0)
+    parser.add_argument("--total-MBps", type=float, default=150.0)
+    parser.add_argument("--tokens-mib", type=float, default=48.0, help="dataset (uint32 tokens)")
+    parser.add_argument("--zarr-format", type=int, choices=[2, 3], default=2)
     parser.add_argument("--len", type=int, default=2048)
-    parser.add_argument("--spb", type=int, default=128, help="sequences per read block (= chunk)")
-    parser.add_argument("--rbpsb", type=int, default=16, help="read blocks per shuffle buffer")
+    parser.add_argument("--spb", type=int, default=16, help="sequences per read block (= chunk)")
+    parser.add_argument("--rbpsb", type=int, default=96, help="read blocks per shuffle buffer")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=16, help="max_concurrent_reads")
-    parser.add_argument(
-        "--inflight-chunks",
-        type=int,
-        default=None,
-        help="max_inflight_bytes in decoded chunks (default: --concurrency; "
-        "0: the engine's default)",
-    )
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--step-ms", type=float, default=5.0, help="simulated train step")
-    parser.add_argument("--skip-stall", action="store_true")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--step-ms", type=float, default=10.0, help="simulated train step")
+    parser.add_argument("--steps", type=int, default=0, help="steps to run (0: 2 minipochs)")
+    parser.add_argument("--skip-reference", action="store_true")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # internal
     return parser.parse_args()
 
 
-# -- dataset --------------------------------------------------------------------------------------
+# -- the servers, in a child process ----------------------------------------------------------
 
 
-def write_dataset(path: Path, tokens: int, chunk_tokens: int) -> None:
+def serve(args: argparse.Namespace) -> None:
+    """Child: run the store and the proxy, print their endpoints, answer ``reset``/``stats``
+    lines on stdin with the proxy's figures; stop when stdin closes."""
+    from helpers.servers import MOTO_ENV, GcsEmulator, MotoS3, TcpProxy
+
+    os.environ.update(MOTO_ENV)
+    store = GcsEmulator(bucket=BUCKET) if args.backend == "gcs" else MotoS3(bucket=BUCKET)
+    with (
+        store,
+        TcpProxy(
+            store.endpoint,
+            latency_s=args.latency_ms / 1e3,
+            connection_Bps=args.connection_MBps * 1e6,
+            total_Bps=args.total_MBps * 1e6,
+            dialect=args.backend,
+        ) as proxy,
+    ):
+        print(json.dumps({"store": store.endpoint, "proxy": proxy.endpoint}), flush=True)
+        for line in sys.stdin:
+            if line.strip() == "reset":
+                proxy.reset_counts()
+            print(
+                json.dumps(
+                    {
+                        "peak": proxy.peak_in_flight,
+                        "mean": round(proxy.mean_in_flight(), 2),
+                        "requests": len(proxy.requests),
+                    }
+                ),
+                flush=True,
+            )
+
+
+class Servers:
+    def __init__(self, args: argparse.Namespace) -> None:
+        argv = [sys.executable, __file__, "--serve", "--backend", args.backend]
+        for name in ("latency_ms", "connection_MBps", "total_MBps"):
+            argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+        self.child = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        assert self.child.stdout is not None
+        line = self.child.stdout.readline()
+        if not line:
+            raise RuntimeError("the store process did not start")
+        self.endpoints = json.loads(line)
+
+    def ask(self, what: str) -> dict[str, Any]:
+        assert self.child.stdin is not None and self.child.stdout is not None
+        self.child.stdin.write(what + "\n")
+        self.child.stdin.flush()
+        return dict(json.loads(self.child.stdout.readline()))
+
+    def close(self) -> None:
+        if self.child.stdin is not None:
+            self.child.stdin.close()
+        try:
+            self.child.wait(10)
+        except subprocess.TimeoutExpired:
+            self.child.kill()
+            self.child.wait()
+
+
+@contextlib.contextmanager
+def servers(args: argparse.Namespace) -> Iterator[Servers]:
+    running = Servers(args)
+    try:
+        yield running
+    finally:
+        running.close()
+
+
+# -- the dataset ------------------------------------------------------------------------------------
+
+
+async def _with_fs(url: str, options: dict[str, Any], fn: Any, connections: int = 16) -> Any:
+    from asyncflat.storage.filesystems import close_filesystem, filesystem
+
+    fs, path = filesystem(url, options, max_connections=connections)
+    try:
+        return await fn(fs, path)
+    finally:
+        await close_filesystem(fs)
+
+
+def ensure_uploaded(url: str, options: dict[str, Any], args: argparse.Namespace) -> float:
+    """Upload a fresh dataset to ``url`` unless one is there; returns the seconds spent."""
     from _common import synthetic_sequences
 
     import asyncflat
 
-    with asyncflat.FlatTokensWriter(path, chunk_tokens=chunk_tokens) as writer:
-        for sequences in synthetic_sequences(tokens):
-            writer.append("train", sequences)
-        writer.append("validation", next(synthetic_sequences(1 << 14, seed=1)))
-
-
-async def _with_fs(url: str, options: dict[str, Any], fn: Any) -> Any:
-    from asyncflat.source import _close_filesystem, _filesystem
-
-    fs, path = _filesystem(url, options)
-    try:
-        return await fn(fs, path)
-    finally:
-        await _close_filesystem(fs)
-
-
-def ensure_uploaded(url: str, options: dict[str, Any], tokens: int, chunk_tokens: int) -> float:
-    """Upload a fresh dataset to ``url`` unless one is there; returns the seconds spent."""
+    marker = "zarr.json" if args.zarr_format == 3 else ".zgroup"
 
     async def exists(fs: Any, path: str) -> bool:
-        return bool(await fs._exists(f"{path}/zarr.json"))
+        return bool(await fs._exists(f"{path}/{marker}"))
 
     if asyncio.run(_with_fs(url, options, exists)):
         log.info("%s exists: not uploading", url)
         return 0.0
+    tokens = int(args.tokens_mib * 2**20) // 4
     with tempfile.TemporaryDirectory() as tmp:
         local = Path(tmp) / "data.zarr"
-        write_dataset(local, tokens, chunk_tokens)
+        with asyncflat.FlatTokensWriter(
+            local, chunk_tokens=args.spb * args.len, zarr_format=args.zarr_format
+        ) as writer:
+            for sequences in synthetic_sequences(tokens):
+                writer.append("train", sequences)
+            writer.append("validation", next(synthetic_sequences(1 << 14, seed=1)))
         t0 = time.perf_counter()
 
         async def put(fs: Any, path: str) -> None:
@@ -123,32 +196,33 @@ def ensure_uploaded(url: str, options: dict[str, Any], tokens: int, chunk_tokens
         return time.perf_counter() - t0
 
 
-# -- (a) the store alone ----------------------------------------------------------------------------
+# -- fill vs a bare client ------------------------------------------------------------------------
 
 
-def store_rate(
-    url: str, options: dict[str, Any], keys: list[str], concurrency: int
-) -> tuple[float, int]:
-    """Wire bytes/s of GETting ``keys`` (object paths under the dataset) ``concurrency`` at a time."""
+def bare_rate(url: str, options: dict[str, Any], keys: list[str], concurrency: int) -> float:
+    """Wire bytes/s of ranged GETs of the whole objects ``keys``, ``concurrency`` in flight."""
 
-    async def run(fs: Any, path: str) -> tuple[float, int]:
+    async def run(fs: Any, path: str) -> float:
         limit = asyncio.Semaphore(concurrency)
 
-        async def get(key: str) -> int:
+        async def size(key: str) -> int:
             async with limit:
-                return len(await fs._cat_file(f"{path}/{key}"))
+                return int(await fs._size(f"{path}/{key}"))
+
+        sizes = await asyncio.gather(*(size(k) for k in keys))
+
+        async def get(key: str, size: int) -> int:
+            async with limit:
+                return len(await fs._cat_file(f"{path}/{key}", start=0, end=size))
 
         t0 = time.perf_counter()
-        sizes = await asyncio.gather(*(get(k) for k in keys))
-        return sum(sizes) / (time.perf_counter() - t0), sum(sizes)
+        got = await asyncio.gather(*(get(k, s) for k, s in zip(keys, sizes)))
+        return sum(got) / (time.perf_counter() - t0)
 
-    return asyncio.run(_with_fs(url, options, run))
-
-
-# -- (b) the engine's fill ----------------------------------------------------------------------------
+    return float(asyncio.run(_with_fs(url, options, run, connections=concurrency)))
 
 
-def make_params(args: argparse.Namespace, url: str, options: dict[str, Any]) -> Any:
+def params(args: argparse.Namespace, url: str, options: dict[str, Any]) -> Any:
     import asyncflat
 
     return asyncflat.FlatTokensParams(
@@ -156,199 +230,246 @@ def make_params(args: argparse.Namespace, url: str, options: dict[str, Any]) -> 
     )
 
 
-def engine_options(args: argparse.Namespace, prefetch: bool) -> Any:
-    """Reads in flight: on a high-latency store the window must hold ``concurrency`` chunks."""
+def batch_params(args: argparse.Namespace) -> Any:
     import asyncflat
 
-    chunks = args.concurrency if args.inflight_chunks is None else args.inflight_chunks
-    inflight = chunks * args.spb * args.len * 4 if chunks else None
-    return asyncflat.EngineOptions(
-        prefetch=prefetch, max_concurrent_reads=args.concurrency, max_inflight_bytes=inflight
-    )
+    return asyncflat.TokenBatchParams(len=args.len, batch=args.batch)
 
 
-def fill_rate(args: argparse.Namespace, url: str, options: dict[str, Any]) -> dict[str, Any]:
+def fill_run(args: argparse.Namespace, url: str, options: dict[str, Any]) -> dict[str, Any]:
     import asyncflat
 
-    engine = engine_options(args, prefetch=False)
-    batch = asyncflat.TokenBatchParams(len=args.len, batch=args.batch)
+    engine = asyncflat.EngineOptions(prefetch=False, max_concurrent_reads=args.concurrency)
     with asyncflat.ShufflingLoader(
-        "train", make_params(args, url, options), batch, options=engine
+        "train", params(args, url, options), batch_params(args), options=engine
     ) as loader:
         before = loader.stats()["bytes_read"]
         loader.load(0)  # without prefetch: waits for the whole minipoch-0 buffer
         stats = loader.stats()
         fill = stats["fills"][0]
-        wire = stats["bytes_read"] - before
-        return {
-            "wire_Bps": wire / fill["duration_s"],
-            "wire_bytes": wire,
-            "useful_Bps": fill["useful_bytes"] / fill["duration_s"],
-            "seconds": fill["duration_s"],
-            "blocks": loader.plan.buffer_blocks(0, 0).tolist(),
-            "requests": stats["requests"],
-        }
+        blocks = loader.plan.buffer_blocks(0, 0).tolist()
+    keys = sorted({f"train/encoded_tokens/{_chunk_key(args, b)}" for b in blocks})
+    return {"Bps": (stats["bytes_read"] - before) / fill["duration_s"], "keys": keys}
 
 
-# -- (c) stalls -----------------------------------------------------------------------------------------
+def _chunk_key(args: argparse.Namespace, block: int) -> str:
+    return f"c/{block}" if args.zarr_format == 3 else str(block)
 
 
-def stall_run(
-    args: argparse.Namespace, url: str, options: dict[str, Any], prefetch: bool
+def fill_figures(
+    args: argparse.Namespace, url: str, options: dict[str, Any], wire: Servers | None
 ) -> dict[str, Any]:
+    fills, bares, fill_wire, bare_wire = [], [], [], []
+    for _ in range(args.repeats):  # interleaved: drifts of the shared machine hit both
+        if wire:
+            wire.ask("reset")
+        fill = fill_run(args, url, options)
+        if wire:
+            fill_wire.append(wire.ask("stats"))
+            wire.ask("reset")
+        bares.append(bare_rate(url, options, fill["keys"], args.concurrency))
+        if wire:
+            bare_wire.append(wire.ask("stats"))
+        fills.append(fill["Bps"])
+    out: dict[str, Any] = {
+        "objects": len(fill["keys"]),
+        "fill_MBps": round(statistics.median(fills) / 1e6, 1),
+        "bare_MBps": round(statistics.median(bares) / 1e6, 1),
+        "fill_vs_bare": round(statistics.median(fills) / statistics.median(bares), 2),
+    }
+    if wire:
+        out["fill_in_flight_peak"] = max(w["peak"] for w in fill_wire)
+        out["fill_in_flight_mean"] = statistics.median(w["mean"] for w in fill_wire)
+        out["bare_in_flight_peak"] = max(w["peak"] for w in bare_wire)
+        out["bare_in_flight_mean"] = statistics.median(w["mean"] for w in bare_wire)
+    return out
+
+
+# -- steps and resumes, asyncflat and the reference ------------------------------------------------
+
+
+def _asyncflat_loader(args: argparse.Namespace, url: str, options: dict[str, Any]) -> Any:
     import asyncflat
 
-    engine = engine_options(args, prefetch)
-    batch = asyncflat.TokenBatchParams(len=args.len, batch=args.batch)
-    latencies = []
-    with asyncflat.ShufflingLoader(
-        "train", make_params(args, url, options), batch, options=engine
-    ) as loader:
-        plan = loader.plan
-        for step in range(plan.step_count):
-            t0 = time.perf_counter()
+    engine = asyncflat.EngineOptions(max_concurrent_reads=args.concurrency)
+    return asyncflat.ShufflingLoader(
+        "train", params(args, url, options), batch_params(args), options=engine
+    )
+
+
+def _reference_loader(args: argparse.Namespace, url: str) -> Any:
+    from seqax_style import SeqaxStyleLoader
+
+    return SeqaxStyleLoader(
+        url,
+        "train",
+        seq_len=args.len,
+        batch=args.batch,
+        streams=1,
+        read_blocks_per_shuffle_buffer=args.rbpsb,
+        sequences_per_read_block=args.spb,
+    )
+
+
+def _first_step(loader: Any, minipoch: int) -> int:
+    """The first step of ``minipoch`` (the step count past the last one)."""
+    plan = getattr(loader, "plan", loader)
+    if minipoch >= plan.minipoch_count:
+        return _step_count(loader)
+    return int(plan.first_step(minipoch))
+
+
+def _step_count(loader: Any) -> int:
+    plan = getattr(loader, "plan", None)
+    return int(plan.step_count) if plan is not None else int(loader.step_count)
+
+
+def _close(loader: Any) -> None:
+    close = getattr(loader, "close", None)
+    if close is not None:
+        close()
+
+
+def steps_figures(args: argparse.Namespace, make: Callable[[], Any]) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    loader = make()
+    construct = time.perf_counter() - t0
+    try:
+        boundaries = [_first_step(loader, m) for m in (1, 2)]
+        last = args.steps or min(_step_count(loader), boundaries[1] + 1)
+        waits = []
+        for step in range(last):
+            t1 = time.perf_counter()
             loader.load(step)
-            latencies.append(time.perf_counter() - t0)
+            waits.append(time.perf_counter() - t1)
             time.sleep(args.step_ms / 1e3)
-        stats = loader.stats()
-        boundaries = [plan.first_step(m) for m in range(1, plan.minipoch_count)]
-    steady = np.array(latencies[1:])  # step 0 includes the first fill in both modes
+    finally:
+        _close(loader)
+    at = [s for s in boundaries if s < last]
+    ordinary = [w for s, w in enumerate(waits) if s and s not in at]
     return {
-        "steps": plan.step_count,
-        "boundaries": len(boundaries),
-        "median_ms": round(float(np.median(steady)) * 1e3, 3),
-        "p99_ms": round(float(np.percentile(steady, 99)) * 1e3, 3),
-        "max_ms": round(float(steady.max()) * 1e3, 3),
-        "max_step": int(steady.argmax()) + 1,
-        "max_boundary_ms": round(max(latencies[s] for s in boundaries) * 1e3, 3)
-        if boundaries
-        else None,
-        "first_ms": round(latencies[0] * 1e3, 3),
-        "max_over_median": round(float(steady.max() / np.median(steady)), 2),
-        "retries": stats["retries"],
-        "throttled": stats["throttled"],
+        "construct_s": round(construct, 3),
+        "first_load_s": round(waits[0], 3),
+        "worst_boundary_ms": round(max(waits[s] for s in at) * 1e3, 1) if at else None,
+        "worst_ordinary_ms": round(max(ordinary) * 1e3, 1),
+        "median_ordinary_ms": round(statistics.median(ordinary) * 1e3, 2),
+        "wait_to_first_boundary_s": round(construct + sum(waits[: boundaries[0] + 1]), 3),
+        "steps": last,
     }
 
 
-# -- the servers, in a child process (so that they do not compete with the loader for its GIL) --
-
-
-def serve(latency_s: float) -> None:
-    """Child: run the emulator and the proxy, print their endpoints, stop when stdin closes."""
-    from helpers.servers import GcsEmulator, TcpProxy
-
-    with (
-        GcsEmulator(bucket="bench") as emulator,
-        TcpProxy(emulator.endpoint, latency_s=latency_s) as proxy,
-    ):
-        print(json.dumps({"emulator": emulator.endpoint, "proxy": proxy.endpoint}), flush=True)
-        sys.stdin.read()
-
-
-@contextlib.contextmanager
-def servers(latency_s: float) -> Iterator[dict[str, str]]:
-    child = subprocess.Popen(
-        [sys.executable, __file__, "--serve", "--latency-ms", str(latency_s * 1e3)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+def resume_figures(args: argparse.Namespace, make: Callable[[], Any]) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    loader = make()
     try:
-        assert child.stdout is not None and child.stdin is not None
-        line = child.stdout.readline()
-        if not line:
-            raise RuntimeError("the emulator process did not start")
-        yield json.loads(line)
+        plan_start = _first_step(loader, 1)
+        step = plan_start + (_first_step(loader, 2) - plan_start) // 2  # mid minipoch 1
+        construct = time.perf_counter() - t0
+        loader.load(step)
+        first = time.perf_counter() - t0
+        waits = []
+        for s in range(step + 1, step + 11):
+            time.sleep(args.step_ms / 1e3)
+            t1 = time.perf_counter()
+            loader.load(s)
+            waits.append(time.perf_counter() - t1)
+        eleventh = time.perf_counter() - t0
     finally:
-        if child.stdin is not None:
-            child.stdin.close()
-        try:
-            child.wait(10)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
+        _close(loader)
+    return {
+        "step": step,
+        "construct_s": round(construct, 3),
+        "to_first_batch_s": round(first, 3),
+        "to_11th_batch_s": round(eleventh, 3),
+        "next_10_waits_s": round(sum(waits), 3),
+        "next_10_worst_ms": round(max(waits) * 1e3, 1),
+    }
 
 
-# -- main ---------------------------------------------------------------------------------------------------
+def reference_env(args: argparse.Namespace, endpoint: str) -> None:
+    """The reference loader gets the proxy through the environment, as seqax would."""
+    if args.backend == "s3":
+        os.environ.update(
+            {
+                "AWS_ENDPOINT_URL": endpoint,
+                "AWS_ACCESS_KEY_ID": "testing",
+                "AWS_SECRET_ACCESS_KEY": "testing",
+                "AWS_DEFAULT_REGION": "us-east-1",
+                "AWS_EC2_METADATA_DISABLED": "true",
+            }
+        )
+    else:
+        os.environ["STORAGE_EMULATOR_HOST"] = endpoint
+
+
+# -- main ---------------------------------------------------------------------------------------------
 
 
 def main() -> None:
     args = parse_args()
     # Before gcsfs is imported: its gRPC probe makes every emulator call take 60 s.
-    if not args.url:
-        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
     logging.basicConfig(
         level=logging.WARNING,
         stream=sys.stderr,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
     log.setLevel(logging.INFO)
-    # the emulator logs an ERROR for every probe of a missing zarr metadata key
-    logging.getLogger("gcp_storage_emulator").setLevel(logging.CRITICAL)
+    logging.getLogger("gcp_storage_emulator").setLevel(logging.CRITICAL)  # 404 probes
     if args.serve:
-        serve(args.latency_ms / 1e3)
+        serve(args)
         return
     options = json.loads(args.storage_options)
-    tokens = int(args.tokens_mib * 2**20) // 4
-    chunk_tokens = args.spb * args.len  # one chunk per read block: the recommended layout
     figures: dict[str, Any] = {
         "bench": "cloud",
-        "tokens": tokens,
+        "tokens_mib": args.tokens_mib,
+        "zarr_format": args.zarr_format,
         "len": args.len,
         "spb": args.spb,
         "rbpsb": args.rbpsb,
+        "buffer_mib": round(args.rbpsb * args.spb * args.len * 4 / 2**20, 1),
         "batch": args.batch,
         "concurrency": args.concurrency,
-        "inflight_chunks": args.concurrency
-        if args.inflight_chunks is None
-        else args.inflight_chunks,
+        "step_ms": args.step_ms,
     }
-
     with contextlib.ExitStack() as stack:
+        wire: Servers | None = None
         if args.url:
             url = args.url.rstrip("/")
             upload_options = options
             figures["store"] = url
         else:
-            endpoints = stack.enter_context(servers(args.latency_ms / 1e3))
-            url = "gs://bench/data.zarr"
-            gcs = {"token": "anon", "project": "bench"}
-            upload_options = {**gcs, "endpoint_url": endpoints["emulator"]}
-            options = {**gcs, "endpoint_url": endpoints["proxy"], **options}
-            figures["store"] = f"gcs-emulator+proxy({args.latency_ms:g} ms)"
-            figures["latency_ms"] = args.latency_ms
-        upload_s = ensure_uploaded(url, upload_options, tokens, chunk_tokens)
-        figures["upload_s"] = round(upload_s, 2)
+            wire = stack.enter_context(servers(args))
+            url = f"{'gs' if args.backend == 'gcs' else 's3'}://{BUCKET}/data.zarr"
+            if args.backend == "gcs":
+                base = {"token": "anon", "project": "bench"}
+            else:
+                from helpers.servers import MOTO_ENV
 
-        fills, stores = [], []
-        for _ in range(args.repeats):  # interleaved, so drifts of the shared machine hit both
-            fill = fill_rate(args, url, options)
-            keys = [
-                f"train/encoded_tokens/c/{(b * args.spb * args.len) // chunk_tokens}"
-                for b in fill["blocks"]
-            ]
-            rate, _ = store_rate(url, options, sorted(set(keys)), args.concurrency)
-            fills.append(fill)
-            stores.append(rate)
-        fill_wire = statistics.median(f["wire_Bps"] for f in fills)
-        store_wire = statistics.median(stores)
-        figures.update(
-            {
-                "fill_objects": len(set(keys)),
-                "fill_wire_MB": round(fills[0]["wire_bytes"] / 1e6, 2),
-                "store_wire_MBps": round(store_wire / 1e6, 1),
-                "fill_wire_MBps": round(fill_wire / 1e6, 1),
-                "fill_useful_MBps": round(
-                    statistics.median(f["useful_Bps"] for f in fills) / 1e6, 1
-                ),
-                "fill_s": round(statistics.median(f["seconds"] for f in fills), 3),
-                "fill_vs_store": round(fill_wire / store_wire, 2),
-                "fill_target": 0.8,
-            }
-        )
-        if not args.skip_stall:
-            figures["stall_prefetch_on"] = stall_run(args, url, options, prefetch=True)
-            figures["stall_prefetch_off"] = stall_run(args, url, options, prefetch=False)
+                os.environ.update(MOTO_ENV)
+                base = {"key": "testing", "secret": "testing"}
+            upload_options = {**base, "endpoint_url": wire.endpoints["store"]}
+            options = {**base, "endpoint_url": wire.endpoints["proxy"], **options}
+            figures["store"] = (
+                f"{args.backend}+wire({args.latency_ms:g} ms, {args.connection_MBps:g} MB/s "
+                f"per connection, {args.total_MBps:g} MB/s in all)"
+            )
+            reference_env(args, wire.endpoints["proxy"])
+        figures["upload_s"] = round(ensure_uploaded(url, upload_options, args), 2)
+        figures["fill"] = fill_figures(args, url, options, wire)
+        figures["steps"] = {
+            "asyncflat": steps_figures(args, lambda: _asyncflat_loader(args, url, options))
+        }
+        figures["resume"] = {
+            "asyncflat": resume_figures(args, lambda: _asyncflat_loader(args, url, options))
+        }
+        if not args.skip_reference:
+            figures["steps"]["reference"] = steps_figures(
+                args, lambda: _reference_loader(args, url)
+            )
+            figures["resume"]["reference"] = resume_figures(
+                args, lambda: _reference_loader(args, url)
+            )
     print(json.dumps(figures), flush=True)
 
 

@@ -22,6 +22,7 @@ from asyncflat import (
     TokenBatchParams,
 )
 from asyncflat.engine import Engine
+from asyncflat.engine.core import ROWS_AHEAD_STEPS
 
 
 def make(
@@ -421,9 +422,55 @@ def test_a_load_ahead_of_its_blocks_reads_just_its_rows() -> None:
     async def main() -> None:
         batch = await asyncio.wait_for(engine.gather(step, ALL), 5)  # the blocks take 30 s
         np.testing.assert_array_equal(batch, oracle.encoded_batch(step))
-        assert source.item_reads == 8 and not source.reads  # one read per row, no whole chunk
         assert engine.stats()["rows_read_directly"] == 8
+        # One read per row, no whole chunk; the rows of the next steps are read ahead.
+        ahead = 8 * (1 + ROWS_AHEAD_STEPS)
+        for _ in range(100):
+            if source.item_reads >= ahead:
+                break
+            await asyncio.sleep(0.01)
+        assert source.item_reads == ahead and not source.reads
         assert {f["minipoch"] for f in engine.stats()["active_fills"]} == {1, 2}  # fills go on
+        for later in range(step + 1, step + 1 + ROWS_AHEAD_STEPS):  # served by the reads ahead
+            batch = await asyncio.wait_for(engine.gather(later, ALL), 5)
+            np.testing.assert_array_equal(batch, oracle.encoded_batch(later))
+            assert source.item_reads == ahead + 8 * (later - step) and not source.reads
+        await engine.aclose()
+
+    run(main)
+
+
+def test_behind_a_network_the_fill_streams_on_while_a_load_reads_its_rows() -> None:
+    # Row reads take 1 s, whole chunks 0.1 s. On a remote store a fill that has started is not
+    # paused while a load's rows are read (they go first at the store's limiter instead): chunk
+    # reads complete meanwhile. A fill not started yet waits for the first load's rows.
+    source = FakeSource(
+        *make_data(rows=4096),
+        chunk=SEQ_LEN * 16,
+        latency_s=0.1,
+        partial_reads=True,
+        item_latency_s=1.0,
+    )
+    source.remote = True
+    engine = make(source, streams=1, rbpsb=32, spb=16, batch=8)
+    oracle = oracle_for(engine, source)
+    step = engine.plan.first_step(1) + 5
+
+    async def main() -> None:
+        first = asyncio.ensure_future(engine.gather(step, ALL))
+        await until(lambda: source.item_reads >= 8, "the first load's row reads")
+        assert not source.reads  # the fresh fill waits for them
+        np.testing.assert_array_equal(await first, oracle.encoded_batch(step))
+        later = step + 1 + ROWS_AHEAD_STEPS  # not read ahead
+        reads_before = len(source.reads)
+        load = asyncio.ensure_future(engine.gather(later, ALL))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 0.8
+        # More chunks than the 16 workers had in flight: the fills went on taking units.
+        while len(source.reads) - reads_before <= 16 and loop.time() < deadline:
+            await asyncio.sleep(0.005)
+        assert len(source.reads) - reads_before > 16 and not load.done()
+        np.testing.assert_array_equal(await load, oracle.encoded_batch(later))
         await engine.aclose()
 
     run(main)

@@ -211,3 +211,90 @@ def test_a_failing_unit_does_not_kill_its_worker(caplog: pytest.LogCaptureFixtur
 
     run(main)
     assert any("boom" in (r.exc_text or "") or r.exc_info for r in caplog.records)
+
+
+def test_a_demand_unit_queued_behind_many_prefetch_units_is_taken_next() -> None:
+    # A remote store: background units may use every worker. A load's unit put behind 16 queued
+    # prefetch units (and with a later step than all of them) is the next one a worker takes.
+    async def main() -> None:
+        rec = Recorder()
+        sched: UnitScheduler[Job] = UnitScheduler(
+            rec, workers=4, reserve=1, budget=100, background_limit=4
+        )
+        prefetch = [
+            Job(priority=i, name=f"bg{i}", is_background=True, gate=asyncio.Event())
+            for i in range(20)
+        ]
+        for job in prefetch:
+            sched.put(job)
+        sched.start()
+        await until(lambda: rec.running == 4, "four prefetch units running")
+        demand = Job(priority=1000, name="demand", gate=asyncio.Event())
+        sched.put(demand)
+        assert prefetch[0].gate is not None
+        prefetch[0].gate.set()  # a worker frees up
+        await until(lambda: len(rec.started) == 5, "a fifth unit started")
+        assert rec.started[4] == "demand"
+        rec.expected = len(rec.started)
+        for job in [*prefetch, demand]:
+            assert job.gate is not None
+            job.gate.set()
+        await sched.aclose()
+
+    run(main)
+
+
+def test_workers_never_sit_on_prefetch_units_they_may_not_run() -> None:
+    # A local store: one background unit at a time. The other workers leave the queued
+    # prefetch units alone, so a load's unit starts at once instead of after a prefetch read.
+    async def main() -> None:
+        rec = Recorder()
+        sched: UnitScheduler[Job] = UnitScheduler(
+            rec, workers=4, reserve=1, budget=100, background_limit=1
+        )
+        prefetch = [
+            Job(priority=i, name=f"bg{i}", is_background=True, gate=asyncio.Event())
+            for i in range(8)
+        ]
+        for job in prefetch:
+            sched.put(job)
+        sched.start()
+        await until(lambda: rec.running == 1, "one prefetch unit running")
+        demand = Job(priority=50, name="demand", gate=asyncio.Event())
+        sched.put(demand)
+        await until(lambda: "demand" in rec.started, "the demand unit started")
+        assert rec.started == ["bg0", "demand"] and rec.running == 2
+        assert sched.background_active == 1
+        for job in [*prefetch, demand]:
+            assert job.gate is not None
+            job.gate.set()
+        await sched.aclose()
+
+    run(main)
+
+
+def test_units_of_a_fill_turned_urgent_go_ahead_of_background_units() -> None:
+    async def main() -> None:
+        rec = Recorder()
+        sched: UnitScheduler[Job] = UnitScheduler(
+            rec, workers=1, reserve=1, budget=100, background_limit=1
+        )
+        blocker = Job(priority=0, name="blocker", gate=asyncio.Event())
+        sched.put(blocker)
+        sched.start()
+        await until(lambda: rec.running == 1, "the blocker running")
+        others = [Job(priority=i, name=f"other{i}", is_background=True) for i in range(1, 4)]
+        late = [Job(priority=100 + i, name=f"late{i}", is_background=True) for i in range(2)]
+        for job in [*others, *late]:
+            sched.put(job)
+        for job in late:
+            job.is_background = False  # a load now waits on this fill
+        await sched.wake_background()
+        rec.expected = 6
+        assert blocker.gate is not None
+        blocker.gate.set()
+        await asyncio.wait_for(rec.all_done.wait(), 5)
+        assert rec.started == ["blocker", "late0", "late1", "other1", "other2", "other3"]
+        await sched.aclose()
+
+    run(main)

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from asyncflat.storage import AdaptiveLimiter, IOCounters
+from asyncflat.storage.limiter import DEMAND, demand_headroom, pool_size
 
 
 def test_one_burst_of_throttling_halves_the_limit_once_then_it_recovers() -> None:
@@ -44,3 +45,46 @@ def test_waiters_get_slots_in_order_and_a_cancelled_waiter_passes_its_slot_on() 
 def test_the_maximum_must_be_positive() -> None:
     with pytest.raises(ValueError, match="maximum must be >= 1"):
         AdaptiveLimiter(0, IOCounters())
+
+
+def test_demand_requests_pass_queued_ones_and_use_the_headroom() -> None:
+    async def main() -> None:
+        limiter = AdaptiveLimiter(4, IOCounters(), headroom=1)
+        held = [await limiter.acquire() for _ in range(4)]  # a fill holds every slot
+        queued = [asyncio.ensure_future(limiter.acquire()) for _ in range(3)]
+        await asyncio.sleep(0)
+        assert not any(q.done() for q in queued)
+        # A demand request starts at once, in the headroom above the limit...
+        first = await asyncio.wait_for(limiter.acquire(demand=True), 1)
+        assert limiter.in_flight == 5
+        # ...a second one waits, but ahead of the three queued before it.
+        token = DEMAND.set(True)  # the default comes from the task's context
+        try:
+            second = asyncio.ensure_future(limiter.acquire())
+        finally:
+            DEMAND.reset(token)
+        await asyncio.sleep(0)
+        assert not second.done()
+        limiter.release(held.pop(), ok=True, throttled=False)
+        await asyncio.sleep(0)
+        assert second.done() and not any(q.done() for q in queued)
+        # Once no demand request waits, the others get the slots under the limit.
+        limiter.release(first, ok=True, throttled=False)
+        limiter.release(second.result(), ok=True, throttled=False)
+        await asyncio.sleep(0)
+        assert [q.done() for q in queued] == [True, False, False]  # 3 held + 1: at the limit
+        assert limiter.in_flight == 4
+        for epoch in [*held, queued[0].result()]:
+            limiter.release(epoch, ok=True, throttled=False)
+        await asyncio.sleep(0)
+        assert queued[1].done() and queued[2].done()
+        for q in queued[1:]:
+            limiter.release(q.result(), ok=True, throttled=False)
+        assert limiter.in_flight == 0
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+
+
+def test_the_pool_holds_the_limit_and_the_headroom() -> None:
+    assert demand_headroom(16) == 4 and pool_size(16) == 20
+    assert demand_headroom(1) == 2 and pool_size(1) == 3

@@ -22,6 +22,7 @@ from ..config import EngineOptions
 from ..errors import AsyncflatError, LoaderClosedError, StorageError
 from ..plan import NEVER, ShufflePlan
 from ..source import TokenSource
+from ..storage.limiter import DEMAND
 from .fill import Fill, FillWriter, Unit, read_unpacked_rows
 from .recorder import Recorder, log
 from .rows import RowReader
@@ -30,6 +31,9 @@ from .stats import EngineStats, IntervalStats
 from .table import FillTable, Groups
 
 __all__ = ["Engine"]
+
+#: Steps whose rows a load served by row reads starts reading ahead (a fill in progress).
+ROWS_AHEAD_STEPS = 8
 
 
 class Engine:
@@ -85,10 +89,12 @@ class Engine:
         self._background_decodes = asyncio.Semaphore(max(1, options.decode_threads - 1))
         # A load ahead of its blocks reads just its rows when the source can do that cheaply.
         self._rows = (
-            RowReader(plan, source, self._scheduler)
+            RowReader(plan, source, self._scheduler, pause=not source.remote)
             if plan.sequence_packing and source.partial_reads and options.prefetch
             else None
         )
+        #: the step of the load waiting right now, if any: the units it needs are demand reads
+        self._waiting_step: int | None = None
         self._closed = False  # no load is served any more
         self._aclosed = False  # workers, row reads and the source closed
 
@@ -130,6 +136,7 @@ class Engine:
                     fills.append(fill)
                 if self.options.prefetch:
                     self._fills.prefetch_after(groups)
+            self._waiting_step = step
             try:
                 out = np.empty((len(loc.batch_index), self.plan.seq_len), np.uint32)
                 for fill, rows in zip(fills, groups.values()):
@@ -138,6 +145,8 @@ class Engine:
                         await self._make_urgent(fill)
                     if not fill.done and self._rows is not None:
                         await self._serve_early(fill, step, buffer_rows, out[rows])
+                        if not fill.done:  # after this load's rows: they must not wait
+                            self._rows.read_ahead(fill, self._rows_ahead(fill, step, batch_indices))
                         continue
                     if not fill.done:
                         await self._wait_ready(fill, step, buffer_rows)
@@ -145,6 +154,7 @@ class Engine:
                         self._raise_fill_error(fill, step)
                     np.take(fill.buffer, buffer_rows, axis=0, out=out[rows])
             finally:
+                self._waiting_step = None
                 with self._lock:
                     for fill in fills:
                         fill.owners -= 1
@@ -279,6 +289,9 @@ class Engine:
 
     async def _run_unit(self, unit: Unit) -> None:
         fill = unit.fill
+        waiting = self._waiting_step
+        # A unit the waiting load needs goes ahead of every other request at the store.
+        demand = DEMAND.set(waiting is not None and unit.priority <= waiting)
         try:
             await self._read_unit(unit)
         except asyncio.CancelledError:
@@ -294,6 +307,8 @@ class Engine:
             )
             fill.fail(exc)
             return
+        finally:
+            DEMAND.reset(demand)
         if fill.cancelled:
             return
         fill.unit_done(unit)
@@ -347,6 +362,18 @@ class Engine:
                 exc,
                 f"step {step}: reading rows of stream {fill.stream} minipoch {fill.minipoch} failed",
             )
+
+    def _rows_ahead(self, fill: Fill, step: int, batch_indices: np.ndarray) -> np.ndarray:
+        """Buffer rows of ``fill`` that the next steps' loads of the same batch rows will read
+        (up to ``ROWS_AHEAD_STEPS`` steps, as long as they stay in this fill)."""
+        rows = []
+        for ahead in range(step + 1, min(step + 1 + ROWS_AHEAD_STEPS, self.plan.step_count)):
+            loc = self.plan.locate(ahead, batch_indices)
+            mine = (loc.stream == fill.stream) & (loc.minipoch == fill.minipoch)
+            if not mine.any():
+                break
+            rows.append(fill.perm[loc.position[mine]])
+        return np.concatenate(rows) if rows else np.empty(0, np.int64)
 
     async def _wait_ready(self, fill: Fill, step: int, buffer_rows: np.ndarray) -> None:
         if self.options.prefetch:

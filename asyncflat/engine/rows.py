@@ -9,12 +9,14 @@ frame's header and block table, shared, and the compressed blocks holding the ro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import numpy as np
 
 from ..plan import ShufflePlan
 from ..source import TokenSource
+from ..storage.limiter import DEMAND
 from .fill import Fill
 from .scheduler import UnitScheduler
 
@@ -23,11 +25,29 @@ __all__ = ["RowReader"]
 
 class RowReader:
     """Serves the rows of a fill in progress: those in finished blocks from the buffer, the
-    others read from storage while the fill goes on (its workers take no new unit meanwhile)."""
+    others read from storage while the fill goes on.
 
-    def __init__(self, plan: ShufflePlan, source: TokenSource, scheduler: UnitScheduler[Any]):
+    ``pause``: the fill's workers take no new unit meanwhile (a local store, where reads are CPU
+    work competing with the row reads). Behind a network the fill keeps streaming: the row
+    reads are demand requests, which the store's limiter serves first
+    (:data:`~asyncflat.storage.limiter.DEMAND`), so they never queue behind the fill's. Only a
+    fill that has not started yet waits for the load's rows (one round trip), so that its
+    requests do not reach the store ahead of them.
+    """
+
+    def __init__(
+        self,
+        plan: ShufflePlan,
+        source: TokenSource,
+        scheduler: UnitScheduler[Any],
+        *,
+        pause: bool = True,
+    ):
         self._plan, self._source, self._scheduler = plan, source, scheduler
+        self._pause = pause
         self._pending: set[asyncio.Future[Any]] = set()
+        #: rows of the next steps read ahead (:meth:`read_ahead`), per fill in progress
+        self._ahead: dict[Fill, dict[int, asyncio.Task[np.ndarray]]] = {}
 
     async def serve(self, fill: Fill, buffer_rows: np.ndarray, out: np.ndarray) -> int:
         """Rows ``buffer_rows`` of ``fill`` into ``out``; returns how many were read directly."""
@@ -36,19 +56,67 @@ class RowReader:
         have = ready[buffer_rows // spb]
         out[have] = fill.buffer[buffer_rows[have]]
         missing = np.flatnonzero(~have)
-        async with self._scheduler.paused():
-            reads = asyncio.gather(
-                *(self._read(fill, int(buffer_rows[i]), out[i]) for i in missing)
-            )
-            self._pending.add(reads)
-            try:
-                await reads
-            finally:
-                self._pending.discard(reads)
+        # The load waits on these reads: first in line at the store (the tasks copy the flag).
+        demand = DEMAND.set(True)
+        try:
+            # A fill none of whose reads has started (a resume, start-up) waits until the load's
+            # rows are read: its requests would otherwise reach the store first.
+            pause = self._pause or not any(unit.taken for unit in fill.units)
+            async with self._scheduler.paused() if pause else contextlib.nullcontext():
+                reads = asyncio.gather(
+                    *(self._read_or_take(fill, int(buffer_rows[i]), out[i]) for i in missing)
+                )
+                self._pending.add(reads)
+                try:
+                    await reads
+                finally:
+                    self._pending.discard(reads)
+        finally:
+            DEMAND.reset(demand)
         return len(missing)
+
+    def read_ahead(self, fill: Fill, buffer_rows: np.ndarray) -> None:
+        """Start reading rows ``buffer_rows`` of ``fill`` that the next loads will need, unless
+        their blocks are ready or they are being read: after a resume, or at start-up, the
+        trainer's next steps then find their rows read while the fill streams on. Demand
+        requests, like the load's own."""
+        for other in [f for f in self._ahead if f.done or f.cancelled or f.error is not None]:
+            self._forget_ahead(other)  # no load reads rows of these one by one any more
+        mine = self._ahead.setdefault(fill, {})
+        spb = self._plan.sequences_per_read_block
+        demand = DEMAND.set(True)  # the tasks copy the flag
+        try:
+            for row in np.unique(buffer_rows).tolist():
+                if row in mine or fill.ready[row // spb].is_set():
+                    continue
+                task = asyncio.ensure_future(self._read_alone(fill, row))
+                task.add_done_callback(_retrieve)
+                mine[row] = task
+        finally:
+            DEMAND.reset(demand)
+
+    async def _read_alone(self, fill: Fill, buffer_row: int) -> np.ndarray:
+        out = np.empty(self._plan.seq_len, np.uint32)
+        await self._read(fill, buffer_row, out)
+        return out
+
+    async def _read_or_take(self, fill: Fill, buffer_row: int, out: np.ndarray) -> None:
+        task = self._ahead.get(fill, {}).pop(buffer_row, None)
+        if task is None:
+            await self._read(fill, buffer_row, out)
+            return
+        out[:] = await asyncio.shield(task)
+
+    def _forget_ahead(self, fill: Fill) -> None:
+        for task in self._ahead.pop(fill, {}).values():
+            task.cancel()
 
     async def aclose(self) -> None:
         """Cancel the reads in flight and wait for them."""
+        ahead = [task for tasks in self._ahead.values() for task in tasks.values()]
+        for fill in list(self._ahead):
+            self._forget_ahead(fill)
+        await asyncio.gather(*ahead, return_exceptions=True)
         pending = list(self._pending)
         for reads in pending:
             reads.cancel()
@@ -65,3 +133,10 @@ class RowReader:
             n = min(seq_len - done, chunk - offset)
             await self._source.read_items(chunk_id, offset, out[done : done + n])
             done += n
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    """A row read ahead that nobody took: its failure is not worth a warning (a load that
+    needs the row reads it again)."""
+    if not task.cancelled():
+        task.exception()

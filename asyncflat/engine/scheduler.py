@@ -1,28 +1,34 @@
-"""The unit scheduler: one priority queue, a fixed set of workers, one admission rule.
+"""The unit scheduler: two priority queues, a fixed set of workers, one admission rule.
 
-Units of every fill wait in one queue keyed by the first step that needs them, and a fixed set
-of workers pulls from it. That bounds the reads in flight (a sliding window, like fsspec's
+Units of every fill wait keyed by the first step that needs them, and a fixed set of workers
+pulls from the queues. That bounds the reads in flight (a sliding window, like fsspec's
 ``_run_coros_in_chunks``) and makes every fill demand-first: a load waits only for the units its
 own rows live in, and the next step's units always go first.
+
+Demand before prefetch: units a load needs (those of a fill that is not a background prefetch)
+queue apart from background units and are always taken first, whatever their step: a demand
+unit queued behind many prefetch units is the next one a worker takes. A background unit is
+taken only when a background slot is free (``background_limit`` at a time), so a worker never
+sits on a prefetch unit it may not run while demand units wait.
 
 The admission rule (:func:`admits`): a worker first reserves the decoded size of the largest
 unit in the byte budget, then takes the most urgent unit queued *at that moment*. Taking a unit
 first and waiting for room after would let prefetch units popped early hold the budget while a
 load's units queue behind them (a priority inversion that made first fills 8x slower).
 
-Two more limits shape what runs: background units (a prefetch nobody waits for yet) run at most
-``background_limit`` at a time, and :meth:`UnitScheduler.paused` stops workers from taking new
-units while a load reads its rows one by one.
+:meth:`UnitScheduler.paused` stops workers from taking new units while a load reads its rows
+one by one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import itertools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 __all__ = ["Schedulable", "UnitScheduler", "admits"]
 
@@ -53,6 +59,9 @@ def admits(in_flight_bytes: int, reserve: int, budget: int) -> bool:
     return in_flight_bytes == 0 or in_flight_bytes + reserve <= budget
 
 
+_Entry = tuple[int, int, Any]
+
+
 class UnitScheduler(Generic[U]):
     """Runs queued units with ``workers`` workers under a byte budget; ``run`` must not raise
     (the engine turns a unit's failure into its fill's error)."""
@@ -70,12 +79,11 @@ class UnitScheduler(Generic[U]):
         self._run, self._name = run, name
         self.workers, self.reserve, self.budget = workers, reserve, budget
         self.background_limit = background_limit
-        self._queue: asyncio.PriorityQueue[tuple[int, int, U]] | None = None
+        self._demand: list[_Entry] = []  # heaps of (priority, order, unit)
+        self._background: list[_Entry] = []
         self._order = itertools.count()  # FIFO among equal priorities
         self._tasks: list[asyncio.Task[None]] = []
-        self._budget: asyncio.Condition | None = None
-        self._background: asyncio.Condition | None = None
-        self._go: asyncio.Event | None = None
+        self._changed: asyncio.Event | None = None  # set whenever a worker may take a unit
         self._pauses = 0
         self.in_flight_bytes = 0
         self.background_active = 0
@@ -83,13 +91,13 @@ class UnitScheduler(Generic[U]):
         self.peak_running = 0
 
     # asyncio objects are made on first use, on the loop that runs the workers.
-    def _ensure(self) -> asyncio.PriorityQueue[tuple[int, int, U]]:
-        if self._queue is None:
-            self._queue = asyncio.PriorityQueue()
-            self._budget, self._background = asyncio.Condition(), asyncio.Condition()
-            self._go = asyncio.Event()
-            self._go.set()
-        return self._queue
+    def _ensure(self) -> asyncio.Event:
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        return self._changed
+
+    def _poke(self) -> None:
+        self._ensure().set()
 
     def start(self) -> None:
         """Start the workers (on the running loop), once."""
@@ -101,7 +109,9 @@ class UnitScheduler(Generic[U]):
             ]
 
     def put(self, unit: U) -> None:
-        self._ensure().put_nowait((unit.priority, next(self._order), unit))
+        heap = self._background if unit.background() else self._demand
+        heapq.heappush(heap, (unit.priority, next(self._order), unit))
+        self._poke()
 
     def reprioritise(self, unit: U, priority: int) -> None:
         """Run ``unit`` at ``priority`` if it is more urgent and not taken yet; its old queue
@@ -111,30 +121,32 @@ class UnitScheduler(Generic[U]):
             self.put(unit)
 
     async def wake_background(self) -> None:
-        """A unit's ``background()`` may have turned False: re-check the waiting ones."""
-        if self._background is not None:
-            async with self._background:
-                self._background.notify_all()
+        """A unit's ``background()`` may have turned False: queued ones move to the demand
+        queue (ahead of every background unit) and the workers re-check."""
+        promoted = [entry for entry in self._background if not entry[2].background()]
+        if promoted:
+            self._background = [entry for entry in self._background if entry[2].background()]
+            heapq.heapify(self._background)
+            for entry in promoted:
+                heapq.heappush(self._demand, entry)
+        self._poke()
 
     @contextlib.asynccontextmanager
     async def paused(self) -> AsyncIterator[None]:
         """Workers take no new unit meanwhile (units already taken finish)."""
         self._ensure()
-        assert self._go is not None
         self._pauses += 1
-        self._go.clear()
         try:
             yield
         finally:
             self._pauses -= 1
             if not self._pauses:
-                self._go.set()
+                self._poke()
 
     def clear(self) -> None:
         """Forget every queued unit (closing: they hold their fills, and those the buffers)."""
-        if self._queue is not None:
-            while not self._queue.empty():
-                self._queue.get_nowait()
+        self._demand.clear()
+        self._background.clear()
 
     async def aclose(self) -> None:
         """Cancel the workers and wait for them."""
@@ -143,42 +155,51 @@ class UnitScheduler(Generic[U]):
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
+    def queued(self) -> tuple[int, int]:
+        """Entries queued (demand, background), stale ones included: for tests and figures."""
+        return len(self._demand), len(self._background)
+
+    # -- workers --------------------------------------------------------------------------------
+
     async def _worker(self) -> None:
-        queue, budget, go = self._ensure(), self._budget, self._go
-        assert budget is not None and go is not None
-        reserve = self.reserve
+        changed = self._ensure()
         while True:
-            async with budget:
-                await budget.wait_for(lambda: admits(self.in_flight_bytes, reserve, self.budget))
-                self.in_flight_bytes += reserve
+            taken = self._take()
+            if taken is None:
+                changed.clear()  # nothing to take now: sleep until the state changes
+                await changed.wait()
+                continue
+            unit, held = taken
             try:
-                await go.wait()
-                unit = await self._next(queue)
                 await self._execute(unit)
             finally:
-                async with budget:
-                    self.in_flight_bytes -= reserve
-                    budget.notify_all()
+                self.in_flight_bytes -= self.reserve
+                if held:
+                    self.background_active -= 1
+                self._poke()
 
-    @staticmethod
-    async def _next(queue: asyncio.PriorityQueue[tuple[int, int, U]]) -> U:
-        while True:
-            priority, _, unit = await queue.get()
-            if unit.taken or unit.dropped() or unit.priority != priority:
-                continue  # fill gone, or a stale entry of a re-prioritised unit
-            unit.taken = True
-            return unit
+    def _take(self) -> tuple[U, bool] | None:
+        """The most urgent unit a worker may run now (demand first) and whether it holds a
+        background slot; None when paused, over budget, or nothing may run."""
+        if self._pauses or not admits(self.in_flight_bytes, self.reserve, self.budget):
+            return None
+        for heap in (self._demand, self._background):
+            while heap:
+                priority, _, unit = heap[0]
+                if unit.taken or unit.dropped() or unit.priority != priority:
+                    heapq.heappop(heap)  # fill gone, or a stale entry of a moved unit
+                    continue
+                held = unit.background()
+                if held and self.background_active >= self.background_limit:
+                    break  # background units behind it may not run either
+                heapq.heappop(heap)
+                unit.taken = True
+                self.in_flight_bytes += self.reserve
+                self.background_active += held
+                return unit, held
+        return None
 
     async def _execute(self, unit: U) -> None:
-        background = self._background
-        assert background is not None
-        held = unit.background()
-        if held:
-            async with background:
-                await background.wait_for(
-                    lambda: not unit.background() or self.background_active < self.background_limit
-                )
-                self.background_active += 1
         self.running += 1
         self.peak_running = max(self.peak_running, self.running)
         try:
@@ -189,7 +210,3 @@ class UnitScheduler(Generic[U]):
             log.exception("unit %r failed in the scheduler", unit)
         finally:
             self.running -= 1
-            if held:
-                async with background:
-                    self.background_active -= 1
-                    background.notify_all()

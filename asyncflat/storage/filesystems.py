@@ -4,7 +4,10 @@ Object stores (``gs://``, ``s3://``, any fsspec URL): the filesystem is created 
 engine's loop, from ``storage_options``, never taken from fsspec's instance cache (a cached
 instance may hold an aiohttp session bound to another, possibly dead, loop), and with the
 filesystem's own retry loops turned off unless the caller configured them, so that attempts do
-not multiply (gcsfs retries 6 times, s3fs 5 times, botocore 3-5 times, each around the other).
+not multiply (gcsfs retries 6 times, s3fs 5 times, botocore 3-5 times, each around the other),
+and with a connection pool large enough for the requests asyncflat keeps in flight
+(``max_connections``: aiobotocore's default pool of 10 would otherwise cap every fill at 10
+requests, whatever ``max_concurrent_reads`` says). Options the caller set are never overridden.
 :func:`close_store` closes its HTTP sessions on the same loop.
 """
 
@@ -67,14 +70,26 @@ def is_url(filespec: str) -> bool:
 OWN_RETRIES_OPTION = "retries"
 
 
+#: aiohttp's default connection pool (``TCPConnector(limit=100)``), which gcsfs uses.
+AIOHTTP_DEFAULT_POOL = 100
+
+
 def filesystem(
-    url: str, storage_options: Mapping[str, Any] | None, *, timeout_s: float | None = None
+    url: str,
+    storage_options: Mapping[str, Any] | None,
+    *,
+    timeout_s: float | None = None,
+    max_connections: int | None = None,
 ) -> tuple[Any, str]:
     """An asynchronous fsspec filesystem for ``url``, made on the running loop, and the path.
 
     ``timeout_s`` (``RetryPolicy.attempt_timeout_s``) becomes the socket timeouts of gcsfs
     (``requests_timeout``; it sends every request with no timeout at all otherwise) and botocore
     (``connect_timeout``/``read_timeout``), unless ``storage_options`` sets them.
+
+    ``max_connections`` (the requests asyncflat may keep in flight) sizes the HTTP connection
+    pool: botocore's ``max_pool_connections`` for S3 (default 10), aiohttp's connector limit
+    for GCS (default 100, raised only above that), unless ``storage_options`` sets them.
     """
     import fsspec
     from fsspec.core import split_protocol
@@ -112,21 +127,36 @@ def filesystem(
         # botocore retries 3 (legacy) to 5 (standard) times on its own; one attempt each.
         config.setdefault("retries", {"total_max_attempts": 1})
         opts["config_kwargs"] = config
+        if max_connections is not None:
+            # botocore's pool (10) queues requests beyond it inside the client: the wire would
+            # never see more than 10 in flight.
+            config.setdefault("max_pool_connections", max_connections)
         # s3fs's default (10) sends a HEAD before every whole-object GET, to split big objects
         # into parallel parts; chunks are small: one GET each. Reads run concurrently anyway.
         opts.setdefault("max_concurrency", 1)
         if timeout_s is not None:
             config.setdefault("connect_timeout", timeout_s)
             config.setdefault("read_timeout", timeout_s)
-    elif protocol in ("gs", "gcs") and timeout_s is not None and "requests_timeout" not in opts:
+    elif protocol in ("gs", "gcs"):
         import aiohttp
 
-        # Per socket operation: a connection that accepts and never answers, or stalls
-        # mid-body, fails after timeout_s instead of never (the attempt is bounded as a whole
-        # by BoundedStore as well).
-        opts["requests_timeout"] = aiohttp.ClientTimeout(
-            sock_connect=timeout_s, sock_read=timeout_s
-        )
+        if timeout_s is not None and "requests_timeout" not in opts:
+            # Per socket operation: a connection that accepts and never answers, or stalls
+            # mid-body, fails after timeout_s instead of never (the attempt is bounded as a
+            # whole by BoundedStore as well).
+            opts["requests_timeout"] = aiohttp.ClientTimeout(
+                sock_connect=timeout_s, sock_read=timeout_s
+            )
+        session = dict(opts.get("session_kwargs") or {})
+        if (
+            max_connections is not None
+            and max_connections > AIOHTTP_DEFAULT_POOL
+            and "connector" not in session
+            and _loop_running()
+        ):
+            # gcsfs's session uses aiohttp's default pool (100 connections): raised above that.
+            session["connector"] = aiohttp.TCPConnector(limit=max_connections)
+            opts["session_kwargs"] = session
     try:
         fs, path = fsspec.url_to_fs(url, **opts)
     except Exception as exc:  # noqa: BLE001 - any constructor's error, re-raised scrubbed
@@ -159,6 +189,14 @@ def construction_error(exc: BaseException, url: str, secrets: Iterable[str]) -> 
         f"{redact(url)}: cannot open this URL with these storage_options: "
         f"{type(exc).__name__}: {redact(str(exc), secrets)}"
     )
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _known_protocols() -> list[str]:
@@ -204,11 +242,17 @@ async def close_filesystem(fs: Any) -> None:
 
 
 def make_store(
-    filespec: str, storage_options: Mapping[str, Any] | None, *, timeout_s: float | None = None
+    filespec: str,
+    storage_options: Mapping[str, Any] | None,
+    *,
+    timeout_s: float | None = None,
+    max_connections: int | None = None,
 ) -> Store:
     """The raw zarr store of ``filespec`` (an fsspec store for a URL, else a LocalStore)."""
     if is_url(filespec) and not filespec.startswith("file://"):
-        fs, path = filesystem(filespec, storage_options, timeout_s=timeout_s)
+        fs, path = filesystem(
+            filespec, storage_options, timeout_s=timeout_s, max_connections=max_connections
+        )
         if not fs.async_impl:  # e.g. memory://: run the sync filesystem's calls in threads
             from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
 

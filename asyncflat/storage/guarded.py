@@ -11,10 +11,11 @@ the object and byte range in every error. Shard indexes are read once per shard 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import stat
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from zarr.abc.store import (
@@ -24,7 +25,7 @@ from zarr.abc.store import (
     Store,
     SuffixByteRequest,
 )
-from zarr.core.buffer import Buffer, BufferPrototype
+from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 from zarr.storage import LocalStore, WrapperStore
 
 from .._single_flight import SingleFlight
@@ -139,6 +140,9 @@ class _Shared:
     #: Values of ``storage_options`` (:func:`~asyncflat.errors.option_secrets`): never shown in
     #: an error, like URL userinfo.
     secrets: tuple[str, ...] = ()
+    #: While opening (:meth:`GuardedStore.prefetching`): whole-object reads by key, started
+    #: ahead and shared, so zarr's sequential walk of the hierarchy costs no round trips.
+    opening: dict[str, asyncio.Future[Buffer | None]] | None = None
 
 
 def _local_root(store: Store) -> str | None:
@@ -266,6 +270,41 @@ class GuardedStore(PerKeyWrapperStore):
             )
         return st.st_size
 
+    @contextlib.contextmanager
+    def prefetching(self, keys: Iterable[str]) -> Iterator[dict[str, asyncio.Future[Any]]]:
+        """Start reading the whole objects ``keys`` now, all at once, and serve every
+        whole-object read of the same key from that one request until the block ends (also
+        keys read meanwhile that were not named: read once, however often zarr asks).
+
+        Opening a dataset walks the hierarchy (group, split, arrays) one level at a time: with
+        the metadata fetched ahead, the walk costs one round trip instead of one per level.
+        A key that is absent reads as None, as it would from the store.
+        """
+        shared = self._shared
+        cache: dict[str, asyncio.Future[Buffer | None]] = {}
+        shared.opening = cache
+        try:
+            for key in keys:
+                self._opening_read(cache, key, default_buffer_prototype())
+            yield cache
+        finally:
+            shared.opening = None
+            for future in cache.values():
+                future.cancel()  # done ones ignore it
+
+    def _opening_read(
+        self,
+        cache: dict[str, asyncio.Future[Buffer | None]],
+        key: str,
+        prototype: BufferPrototype,
+    ) -> asyncio.Future[Buffer | None]:
+        future = cache.get(key)
+        if future is None:
+            future = cache[key] = asyncio.ensure_future(self._get(key, prototype, None))
+            # Read by nobody (a key of the other format): its error is not worth a warning.
+            future.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return future
+
     def forget_indexes(self) -> None:
         """Drop the cached shard indexes: bytes under them failed to decode, re-read them."""
         self._shared.suffixes.clear()
@@ -273,6 +312,9 @@ class GuardedStore(PerKeyWrapperStore):
     async def get(
         self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None
     ) -> Buffer | None:
+        opening = self._shared.opening
+        if opening is not None and byte_range is None:
+            return await asyncio.shield(self._opening_read(opening, key, prototype))
         if (
             isinstance(byte_range, SuffixByteRequest)
             and byte_range.suffix <= _SUFFIX_CACHE_MAX_BYTES

@@ -1,15 +1,32 @@
-"""An adaptive bound on requests in flight: AIMD, like TCP's congestion window."""
+"""An adaptive bound on requests in flight: AIMD, like TCP's congestion window, with a lane for
+the requests a waiting load needs."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import logging
 from typing import Protocol
 
-__all__ = ["AdaptiveLimiter"]
+__all__ = ["DEMAND", "AdaptiveLimiter", "demand_headroom", "pool_size"]
 
 log = logging.getLogger(__name__)
+
+#: True in the tasks whose requests a waiting ``load()`` needs right now (its rows read one by
+#: one, the units it waits for): they take a free slot before any other request, and may use
+#: a few slots above the limit (:func:`demand_headroom`), so they never queue behind a fill.
+DEMAND: contextvars.ContextVar[bool] = contextvars.ContextVar("asyncflat_demand", default=False)
+
+
+def demand_headroom(maximum: int) -> int:
+    """Slots demand requests may use above ``maximum``: a quarter of it, at least 2."""
+    return max(2, maximum // 4)
+
+
+def pool_size(maximum: int) -> int:
+    """HTTP connections a store needs for ``maximum`` requests plus the demand headroom."""
+    return maximum + demand_headroom(maximum)
 
 
 class _LimitGauge(Protocol):
@@ -23,29 +40,44 @@ class AdaptiveLimiter:
     A throttling response halves the limit only if its request started after the last decrease,
     so one burst of 429s from requests that were all in flight together halves it once.
     ``io`` (anything with a ``concurrency_limit`` field) shows the current limit.
+
+    Demand requests (``acquire(demand=True)``) are served before every other waiter, and may
+    run ``headroom`` above the limit: the fill's requests keep the wire busy up to the limit, and
+    a load's few small reads still start at once.
     """
 
-    def __init__(self, maximum: int, io: _LimitGauge) -> None:
+    def __init__(self, maximum: int, io: _LimitGauge, *, headroom: int | None = None) -> None:
         if maximum < 1:
             raise ValueError(f"maximum must be >= 1, got {maximum}")
         self.maximum = maximum
+        self.headroom = demand_headroom(maximum) if headroom is None else headroom
         self.limit = float(maximum)
         self.in_flight = 0
         self.epoch = 0
         self._io = io
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._demand: collections.deque[asyncio.Future[None]] = collections.deque()
         io.concurrency_limit = maximum
 
-    async def acquire(self) -> int:
-        """Wait for a slot; returns the epoch to pass to :meth:`release`."""
-        while self.in_flight >= int(self.limit):
+    def _admits(self, demand: bool) -> bool:
+        if demand:
+            return self.in_flight < int(self.limit) + self.headroom
+        return self.in_flight < int(self.limit) and not self._demand
+
+    async def acquire(self, *, demand: bool | None = None) -> int:
+        """Wait for a slot; returns the epoch to pass to :meth:`release`. ``demand``: a
+        waiting load needs this request (default: :data:`DEMAND` of the calling task)."""
+        if demand is None:
+            demand = DEMAND.get()
+        queue = self._demand if demand else self._waiters
+        while not self._admits(demand):
             waiter = asyncio.get_running_loop().create_future()
-            self._waiters.append(waiter)
+            queue.append(waiter)
             try:
                 await waiter
             except asyncio.CancelledError:
-                if waiter in self._waiters:
-                    self._waiters.remove(waiter)
+                if waiter in queue:
+                    queue.remove(waiter)
                 elif not waiter.cancelled():
                     self._wake()  # we were handed a slot we will not use: pass it on
                 raise
@@ -65,9 +97,18 @@ class AdaptiveLimiter:
         self._wake()
 
     def _wake(self) -> None:
+        woken = 0
+        free = int(self.limit) + self.headroom - self.in_flight
+        while free > woken and self._demand:
+            waiter = self._demand.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                woken += 1
+        if self._demand:
+            return  # the rest wait behind the demand requests
         free = int(self.limit) - self.in_flight
-        while free > 0 and self._waiters:
+        while free > woken and self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
                 waiter.set_result(None)
-                free -= 1
+                woken += 1

@@ -30,6 +30,7 @@ class FakeSource:
         fail: Callable[[int, int], BaseException | None] | None = None,
         partial_reads: bool = False,
         latency_for: Callable[[int, int], float] | None = None,
+        item_latency_s: float = 0.0,
     ) -> None:
         self.tokens, self.starts = tokens, starts
         self.name = "fake://tokens"
@@ -40,6 +41,7 @@ class FakeSource:
         self.partial_reads = partial_reads
         self.io = IOCounters()
         self.latency_s, self.fail, self.latency_for = latency_s, fail, latency_for
+        self.item_latency_s = item_latency_s
         self.in_flight = self.peak_in_flight = 0
         self.reads: list[tuple[int, int]] = []  # completed token reads, in completion order
         self.item_reads = 0
@@ -87,6 +89,8 @@ class FakeSource:
     async def read_items(self, chunk_id: int, first_item: int, out: np.ndarray) -> None:
         assert self.partial_reads, "the engine asked for rows of a source that has no row reads"
         self.item_reads += 1
+        if self.item_latency_s:
+            await asyncio.sleep(self.item_latency_s)
         start = chunk_id * self.token_chunk + first_item
         out[:] = self.tokens[start : start + len(out)]
 

@@ -7,7 +7,9 @@
 * :class:`MotoS3`: moto's threaded S3 server.
 * :class:`TcpProxy`: a loopback TCP proxy in front of either, on its own event-loop thread. It
   delays every chunk by a fixed latency (pipelined: data keeps flowing while earlier chunks wait,
-  so concurrent transfers overlap as on a real network), logs every HTTP request it forwards,
+  so concurrent transfers overlap as on a real network), optionally caps the bandwidth of each
+  connection and of all of them together (a cloud VM's link to a bucket), logs every HTTP
+  request it forwards, counts the requests in flight (head sent to response fully delivered),
   and can answer chosen requests with an HTTP error or reset their connection.
 
 Everything binds 127.0.0.1 and picks free ports. Each class is a context manager and stops what
@@ -20,6 +22,7 @@ emulator: otherwise gcsfs probes the endpoint over gRPC and every operation take
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -31,6 +34,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 import urllib.request
 from collections.abc import Callable
 from typing import Any
@@ -294,20 +298,25 @@ class _DelayedPipe:
         self._writer = writer
         self._delay = delay
         self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[tuple[float, bytes | None]] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[float, bytes | None, Callable[[], None] | None]] = (
+            asyncio.Queue()
+        )
         self._task = asyncio.ensure_future(self._run()) if delay > 0 else None
 
-    async def send(self, data: bytes) -> None:
+    async def send(self, data: bytes, then: Callable[[], None] | None = None) -> None:
+        """Write ``data`` after the delay; ``then()`` once it is written."""
         if self._task is None:
             self._writer.write(data)
             await self._writer.drain()
+            if then is not None:
+                then()
         else:
-            self._queue.put_nowait((self._loop.time() + self._delay, data))
+            self._queue.put_nowait((self._loop.time() + self._delay, data, then))
 
     async def flush(self) -> None:
         """Wait until everything sent so far is written."""
         if self._task is not None:
-            self._queue.put_nowait((0.0, None))
+            self._queue.put_nowait((0.0, None, None))
             await self._task
 
     def cancel(self) -> None:
@@ -316,7 +325,7 @@ class _DelayedPipe:
 
     async def _run(self) -> None:
         while True:
-            due, data = await self._queue.get()
+            due, data, then = await self._queue.get()
             if data is None:
                 return
             wait = due - self._loop.time()
@@ -324,14 +333,83 @@ class _DelayedPipe:
                 await asyncio.sleep(wait)
             self._writer.write(data)
             await self._writer.drain()
+            if then is not None:
+                then()
+
+
+class _ResponseBodies:
+    """Finds where each response on a connection ends (its head's Content-Length; no body for
+    HEAD, 204 and 304), to count requests in flight until their last byte is delivered. A
+    response of unknown length (chunked, or until close) counts as done at its first bytes."""
+
+    def __init__(self, pending: collections.deque[str], finished: Callable[[], None]) -> None:
+        self._pending, self._finished = pending, finished
+        self._head = b""
+        self._remaining: int | None = None  # body bytes still to come; None: expecting a head
+        self._undelivered = 0  # answered, not yet delivered to the client
+
+    def abandon(self) -> None:
+        """The connection is gone: every request still counted is done."""
+        for _ in range(len(self._pending) + self._undelivered):
+            self._finished()
+        self._pending.clear()
+        self._undelivered = 0
+
+    def feed(self, data: bytes) -> Callable[[], None] | None:
+        """Account for ``data``; returns what to call once it is delivered (requests done)."""
+        done = 0
+        view = data
+        while view:
+            if self._remaining is None:
+                self._head += view
+                end = self._head.find(b"\r\n\r\n")
+                if end < 0:
+                    break
+                head, view = self._head[: end + 4], self._head[end + 4 :]
+                self._head = b""
+                method = self._pending[0] if self._pending else "GET"
+                status = int((head.split(b" ", 2) + [b"0", b"0"])[1] or 0)
+                match = re.search(rb"(?im)^content-length:\s*(\d+)", head)
+                if method == "HEAD" or status in (204, 304) or 100 <= status < 200:
+                    length = 0
+                elif match is None:
+                    length = 0  # unknown: counted as done now
+                else:
+                    length = int(match.group(1))
+                if 100 <= status < 200:
+                    continue  # an interim response: the real one follows
+                self._remaining = length
+            take = min(len(view), self._remaining)
+            view = view[take:]
+            self._remaining -= take
+            if self._remaining == 0:
+                self._remaining = None
+                if self._pending:
+                    self._pending.popleft()
+                    done += 1
+        if not done:
+            return None
+        self._undelivered += done
+
+        def finish() -> None:
+            delivered = min(done, self._undelivered)
+            self._undelivered -= delivered
+            for _ in range(delivered):
+                self._finished()
+
+        return finish
 
 
 class TcpProxy:
     """Forwards 127.0.0.1:``port`` to ``upstream`` (a URL or (host, port)), adding ``latency_s``
     to each request's round trip (half each way) and injecting the faults ``fault`` asks for.
 
-    ``dialect`` ("gcs" or "s3") shapes the bodies of injected HTTP errors so that the client
-    library parses them as its service would send them. ``requests`` logs every request.
+    ``connection_Bps`` and ``total_Bps`` cap the response bandwidth of each connection and of
+    all of them together (None: unlimited). ``dialect`` ("gcs" or "s3") shapes the bodies of
+    injected HTTP errors so that the client library parses them as its service would send them.
+    ``requests`` logs every request; ``in_flight``/``peak_in_flight`` count the requests whose
+    response is not fully delivered yet, :meth:`mean_in_flight` their time-weighted mean while
+    any is in flight.
     """
 
     def __init__(
@@ -341,6 +419,8 @@ class TcpProxy:
         latency_s: float = 0.0,
         fault: FaultPolicy | None = None,
         dialect: str = "gcs",
+        connection_Bps: float | None = None,
+        total_Bps: float | None = None,
     ) -> None:
         if isinstance(upstream, str):
             parsed = urlparse(upstream)
@@ -349,9 +429,17 @@ class TcpProxy:
         self.latency_s = latency_s
         self.fault = fault
         self.dialect = dialect
+        self.connection_Bps = connection_Bps
+        self.total_Bps = total_Bps
         self.requests: list[ProxiedRequest] = []
         self.bytes_down = 0
         self.connections = 0
+        self.in_flight = 0
+        self.peak_in_flight = 0
+        self._busy_s = 0.0  # time with >= 1 request in flight
+        self._area = 0.0  # integral of in_flight over time
+        self._last = 0.0
+        self._link_free = 0.0  # when the shared link has sent everything handed to it
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._server: asyncio.base_events.Server | None = None
@@ -364,6 +452,49 @@ class TcpProxy:
 
     def faults(self) -> list[ProxiedRequest]:
         return [r for r in list(self.requests) if r.fault is not None]
+
+    def mean_in_flight(self) -> float:
+        """Time-weighted mean of requests in flight over the time any was in flight."""
+        self._tick()
+        return self._area / self._busy_s if self._busy_s else 0.0
+
+    def reset_counts(self) -> None:
+        """Start the in-flight figures afresh (requests now in flight stay counted)."""
+        self._tick()
+        self.peak_in_flight = self.in_flight
+        self._busy_s = self._area = 0.0
+
+    def _tick(self) -> None:
+        now = time.perf_counter()
+        if self.in_flight:
+            self._busy_s += now - self._last
+            self._area += self.in_flight * (now - self._last)
+        self._last = now
+
+    def _started(self) -> None:
+        self._tick()
+        self.in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+
+    def _finished(self) -> None:
+        self._tick()
+        self.in_flight -= 1
+
+    async def _pace(self, nbytes: int, connection: list[float]) -> None:
+        """Wait until ``nbytes`` more fit the connection's and the link's bandwidth."""
+        if self.connection_Bps is None and self.total_Bps is None:
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        done = now
+        if self.connection_Bps:
+            connection[0] = max(now, connection[0]) + nbytes / self.connection_Bps
+            done = connection[0]
+        if self.total_Bps:
+            self._link_free = max(now, self._link_free) + nbytes / self.total_Bps
+            done = max(done, self._link_free)
+        if done > now:
+            await asyncio.sleep(done - now)
 
     def start(self) -> TcpProxy:
         self._loop = asyncio.new_event_loop()
@@ -429,10 +560,12 @@ class TcpProxy:
             to_client = _DelayedPipe(client_writer, self.latency_s / 2)
             to_upstream = _DelayedPipe(upstream_writer, self.latency_s / 2)
             stall = asyncio.Event()  # set: the response now in flight stalls after its head
+            pending: collections.deque[str] = collections.deque()  # methods awaiting answers
             up = asyncio.ensure_future(
-                self._requests(client_reader, to_upstream, client_writer, stall)
+                self._requests(client_reader, to_upstream, client_writer, stall, pending)
             )
-            down = asyncio.ensure_future(self._responses(upstream_reader, to_client, stall))
+            bodies = _ResponseBodies(pending, self._finished)
+            down = asyncio.ensure_future(self._responses(upstream_reader, to_client, stall, bodies))
             try:
                 # Whichever side ends first ends the connection: the upstream closing after its
                 # response (HTTP/1.0), the client closing, or an injected fault.
@@ -443,6 +576,7 @@ class TcpProxy:
                 await asyncio.gather(up, down, return_exceptions=True)
                 to_client.cancel()
                 to_upstream.cancel()
+                bodies.abandon()  # requests never (fully) answered
         except asyncio.CancelledError:
             pass
         finally:
@@ -452,9 +586,14 @@ class TcpProxy:
             self._tasks.discard(task)
 
     async def _responses(
-        self, reader: asyncio.StreamReader, to_client: _DelayedPipe, stall: asyncio.Event
+        self,
+        reader: asyncio.StreamReader,
+        to_client: _DelayedPipe,
+        stall: asyncio.Event,
+        body: _ResponseBodies,
     ) -> None:
         seen = b""
+        connection = [0.0]  # when this connection has sent everything handed to it
         while data := await reader.read(1 << 18):
             if stall.is_set():
                 # Pass the head and a few body bytes, then go silent with the connection open.
@@ -466,7 +605,8 @@ class TcpProxy:
                     await asyncio.Event().wait()  # until the connection is torn down
                 continue
             self.bytes_down += len(data)
-            await to_client.send(data)
+            await self._pace(len(data), connection)
+            await to_client.send(data, body.feed(data))
         if stall.is_set():  # a blackholed request: the upstream was let go, the client waits on
             await asyncio.Event().wait()
         await to_client.flush()
@@ -477,6 +617,7 @@ class TcpProxy:
         to_upstream: _DelayedPipe,
         client_writer: asyncio.StreamWriter,
         stall: asyncio.Event,
+        pending: collections.deque[str],
     ) -> None:
         """Forward requests one by one, parsing just enough HTTP to see each one's head."""
         while True:
@@ -507,6 +648,8 @@ class TcpProxy:
                     to_upstream._writer.close()
                 await self._inject(kind, client_writer)
                 return
+            pending.append(method)
+            self._started()
             await to_upstream.send(head)
             if "chunked" in headers.get("transfer-encoding", "").lower():
                 # Not parsed further: the rest of this connection is passed through as is.
