@@ -1,0 +1,549 @@
+"""``MixtureLoader``: batches whose rows come from several flat-tokens datasets by weight.
+
+Each host works at the level of its own rows: for each of its batch rows ``r`` (stream
+``i = r // R``, position ``j = r % R``, ``R = batch // streams``) the pure
+:class:`~asyncflat.mixture.assignment.Assignment` gives the source ``s`` and the index ``k`` of
+the slot among ``s``'s slots of stream ``i``. Slot ``k`` is row ``i * R + k % R`` of source step
+``q = k // R`` in ``s``'s own order, pass ``q // step_count_s`` (its epoch, as
+:func:`asyncflat.iter_epochs` orders passes), step ``q % step_count_s`` of that pass. One
+:class:`~asyncflat.engine.Engine` per source and pass serves those rows, for this host's streams
+only; each fills its next minipoch ahead from its own source step, so its boundary prefetch works
+whatever the weight, and the next pass of a source is opened and filled while it serves its last
+minipoch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+from jax.sharding import Sharding
+
+from .._background import BackgroundBuilder
+from .._loop import LoopThread
+from ..batch import BatchBuilder, BatchType, TokenBatch, default_sharding
+from ..config import EngineOptions, TokenBatchParams, redact_url, step_argument
+from ..engine import Engine, EngineStats
+from ..errors import ConfigError, LoaderClosedError, StepOutOfRangeError
+from ..format import SPLITS
+from ..loader import open_engine
+from ..sizing import format_bytes
+from ..source import StoreWrapper
+from .assignment import Assignment
+from .config import MixtureParams
+
+__all__ = ["MixtureLoader", "MixtureSourceStats", "MixtureStats"]
+
+log = logging.getLogger(__name__)
+
+_ids = itertools.count()
+
+
+@dataclasses.dataclass(frozen=True)
+class MixtureSourceStats:
+    """One source's figures on this host: ``passes`` started (1 until it runs out once),
+    ``rows`` served from it, the ``step_count`` of one pass, and its newest pass's engine
+    figures (waits, fills, bytes)."""
+
+    filespec: str
+    passes: int
+    rows: int
+    step_count: int
+    buffer_bytes: int
+    engine: EngineStats
+
+
+@dataclasses.dataclass(frozen=True)
+class MixtureStats:
+    """Per-source figures and the jax build times of this host."""
+
+    sources: tuple[MixtureSourceStats, ...]
+    steps_loaded: int
+    build_median_s: float | None
+
+
+@dataclasses.dataclass
+class _Source:
+    index: int
+    where: str
+    engines: dict[int, Engine]  # open passes (epochs), at most three
+    opening: dict[int, asyncio.Future[Engine]]
+    step_count: int = 0
+    last_minipoch_step: int = 0
+    buffer_bytes: int = 0  # this host's shuffle buffers of one pass (2 per stream)
+    rows: int = 0
+    passes: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _Group:
+    """Rows of one source pass and step that one mixture step needs on this host."""
+
+    source: int
+    epoch: int
+    step: int
+    rows: np.ndarray  # sorted source batch rows
+    out: np.ndarray  # host row positions they go to
+    take: np.ndarray  # index into ``rows`` for each of ``out``
+
+
+class MixtureLoader:
+    """Serves batches of a weighted mixture of flat-tokens splits (:class:`MixtureParams`).
+
+    ``asyncflat.ShufflingLoader(split, MixtureParams(...), token_batch_params)`` and
+    ``get_loader`` return one; it has the plain loader's ``load``/``iter``/``step_count``/
+    ``stats``/``close``. ``step_count`` is ``MixtureParams.steps``, or, when that is None, the
+    steps served before any source would need a second pass. ``load(step)`` is a pure function
+    of (config, step): a restart at any step gives the same batches.
+    """
+
+    def __init__(
+        self,
+        split: str,
+        params: MixtureParams,
+        token_batch_params: TokenBatchParams,
+        sharding: Sharding | None = None,
+        *,
+        options: EngineOptions | None = None,
+        store_wrapper: StoreWrapper | None = None,
+        batch_type: BatchType = TokenBatch,
+    ) -> None:
+        if split not in SPLITS:
+            raise ConfigError(f"split must be one of {SPLITS}, got {split!r}")
+        if not isinstance(params, MixtureParams):
+            raise ConfigError(f"params must be a MixtureParams, got {type(params).__name__}")
+        self.split, self.params, self.token_batch_params = split, params, token_batch_params
+        self.options = EngineOptions() if options is None else options
+        self._source_options = dataclasses.replace(self.options, max_buffer_bytes=None)
+        streams = params.streams
+        if token_batch_params.batch % streams:
+            raise ConfigError(
+                f"batch {token_batch_params.batch} is not a multiple of the sources' streams "
+                f"{streams}"
+            )
+        self.rows_per_stream = token_batch_params.batch // streams
+        self.sharding = default_sharding() if sharding is None else sharding
+        self._builder = BatchBuilder(
+            self.sharding, (token_batch_params.batch, token_batch_params.len), batch_type
+        )
+        self._host_rows = self._builder.host_rows
+        self.streams = tuple(np.unique(self._host_rows // self.rows_per_stream).tolist())
+        self._store_wrapper = store_wrapper
+        self._lock = threading.Lock()
+        self._closed = False
+        self._pid = os.getpid()
+        self._steps_loaded = 0
+        self._build_s: collections.deque[float] = collections.deque(maxlen=1 << 16)
+        self._prefetchers: set[BackgroundBuilder[Any]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._sources = [
+            _Source(i, f"{redact_url(str(s.params.filespec))}/{split}", {}, {})
+            for i, s in enumerate(params.sources)
+        ]
+        self.assignment = Assignment(
+            params.schedule(), self.rows_per_stream, params.block_rows, params.seed
+        )
+        self._runner = LoopThread(
+            name="asyncflat-mixture",
+            cpu_threads=self.options.decode_threads,
+            nice=self.options.engine_niceness,
+        )
+        try:
+            self._runner.run(self._open_first_passes())
+            self._check_budget()
+            self.step_count = self._step_count()
+        except BaseException:
+            self.close()
+            raise
+        self._log_sources()
+
+    # -- construction -------------------------------------------------------------------------
+
+    async def _open_first_passes(self) -> None:
+        engines = await asyncio.gather(
+            *(self._engine(s.index, 0) for s in self._sources), return_exceptions=True
+        )
+        for engine in engines:
+            if isinstance(engine, BaseException):
+                raise engine
+        for source, engine in zip(self._sources, engines):
+            assert isinstance(engine, Engine)
+            plan = engine.plan
+            source.step_count = plan.step_count
+            source.last_minipoch_step = plan.first_step(plan.minipoch_count - 1)
+            source.buffer_bytes = 2 * len(self.streams) * plan.buffer_bytes
+
+    def _check_budget(self) -> None:
+        needed = sum(s.buffer_bytes for s in self._sources)
+        budget = self.options.max_buffer_bytes
+        if budget is not None and needed > budget:
+            each = ", ".join(f"{s.where}: {s.buffer_bytes:,}" for s in self._sources)
+            raise ConfigError(
+                f"the mixture's shuffle buffers need {needed:,} bytes on this host ({each}), over "
+                f"EngineOptions.max_buffer_bytes={budget:,}"
+            )
+
+    def _step_count(self) -> int:
+        if self.params.steps is not None:
+            return self.params.steps
+        capacity = [s.step_count * self.rows_per_stream for s in self._sources]
+        steps = self.assignment.first_exhausted_step(capacity, self.params.streams)
+        if steps == 0:
+            raise ConfigError("the mixture exhausts a source at step 0; set MixtureParams.steps")
+        return steps
+
+    def _log_sources(self) -> None:
+        for source, spec in zip(self._sources, self.params.sources):
+            log.info(
+                "mixture source %d %s: weight %g, %d steps per pass, shuffle buffers %s on this "
+                "host (2 per stream; up to twice that while a next pass starts)",
+                source.index,
+                source.where,
+                spec.weight,
+                source.step_count,
+                format_bytes(source.buffer_bytes),
+            )
+        log.info(
+            "mixture of %d sources: %d steps, shuffle buffers %s on this host in all",
+            len(self._sources),
+            self.step_count,
+            format_bytes(sum(s.buffer_bytes for s in self._sources)),
+        )
+
+    @property
+    def buffer_bytes(self) -> tuple[int, ...]:
+        """Bytes of each source's shuffle buffers on this host (one pass, 2 per stream)."""
+        return tuple(s.buffer_bytes for s in self._sources)
+
+    # -- engines (on the loop) ----------------------------------------------------------------
+
+    async def _engine(self, index: int, epoch: int) -> Engine:
+        source = self._sources[index]
+        engine = source.engines.get(epoch)
+        if engine is not None:
+            return engine
+        future = source.opening.get(epoch)
+        if future is None:
+            future = asyncio.ensure_future(self._open(index, epoch))
+            source.opening[epoch] = future
+        return await asyncio.shield(future)
+
+    async def _open(self, index: int, epoch: int) -> Engine:
+        source = self._sources[index]
+        try:
+            engine = await open_engine(
+                self.split,
+                self.params.sources[index].params,
+                self.token_batch_params,
+                self._host_rows,
+                self._source_options,
+                epoch=epoch,
+                store_wrapper=self._store_wrapper,
+            )
+        finally:
+            source.opening.pop(epoch, None)
+        if self._closed:
+            await engine.aclose()
+            raise LoaderClosedError("this MixtureLoader is closed")
+        self._runner.keep(engine)
+        source.engines[epoch] = engine
+        for old in [e for e in source.engines if abs(e - epoch) > 1]:
+            self._spawn(source.engines.pop(old).aclose())
+        return engine
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _start_next_pass(self, index: int, epoch: int) -> None:
+        """Open pass ``epoch`` of a source and fill its first minipoch (in the background)."""
+        engine = await self._engine(index, epoch)
+        first_rows = np.array([i * self.rows_per_stream for i in self.streams], np.int64)
+        await engine.gather(0, first_rows)
+
+    def _next_pass_due(self, group: _Group) -> bool:
+        source = self._sources[group.source]
+        nxt = group.epoch + 1
+        return (
+            group.step >= source.last_minipoch_step
+            and nxt not in source.engines
+            and nxt not in source.opening
+        )
+
+    async def _gather(self, groups: list[_Group]) -> list[np.ndarray]:
+        for group in groups:
+            if self._next_pass_due(group):
+                log.debug("opening pass %d of source %d ahead", group.epoch + 1, group.source)
+                self._spawn(self._start_next_pass(group.source, group.epoch + 1))
+
+        async def one(group: _Group) -> np.ndarray:
+            engine = await self._engine(group.source, group.epoch)
+            return await engine.gather(group.step, group.rows)
+
+        return list(await asyncio.gather(*(one(g) for g in groups)))
+
+    async def _aclose(self) -> None:
+        for source in self._sources:
+            for future in source.opening.values():
+                future.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        engines = [e for s in self._sources for e in s.engines.values()]
+        await asyncio.gather(*(e.aclose() for e in engines), return_exceptions=True)
+
+    # -- rows of a step -----------------------------------------------------------------------
+
+    def groups(self, step: int) -> list[_Group]:
+        """Which source rows (source, pass, source step, rows) make this host's rows of ``step``."""
+        r = self.rows_per_stream
+        hosts = self._host_rows
+        sources = np.empty(len(hosts), np.int64)
+        ks = np.empty(len(hosts), np.int64)
+        for stream in self.streams:
+            mine = np.flatnonzero(hosts // r == stream)
+            src, k = self.assignment.step_slots(stream, step)
+            sources[mine] = src[hosts[mine] % r]
+            ks[mine] = k[hosts[mine] % r]
+        counts = np.array([s.step_count for s in self._sources], np.int64)
+        passes_step = ks // r
+        epochs = passes_step // counts[sources]
+        source_steps = passes_step % counts[sources]
+        rows = (hosts // r) * r + ks % r
+        groups = []
+        keys = np.stack([sources, epochs, source_steps], axis=1)
+        unique, inverse = np.unique(keys, axis=0, return_inverse=True)
+        inverse = inverse.reshape(-1)
+        for g, (s, e, q) in enumerate(unique.tolist()):
+            out = np.flatnonzero(inverse == g)
+            wanted, take = np.unique(rows[out], return_inverse=True)
+            groups.append(_Group(s, e, q, wanted, out, take.reshape(-1)))
+        return groups
+
+    def _fast(self, groups: list[_Group]) -> list[np.ndarray] | None:
+        results = []
+        for group in groups:
+            engine = self._sources[group.source].engines.get(group.epoch)
+            if engine is None or self._next_pass_due(group):
+                return None
+            rows = engine.try_gather(group.step, group.rows)
+            if rows is None:
+                return None
+            results.append(rows)
+        return results
+
+    def _rows(self, step: int) -> np.ndarray:
+        self._check_open()
+        if not 0 <= step < self.step_count:
+            raise StepOutOfRangeError(
+                f"step {step} is out of range: the mixture has {self.step_count} steps "
+                f"(valid steps are 0..{self.step_count - 1})"
+            )
+        groups = self.groups(step)
+        results = self._fast(groups)
+        if results is None:
+            results = self._runner.run(self._gather(groups), timeout=self.options.load_timeout_s)
+        out = np.empty((len(self._host_rows), self.token_batch_params.len), np.uint32)
+        for group, rows in zip(groups, results):
+            out[group.out] = rows[group.take]
+        self._count(step, groups)
+        return out
+
+    def _count(self, step: int, groups: list[_Group]) -> None:
+        with self._lock:
+            self._steps_loaded += 1
+            for group in groups:
+                source = self._sources[group.source]
+                source.rows += len(group.out)
+                if group.epoch + 1 > source.passes:
+                    source.passes = group.epoch + 1
+                    log.info(
+                        "mixture source %d (%s) ran out and starts pass %d at mixture step %d",
+                        source.index,
+                        source.where,
+                        source.passes,
+                        step,
+                    )
+
+    # -- the loader's API ---------------------------------------------------------------------
+
+    @property
+    def max_token_id(self) -> int:
+        return max(e.source.max_token_id for s in self._sources for e in s.engines.values())
+
+    def load(self, step: int) -> Any:
+        """The batch of ``step`` (in [0, step_count), in any order); a pure function of it."""
+        step = step_argument(step)
+        self._check_open()
+        for prefetcher in self._live_prefetchers():
+            batch = prefetcher.lookup(step)
+            if batch is not None:
+                return batch
+        return self._load_now(step)
+
+    def _load_now(self, step: int) -> Any:
+        rows = self._rows(step)
+        t0 = time.perf_counter()
+        batch = self._builder.build(rows)
+        self._build_s.append(time.perf_counter() - t0)
+        return batch
+
+    def iter(self, start_step: int = 0) -> MixtureIterator:
+        """``(step, batch)`` from ``start_step`` to ``step_count``, built ahead on a thread when
+        ``EngineOptions.prefetch_to_device > 0``."""
+        start_step = step_argument(start_step, "start_step")
+        self._check_open()
+        if not 0 <= start_step <= self.step_count:
+            raise StepOutOfRangeError(
+                f"start_step {start_step} is out of range [0, {self.step_count}]"
+            )
+        return MixtureIterator(self, start_step, self.options.prefetch_to_device)
+
+    def __iter__(self) -> Iterator[Any]:
+        with self.iter() as iterator:
+            for _, batch in iterator:
+                yield batch
+
+    def stats(self) -> MixtureStats:
+        """Per-source figures (passes, rows, engine waits and fills) of this host."""
+        self._check_open()
+        engines = self._runner.run(self._newest_engine_stats())
+        builds = np.array(self._build_s)
+        with self._lock:
+            sources = tuple(
+                MixtureSourceStats(
+                    s.where, s.passes, s.rows, s.step_count, s.buffer_bytes, engines[s.index]
+                )
+                for s in self._sources
+            )
+            steps = self._steps_loaded
+        return MixtureStats(sources, steps, float(np.median(builds)) if len(builds) else None)
+
+    async def _newest_engine_stats(self) -> list[EngineStats]:
+        return [s.engines[max(s.engines)].stats() for s in self._sources]
+
+    def close(self) -> None:
+        """Stop prefetch threads, cancel fills, free every source's buffers. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            prefetchers = list(self._prefetchers)
+            self._prefetchers.clear()
+        for prefetcher in prefetchers:
+            prefetcher.signal_stop()
+        own_thread = self._runner.in_loop_thread()
+        try:
+            if self._pid == os.getpid():
+                self._runner.close(self._aclose())
+            else:
+                self._runner.close()
+        finally:
+            if not own_thread:
+                for prefetcher in prefetchers:
+                    prefetcher.stop()
+            for source in self._sources:
+                for engine in source.engines.values():
+                    engine.release()
+
+    def __enter__(self) -> MixtureLoader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            try:
+                self.close()
+            except Exception:
+                log.debug("closing a collected mixture loader failed", exc_info=True)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LoaderClosedError("this MixtureLoader is closed; create a new one")
+        if self._pid != os.getpid():
+            raise LoaderClosedError("this MixtureLoader was created in another process")
+
+    def _start_prefetch(self, start: int, depth: int) -> BackgroundBuilder[Any]:
+        with self._lock:
+            self._check_open()
+            builder: BackgroundBuilder[Any] = BackgroundBuilder(
+                self._load_now,
+                start,
+                self.step_count,
+                depth,
+                name=f"asyncflat-mixture-prefetch-{next(_ids)}",
+            )
+            self._prefetchers.add(builder)
+        return builder
+
+    def _stop_prefetch(self, builder: BackgroundBuilder[Any]) -> None:
+        builder.signal_stop()
+        with self._lock:
+            self._prefetchers.discard(builder)
+        if not self._runner.in_loop_thread():
+            builder.stop()
+
+    def _live_prefetchers(self) -> list[BackgroundBuilder[Any]]:
+        with self._lock:
+            return list(self._prefetchers)
+
+
+class MixtureIterator(Iterator[tuple[int, Any]]):
+    """``(step, batch)`` pairs of a :class:`MixtureLoader`; an error ends the iteration."""
+
+    def __init__(self, loader: MixtureLoader, start: int, depth: int) -> None:
+        self._loader, self._step, self._stop_step = loader, start, loader.step_count
+        self._prefetch: BackgroundBuilder[Any] | None = None
+        self._finalizer: weakref.finalize | None = None
+        if depth and start < self._stop_step:
+            self._prefetch = loader._start_prefetch(start, depth)
+            self._finalizer = weakref.finalize(self, loader._stop_prefetch, self._prefetch)
+            self._finalizer.atexit = False
+
+    def __iter__(self) -> MixtureIterator:
+        return self
+
+    def __next__(self) -> tuple[int, Any]:
+        if self._step >= self._stop_step:
+            raise StopIteration
+        step = self._step
+        try:
+            if self._prefetch is None:
+                batch = self._loader.load(step)
+            else:
+                self._loader._check_open()
+                batch = self._prefetch.take(step)
+        except KeyboardInterrupt:
+            raise
+        except BaseException:
+            self.close()
+            raise
+        self._step = step + 1
+        if self._step >= self._stop_step:
+            self.close()
+        return step, batch
+
+    def close(self) -> None:
+        """Stop the prefetch thread. Idempotent."""
+        self._step = self._stop_step
+        if self._finalizer is not None:
+            self._finalizer()
+
+    def __enter__(self) -> MixtureIterator:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
