@@ -22,9 +22,9 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from ..batch import BatchType
 from ..config import EngineOptions, FlatTokensParams, HuggingFaceDataParams, TokenBatchParams
-from ..mixture.config import MixtureParams
 from ..errors import ConfigError
 from ..loader import get_loader as _get_loader
+from ..mixture.config import MixtureParams
 
 __all__ = ["batch_sharding", "get_loader"]
 

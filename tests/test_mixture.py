@@ -1,0 +1,200 @@
+"""``MixtureLoader`` on real stores: per-source order, identity, resume, stages, running out.
+
+The sources are written with disjoint vocabularies, so the source of every served row is read
+off its tokens, independently of the assignment the loader used. The expected rows of a source
+are its plain loader's (``ShufflingLoader`` with the same ``TokenBatchParams``; pass ``e`` of a
+source is the plain loader's ``epoch=e``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import random_sequences
+
+import asyncflat
+from asyncflat import (
+    ConfigError,
+    EngineOptions,
+    FlatTokensParams,
+    MixtureParams,
+    MixtureSource,
+    MixtureStage,
+    StepOutOfRangeError,
+    TokenBatchParams,
+)
+
+VOCAB = 1000
+BATCH = TokenBatchParams(len=16, batch=8)
+OPTIONS = EngineOptions(prefetch_to_device=0)
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    root = tmp_path_factory.mktemp("mixture")
+    paths = []
+    for i, count in enumerate([400, 60, 150]):
+        path = str(root / f"source{i}.zarr")
+        seqs = [s + i * VOCAB for s in random_sequences(10 + i, count, max_len=40, vocab=VOCAB)]
+        asyncflat.write_flat_tokens(path, {"train": seqs}, chunk_tokens=1024)
+        paths.append(path)
+    return paths
+
+
+def flat(path: str, streams: int = 2, seed: int = 0) -> FlatTokensParams:
+    return FlatTokensParams(path, streams, 2, 4, seed, True)
+
+
+def encoded(batch: Any) -> np.ndarray:
+    """The batch as flat-tokens codes (2 * id + is_seq_start), one row per batch row."""
+    targets = np.asarray(batch.targets).astype(np.int64)
+    return 2 * targets + np.asarray(batch.is_seq_start)
+
+
+def plain_steps(params: FlatTokensParams, epoch: int = 0) -> list[np.ndarray]:
+    with asyncflat.ShufflingLoader("train", params, BATCH, options=OPTIONS, epoch=epoch) as loader:
+        return [encoded(loader.load(step)) for step in range(loader.step_count)]
+
+
+def all_batches(loader: Any) -> list[np.ndarray]:
+    return [encoded(loader.load(step)) for step in range(loader.step_count)]
+
+
+@pytest.mark.parametrize("streams", [1, 2])
+def test_one_source_of_weight_1_is_the_plain_loader_bit_for_bit(
+    stores: list[str], streams: int
+) -> None:
+    params = flat(stores[0], streams, seed=3)
+    mixture = MixtureParams((MixtureSource(params, 1.0),), seed=9, block_rows=5)
+    expected = plain_steps(params)
+    with asyncflat.ShufflingLoader("train", mixture, BATCH, options=OPTIONS) as loader:
+        assert type(loader).__name__ == "MixtureLoader"
+        assert loader.step_count == len(expected)
+        for step, want in enumerate(expected):
+            np.testing.assert_array_equal(encoded(loader.load(step)), want)
+
+
+def test_each_source_serves_its_own_order_and_wraps_into_its_next_pass(
+    stores: list[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    sources = [flat(stores[0], seed=1), flat(stores[1], seed=2), flat(stores[2], seed=3)]
+    mixture = MixtureParams(
+        tuple(MixtureSource(p, w) for p, w in zip(sources, [0.5, 0.3, 0.2])),
+        seed=4,
+        block_rows=7,
+        stages=(MixtureStage(20, (0.2, 0.6, 0.2)),),
+        steps=60,
+    )
+    r = BATCH.batch // 2
+    caplog.set_level(logging.INFO, logger="asyncflat.mixture")
+    with asyncflat.get_loader("train", mixture, BATCH, options=OPTIONS) as loader:
+        assert loader.step_count == 60
+        batches = [encoded(loader.load(step)) for step in range(60)]
+        stats = loader.stats()
+    # Rows of each source and stream, in mixture order (steps in order, rows in batch order).
+    served: dict[tuple[int, int], list[np.ndarray]] = {}
+    for batch in batches:
+        for row_index, row in enumerate(batch):
+            source = int(row.min() // 2 // VOCAB)
+            assert (row // 2 // VOCAB == source).all()
+            served.setdefault((source, row_index // r), []).append(row)
+    for s, params in enumerate(sources):
+        counts = sum(len(served.get((s, i), [])) for i in range(2))
+        passes = 0
+        expected: dict[int, list[np.ndarray]] = {0: [], 1: []}
+        while min(len(expected[0]), len(expected[1])) < counts:
+            for step_rows in plain_steps(params, epoch=passes):
+                for i in range(2):
+                    expected[i].extend(step_rows[i * r : (i + 1) * r])
+            passes += 1
+        for i in range(2):
+            got = served.get((s, i), [])
+            np.testing.assert_array_equal(np.array(got), np.array(expected[i][: len(got)]))
+        needed_passes = max(
+            -(-len(served.get((s, i), [])) // (len(expected[i]) // passes)) for i in range(2)
+        )
+        assert stats.sources[s].passes == needed_passes
+        assert stats.sources[s].rows == counts
+    assert stats.sources[1].passes >= 3  # the small source at 30-60% ran out more than once
+    assert sum(x.rows for x in stats.sources) == 60 * BATCH.batch
+    assert any("starts pass 3" in rec.getMessage() for rec in caplog.records)
+
+
+def test_a_fresh_loader_at_any_step_gives_the_same_batch(stores: list[str]) -> None:
+    mixture = MixtureParams(
+        (MixtureSource(flat(stores[0]), 2), MixtureSource(flat(stores[1]), 1)),
+        seed=1,
+        block_rows=6,
+        steps=40,
+    )
+    with asyncflat.ShufflingLoader("train", mixture, BATCH, options=OPTIONS) as loader:
+        reference = all_batches(loader)
+    with asyncflat.ShufflingLoader("train", mixture, BATCH, options=OPTIONS) as loader:
+        for step in [37, 3, 22, 22, 0, 39, 14]:  # any order, repeats, across the source's passes
+            np.testing.assert_array_equal(encoded(loader.load(step)), reference[step])
+        with loader.iter(25) as iterator:  # and an iterator resumed mid-run, prefetching
+            for step, batch in iterator:
+                np.testing.assert_array_equal(encoded(batch), reference[step])
+    options = EngineOptions(prefetch_to_device=2)
+    with asyncflat.ShufflingLoader("train", mixture, BATCH, options=options) as loader:
+        assert [s for s, _ in loader.iter(30)] == list(range(30, 40))
+        with pytest.raises(StepOutOfRangeError):
+            loader.load(40)
+
+
+def test_a_stage_takes_effect_exactly_at_its_step_also_after_a_resume(stores: list[str]) -> None:
+    first, second = flat(stores[0], seed=5), flat(stores[2], seed=6)
+    mixture = MixtureParams(
+        (MixtureSource(first, 1.0), MixtureSource(second, 0.0)),
+        block_rows=3,  # a block of 3 rows does not divide a stage of 7 steps x 4 rows
+        stages=(MixtureStage(7, (0.0, 1.0)),),
+        steps=12,
+    )
+    plain_first, plain_second = plain_steps(first), plain_steps(second)
+    with asyncflat.ShufflingLoader("train", mixture, BATCH, options=OPTIONS) as loader:
+        batches = all_batches(loader)
+    for step in range(7):
+        np.testing.assert_array_equal(batches[step], plain_first[step])
+    for step in range(7, 12):
+        np.testing.assert_array_equal(batches[step], plain_second[step - 7])
+    with asyncflat.ShufflingLoader("train", mixture, BATCH, options=OPTIONS) as loader:
+        np.testing.assert_array_equal(encoded(loader.load(7)), plain_second[0])
+        np.testing.assert_array_equal(encoded(loader.load(6)), plain_first[6])
+
+
+def test_without_steps_the_mixture_ends_before_any_source_repeats(stores: list[str]) -> None:
+    mixture = MixtureParams(
+        (MixtureSource(flat(stores[0]), 1), MixtureSource(flat(stores[1]), 1)), block_rows=8
+    )
+    small_steps = len(plain_steps(flat(stores[1])))
+    with asyncflat.ShufflingLoader("train", mixture, BATCH, options=OPTIONS) as loader:
+        # The small source gives half of every block: it lasts about twice its own steps.
+        assert 2 * small_steps - 2 <= loader.step_count <= 2 * small_steps + 2
+        for step in range(loader.step_count):
+            loader.load(step)
+        assert [s.passes for s in loader.stats().sources] == [1, 1]
+        assert loader.buffer_bytes[0] > 0 and len(loader.buffer_bytes) == 2
+
+
+def test_the_buffer_budget_counts_every_source(stores: list[str]) -> None:
+    mixture = MixtureParams((MixtureSource(flat(stores[0]), 1), MixtureSource(flat(stores[1]), 1)))
+    with asyncflat.ShufflingLoader("train", mixture, BATCH, options=OPTIONS) as loader:
+        total = sum(loader.buffer_bytes)
+    tight = EngineOptions(prefetch_to_device=0, max_buffer_bytes=total - 1)
+    with pytest.raises(ConfigError, match=r"source1\.zarr/train"):
+        asyncflat.ShufflingLoader("train", mixture, BATCH, options=tight)
+    roomy = EngineOptions(prefetch_to_device=0, max_buffer_bytes=total)
+    asyncflat.ShufflingLoader("train", mixture, BATCH, options=roomy).close()
+
+
+def test_a_closed_mixture_loader_refuses_loads(stores: list[str]) -> None:
+    mixture = MixtureParams((MixtureSource(flat(stores[1]), 1),))
+    loader = asyncflat.ShufflingLoader("train", mixture, BATCH, options=OPTIONS)
+    loader.load(0)
+    loader.close()
+    loader.close()
+    with pytest.raises(asyncflat.LoaderClosedError):
+        loader.load(0)
