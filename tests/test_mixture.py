@@ -198,3 +198,19 @@ def test_a_closed_mixture_loader_refuses_loads(stores: list[str]) -> None:
     loader.close()
     with pytest.raises(asyncflat.LoaderClosedError):
         loader.load(0)
+
+
+def test_sources_of_a_step_name_the_source_of_every_row(stores: list[str]) -> None:
+    mixture = MixtureParams(
+        (MixtureSource(flat(stores[0]), 3), MixtureSource(flat(stores[2]), 1)),
+        seed=2,
+        block_rows=4,
+        steps=10,
+    )
+    with asyncflat.ShufflingLoader("train", mixture, BATCH, options=OPTIONS) as loader:
+        for step in range(10):
+            from_tokens = encoded(loader.load(step)).min(axis=1) // 2 // VOCAB
+            np.testing.assert_array_equal(loader.sources(step), np.where(from_tokens == 2, 1, 0))
+        # Blocks of 4 rows at 3:1: exactly 3 of source 0 in every aligned window of 4 rows.
+        per_stream = np.concatenate([loader.sources(t).reshape(2, 4) for t in range(10)], axis=1)
+        assert (per_stream.reshape(2, -1, 4).sum(axis=2) == 1).all()

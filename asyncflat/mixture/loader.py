@@ -378,6 +378,16 @@ class MixtureLoader:
 
     # -- the loader's API ---------------------------------------------------------------------
 
+    def sources(self, step: int) -> np.ndarray:
+        """The source index (into ``params.sources``) of every row of ``step``'s batch, all
+        rows of all hosts (int64[batch]); pure and cheap, e.g. for a loss per source."""
+        step = step_argument(step)
+        out = np.empty(self.token_batch_params.batch, np.int64)
+        r = self.rows_per_stream
+        for stream in range(self.params.streams):
+            out[stream * r : (stream + 1) * r] = self.assignment.step_slots(stream, step)[0]
+        return out
+
     @property
     def max_token_id(self) -> int:
         return max(e.source.max_token_id for s in self._sources for e in s.engines.values())
