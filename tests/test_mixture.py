@@ -214,3 +214,20 @@ def test_sources_of_a_step_name_the_source_of_every_row(stores: list[str]) -> No
         # Blocks of 4 rows at 3:1: exactly 3 of source 0 in every aligned window of 4 rows.
         per_stream = np.concatenate([loader.sources(t).reshape(2, 4) for t in range(10)], axis=1)
         assert (per_stream.reshape(2, -1, 4).sum(axis=2) == 1).all()
+
+
+def test_store_wrappers_apply_per_source(stores: list[str]) -> None:
+    wrapped: list[str] = []
+
+    def wrapper(store: Any) -> Any:
+        wrapped.append(str(store))
+        return store
+
+    mixture = MixtureParams((MixtureSource(flat(stores[0]), 1), MixtureSource(flat(stores[1]), 1)))
+    with asyncflat.ShufflingLoader(
+        "train", mixture, BATCH, options=OPTIONS, store_wrapper=(None, wrapper)
+    ) as loader:
+        loader.load(0)
+    assert wrapped and all("source1" in w for w in wrapped)
+    with pytest.raises(ConfigError, match="1 wrappers for 2 sources"):
+        asyncflat.ShufflingLoader("train", mixture, BATCH, store_wrapper=(wrapper,))

@@ -23,7 +23,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -37,6 +37,7 @@ from ..engine import Engine, EngineStats
 from ..errors import ConfigError, LoaderClosedError, StepOutOfRangeError
 from ..format import SPLITS
 from ..loader import open_engine
+from ..plan import ShufflePlan
 from ..sizing import format_bytes
 from ..source import StoreWrapper
 from .assignment import Assignment
@@ -104,7 +105,8 @@ class MixtureLoader:
     ``get_loader`` return one; it has the plain loader's ``load``/``iter``/``step_count``/
     ``stats``/``close``. ``step_count`` is ``MixtureParams.steps``, or, when that is None, the
     steps served before any source would need a second pass. ``load(step)`` is a pure function
-    of (config, step): a restart at any step gives the same batches.
+    of (config, step): a restart at any step gives the same batches. ``store_wrapper`` is one
+    wrapper for every source's store, or a sequence of one per source (``None``: none).
     """
 
     def __init__(
@@ -115,7 +117,7 @@ class MixtureLoader:
         sharding: Sharding | None = None,
         *,
         options: EngineOptions | None = None,
-        store_wrapper: StoreWrapper | None = None,
+        store_wrapper: StoreWrapper | Sequence[StoreWrapper | None] | None = None,
         batch_type: BatchType = TokenBatch,
     ) -> None:
         if split not in SPLITS:
@@ -138,7 +140,15 @@ class MixtureLoader:
         )
         self._host_rows = self._builder.host_rows
         self.streams = tuple(np.unique(self._host_rows // self.rows_per_stream).tolist())
-        self._store_wrapper = store_wrapper
+        if store_wrapper is None or callable(store_wrapper):
+            self._store_wrappers = [store_wrapper] * len(params.sources)
+        else:
+            self._store_wrappers = list(store_wrapper)
+            if len(self._store_wrappers) != len(params.sources):
+                raise ConfigError(
+                    f"store_wrapper: {len(self._store_wrappers)} wrappers for "
+                    f"{len(params.sources)} sources"
+                )
         self._lock = threading.Lock()
         self._closed = False
         self._pid = os.getpid()
@@ -146,6 +156,7 @@ class MixtureLoader:
         self._build_s: collections.deque[float] = collections.deque(maxlen=1 << 16)
         self._prefetchers: set[BackgroundBuilder[Any]] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._plans: list[ShufflePlan] = []
         self._sources = [
             _Source(i, f"{redact_url(str(s.params.filespec))}/{split}", {}, {})
             for i, s in enumerate(params.sources)
@@ -179,6 +190,7 @@ class MixtureLoader:
         for source, engine in zip(self._sources, engines):
             assert isinstance(engine, Engine)
             plan = engine.plan
+            self._plans.append(plan)
             source.step_count = plan.step_count
             source.last_minipoch_step = plan.first_step(plan.minipoch_count - 1)
             source.buffer_bytes = 2 * len(self.streams) * plan.buffer_bytes
@@ -221,6 +233,11 @@ class MixtureLoader:
         )
 
     @property
+    def plans(self) -> tuple[ShufflePlan, ...]:
+        """Each source's shuffle plan (of its first pass; later passes have the same shape)."""
+        return tuple(self._plans)
+
+    @property
     def buffer_bytes(self) -> tuple[int, ...]:
         """Bytes of each source's shuffle buffers on this host (one pass, 2 per stream)."""
         return tuple(s.buffer_bytes for s in self._sources)
@@ -248,7 +265,7 @@ class MixtureLoader:
                 self._host_rows,
                 self._source_options,
                 epoch=epoch,
-                store_wrapper=self._store_wrapper,
+                store_wrapper=self._store_wrappers[index],
             )
         finally:
             source.opening.pop(epoch, None)
