@@ -352,11 +352,38 @@ def _print_figures(f: Any, args: argparse.Namespace, spb: int) -> None:
         print(f"    warning: {f.sizing_warning}")
 
 
+def _inspect_mixture(args: argparse.Namespace) -> int:
+    from .config import TokenBatchParams
+    from .mixture.figures import load_mixture_config, mixture_figures
+
+    if args.len is None:
+        raise ConfigError("inspect --mixture needs --len and --batch")
+    params = load_mixture_config(args.path)
+    batch = TokenBatchParams(len=args.len, batch=args.batch)
+    figures = mixture_figures(params, batch, args.split or "train", hosts=args.hosts)
+    if args.json:
+        _print_json(figures)
+        return 0
+    print(
+        f"mixture of {len(figures['sources'])} sources, {figures['split']}: "
+        f"{figures['step_count']:,} steps; shuffle buffers "
+        f"{_bytes(figures['buffer_bytes_per_host'])} per host ({args.hosts} hosts)"
+    )
+    for i, s in enumerate(figures["sources"]):
+        print(
+            f"  {i} {s['filespec']}: weight {s['weight']:g}, {s['step_count']:,} steps a pass, "
+            f"{s['passes']} pass(es) used; buffers {_bytes(s['buffer_bytes_per_host'])} per host"
+        )
+    return 0
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .config import FlatTokensParams, TokenBatchParams
     from .format import SPLITS
     from .inspection import describe_split, loader_figures, verify_split
 
+    if args.mixture:
+        return _inspect_mixture(args)
     splits = [args.split] if args.split else list(SPLITS)
     loader_args = (args.len, args.batch)
     spb = args.sequences_per_block or (max(1, (1 << 20) // args.len) if args.len else 1)
@@ -741,6 +768,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     insp.add_argument(
         "--no-lengths", action="store_true", help="skip the seq_starts scan (no length statistics)"
+    )
+    insp.add_argument(
+        "--mixture",
+        action="store_true",
+        help="PATH is a MixtureParams config (JSON or YAML): per-source steps, passes, memory",
     )
     insp.add_argument("--verify", action="store_true", help="full scan of every invariant")
     insp.add_argument("--json", action="store_true", help="print everything as JSON")

@@ -231,3 +231,38 @@ def test_store_wrappers_apply_per_source(stores: list[str]) -> None:
     assert wrapped and all("source1" in w for w in wrapped)
     with pytest.raises(ConfigError, match="1 wrappers for 2 sources"):
         asyncflat.ShufflingLoader("train", mixture, BATCH, store_wrapper=(wrapper,))
+
+
+def test_inspect_prints_each_sources_memory_and_passes(
+    stores: list[str], tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import dataclasses
+    import json
+
+    import yaml
+
+    from asyncflat.cli import main
+
+    mixture = MixtureParams(
+        (MixtureSource(flat(stores[0]), 0.5), MixtureSource(flat(stores[1]), 0.5)),
+        block_rows=8,
+        steps=60,
+    )
+    config = tmp_path / "mixture.yaml"
+    config.write_text(yaml.safe_dump(dataclasses.asdict(mixture)))
+    args = ["inspect", str(config), "--mixture", "--len", "16", "--batch", "8", "--no-progress"]
+    assert main([*args, "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    with asyncflat.ShufflingLoader("train", mixture, BATCH, options=OPTIONS) as loader:
+        for step in range(loader.step_count):
+            loader.load(step)
+        stats = loader.stats()
+    assert figures["step_count"] == 60
+    for got, want, size in zip(figures["sources"], stats.sources, loader.buffer_bytes):
+        assert got["step_count"] == want.step_count
+        assert got["passes"] == want.passes
+        assert got["buffer_bytes_per_host"] == size
+    assert figures["sources"][1]["passes"] >= 2
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "mixture of 2 sources" in text and "source1.zarr: weight 0.5" in text
