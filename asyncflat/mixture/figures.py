@@ -76,9 +76,9 @@ def mixture_figures(
     steps = params.steps
     if steps is None:
         steps = assignment.first_exhausted_step(capacity, params.streams)
-    for index, source in enumerate(sources):
+    for index, row in enumerate(sources):
         used = max(int(assignment.count_before(i, steps * r)[index]) for i in range(params.streams))
-        source["passes"] = math.ceil(used / capacity[index]) if used else 0
+        row["passes"] = math.ceil(used / capacity[index]) if used else 0
     return {
         "split": split,
         "step_count": steps,
