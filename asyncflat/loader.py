@@ -147,12 +147,13 @@ class ShufflingLoader:
     :func:`asyncflat.iter_epochs` runs several passes.
     """
 
-    def __new__(cls, split: str, params: object, *args: Any, **kwargs: Any) -> Any:
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # A MixtureParams builds a MixtureLoader (not a subclass, so __init__ is not run again).
+        params = args[1] if len(args) > 1 else kwargs.get("params")
         if cls is ShufflingLoader and isinstance(params, MixtureParams):
             from .mixture.loader import MixtureLoader
 
-            return MixtureLoader(split, params, *args, **kwargs)
+            return MixtureLoader(*args, **kwargs)
         return super().__new__(cls)
 
     @checked

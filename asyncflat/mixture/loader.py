@@ -22,7 +22,6 @@ import logging
 import os
 import threading
 import time
-import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -42,60 +41,15 @@ from ..sizing import format_bytes
 from ..source import StoreWrapper
 from .assignment import Assignment
 from .config import MixtureParams
+from .iterator import MixtureIterator
+from .passes import Passes, RowGroup, SourceState
+from .stats import MixtureSourceStats, MixtureStats
 
 __all__ = ["MixtureLoader", "MixtureSourceStats", "MixtureStats"]
 
 log = logging.getLogger(__name__)
 
 _ids = itertools.count()
-
-
-@dataclasses.dataclass(frozen=True)
-class MixtureSourceStats:
-    """One source's figures on this host: ``passes`` started (1 until it runs out once),
-    ``rows`` served from it, the ``step_count`` of one pass, and its newest pass's engine
-    figures (waits, fills, bytes)."""
-
-    filespec: str
-    passes: int
-    rows: int
-    step_count: int
-    buffer_bytes: int
-    engine: EngineStats
-
-
-@dataclasses.dataclass(frozen=True)
-class MixtureStats:
-    """Per-source figures and the jax build times of this host."""
-
-    sources: tuple[MixtureSourceStats, ...]
-    steps_loaded: int
-    build_median_s: float | None
-
-
-@dataclasses.dataclass
-class _Source:
-    index: int
-    where: str
-    engines: dict[int, Engine]  # open passes (epochs), at most three
-    opening: dict[int, asyncio.Future[Engine]]
-    step_count: int = 0
-    last_minipoch_step: int = 0
-    buffer_bytes: int = 0  # this host's shuffle buffers of one pass (2 per stream)
-    rows: int = 0
-    passes: int = 1
-
-
-@dataclasses.dataclass(frozen=True)
-class _Group:
-    """Rows of one source pass and step that one mixture step needs on this host."""
-
-    source: int
-    epoch: int
-    step: int
-    rows: np.ndarray  # sorted source batch rows
-    out: np.ndarray  # host row positions they go to
-    take: np.ndarray  # index into ``rows`` for each of ``out``
 
 
 class MixtureLoader:
@@ -155,12 +109,13 @@ class MixtureLoader:
         self._steps_loaded = 0
         self._build_s: collections.deque[float] = collections.deque(maxlen=1 << 16)
         self._prefetchers: set[BackgroundBuilder[Any]] = set()
-        self._tasks: set[asyncio.Task[Any]] = set()
         self._plans: list[ShufflePlan] = []
         self._sources = [
-            _Source(i, f"{redact_url(str(s.params.filespec))}/{split}", {}, {})
+            SourceState(i, f"{redact_url(str(s.params.filespec))}/{split}")
             for i, s in enumerate(params.sources)
         ]
+        first_rows = np.array([i * self.rows_per_stream for i in self.streams], np.int64)
+        self._passes = Passes(self._sources, self._open_pass, first_rows)
         self.assignment = Assignment(
             params.schedule(), self.rows_per_stream, params.block_rows, params.seed
         )
@@ -182,7 +137,7 @@ class MixtureLoader:
 
     async def _open_first_passes(self) -> None:
         engines = await asyncio.gather(
-            *(self._engine(s.index, 0) for s in self._sources), return_exceptions=True
+            *(self._passes.engine(s.index, 0) for s in self._sources), return_exceptions=True
         )
         for engine in engines:
             if isinstance(engine, BaseException):
@@ -194,6 +149,19 @@ class MixtureLoader:
             source.step_count = plan.step_count
             source.last_minipoch_step = plan.first_step(plan.minipoch_count - 1)
             source.buffer_bytes = 2 * len(self.streams) * plan.buffer_bytes
+
+    async def _open_pass(self, index: int, epoch: int) -> Engine:
+        engine = await open_engine(
+            self.split,
+            self.params.sources[index].params,
+            self.token_batch_params,
+            self._host_rows,
+            self._source_options,
+            epoch=epoch,
+            store_wrapper=self._store_wrappers[index],
+        )
+        self._runner.keep(engine)  # its tasks never die with a dropped loader's cycle
+        return engine
 
     def _check_budget(self) -> None:
         needed = sum(s.buffer_bytes for s in self._sources)
@@ -242,87 +210,9 @@ class MixtureLoader:
         """Bytes of each source's shuffle buffers on this host (one pass, 2 per stream)."""
         return tuple(s.buffer_bytes for s in self._sources)
 
-    # -- engines (on the loop) ----------------------------------------------------------------
-
-    async def _engine(self, index: int, epoch: int) -> Engine:
-        source = self._sources[index]
-        engine = source.engines.get(epoch)
-        if engine is not None:
-            return engine
-        future = source.opening.get(epoch)
-        if future is None:
-            future = asyncio.ensure_future(self._open(index, epoch))
-            source.opening[epoch] = future
-        return await asyncio.shield(future)
-
-    async def _open(self, index: int, epoch: int) -> Engine:
-        source = self._sources[index]
-        try:
-            engine = await open_engine(
-                self.split,
-                self.params.sources[index].params,
-                self.token_batch_params,
-                self._host_rows,
-                self._source_options,
-                epoch=epoch,
-                store_wrapper=self._store_wrappers[index],
-            )
-        finally:
-            source.opening.pop(epoch, None)
-        if self._closed:
-            await engine.aclose()
-            raise LoaderClosedError("this MixtureLoader is closed")
-        self._runner.keep(engine)
-        source.engines[epoch] = engine
-        for old in [e for e in source.engines if abs(e - epoch) > 1]:
-            self._spawn(source.engines.pop(old).aclose())
-        return engine
-
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _start_next_pass(self, index: int, epoch: int) -> None:
-        """Open pass ``epoch`` of a source and fill its first minipoch (in the background)."""
-        engine = await self._engine(index, epoch)
-        first_rows = np.array([i * self.rows_per_stream for i in self.streams], np.int64)
-        await engine.gather(0, first_rows)
-
-    def _next_pass_due(self, group: _Group) -> bool:
-        source = self._sources[group.source]
-        nxt = group.epoch + 1
-        return (
-            group.step >= source.last_minipoch_step
-            and nxt not in source.engines
-            and nxt not in source.opening
-        )
-
-    async def _gather(self, groups: list[_Group]) -> list[np.ndarray]:
-        for group in groups:
-            if self._next_pass_due(group):
-                log.debug("opening pass %d of source %d ahead", group.epoch + 1, group.source)
-                self._spawn(self._start_next_pass(group.source, group.epoch + 1))
-
-        async def one(group: _Group) -> np.ndarray:
-            engine = await self._engine(group.source, group.epoch)
-            return await engine.gather(group.step, group.rows)
-
-        return list(await asyncio.gather(*(one(g) for g in groups)))
-
-    async def _aclose(self) -> None:
-        for source in self._sources:
-            for future in source.opening.values():
-                future.cancel()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        engines = [e for s in self._sources for e in s.engines.values()]
-        await asyncio.gather(*(e.aclose() for e in engines), return_exceptions=True)
-
     # -- rows of a step -----------------------------------------------------------------------
 
-    def groups(self, step: int) -> list[_Group]:
+    def groups(self, step: int) -> list[RowGroup]:
         """Which source rows (source, pass, source step, rows) make this host's rows of ``step``."""
         r = self.rows_per_stream
         hosts = self._host_rows
@@ -345,16 +235,19 @@ class MixtureLoader:
         for g, (s, e, q) in enumerate(unique.tolist()):
             out = np.flatnonzero(inverse == g)
             wanted, take = np.unique(rows[out], return_inverse=True)
-            groups.append(_Group(s, e, q, wanted, out, take.reshape(-1)))
+            groups.append(RowGroup(s, e, q, wanted, out, take.reshape(-1)))
         return groups
 
-    def _fast(self, groups: list[_Group]) -> list[np.ndarray] | None:
+    def _fast(self, groups: list[RowGroup]) -> list[np.ndarray] | None:
         results = []
         for group in groups:
-            engine = self._sources[group.source].engines.get(group.epoch)
-            if engine is None or self._next_pass_due(group):
+            engine = self._passes.engine_now(group.source, group.epoch)
+            if engine is None or self._passes.next_pass_due(group):
                 return None
-            rows = engine.try_gather(group.step, group.rows)
+            try:
+                rows = engine.try_gather(group.step, group.rows)
+            except LoaderClosedError:  # this pass was just evicted: the loop path reopens it
+                return None
             if rows is None:
                 return None
             results.append(rows)
@@ -370,14 +263,16 @@ class MixtureLoader:
         groups = self.groups(step)
         results = self._fast(groups)
         if results is None:
-            results = self._runner.run(self._gather(groups), timeout=self.options.load_timeout_s)
+            results = self._runner.run(
+                self._passes.gather(groups), timeout=self.options.load_timeout_s
+            )
         out = np.empty((len(self._host_rows), self.token_batch_params.len), np.uint32)
         for group, rows in zip(groups, results):
             out[group.out] = rows[group.take]
         self._count(step, groups)
         return out
 
-    def _count(self, step: int, groups: list[_Group]) -> None:
+    def _count(self, step: int, groups: list[RowGroup]) -> None:
         with self._lock:
             self._steps_loaded += 1
             for group in groups:
@@ -407,7 +302,7 @@ class MixtureLoader:
 
     @property
     def max_token_id(self) -> int:
-        return max(e.source.max_token_id for s in self._sources for e in s.engines.values())
+        return max(e.source.max_token_id for s in self._sources for e in list(s.engines.values()))
 
     def load(self, step: int) -> Any:
         """The batch of ``step`` (in [0, step_count), in any order); a pure function of it."""
@@ -473,16 +368,14 @@ class MixtureLoader:
         own_thread = self._runner.in_loop_thread()
         try:
             if self._pid == os.getpid():
-                self._runner.close(self._aclose())
+                self._runner.close(self._passes.aclose())
             else:
                 self._runner.close()
         finally:
             if not own_thread:
                 for prefetcher in prefetchers:
                     prefetcher.stop()
-            for source in self._sources:
-                for engine in source.engines.values():
-                    engine.release()
+            self._passes.release()
 
     def __enter__(self) -> MixtureLoader:
         return self
@@ -526,51 +419,3 @@ class MixtureLoader:
     def _live_prefetchers(self) -> list[BackgroundBuilder[Any]]:
         with self._lock:
             return list(self._prefetchers)
-
-
-class MixtureIterator(Iterator[tuple[int, Any]]):
-    """``(step, batch)`` pairs of a :class:`MixtureLoader`; an error ends the iteration."""
-
-    def __init__(self, loader: MixtureLoader, start: int, depth: int) -> None:
-        self._loader, self._step, self._stop_step = loader, start, loader.step_count
-        self._prefetch: BackgroundBuilder[Any] | None = None
-        self._finalizer: weakref.finalize | None = None
-        if depth and start < self._stop_step:
-            self._prefetch = loader._start_prefetch(start, depth)
-            self._finalizer = weakref.finalize(self, loader._stop_prefetch, self._prefetch)
-            self._finalizer.atexit = False
-
-    def __iter__(self) -> MixtureIterator:
-        return self
-
-    def __next__(self) -> tuple[int, Any]:
-        if self._step >= self._stop_step:
-            raise StopIteration
-        step = self._step
-        try:
-            if self._prefetch is None:
-                batch = self._loader.load(step)
-            else:
-                self._loader._check_open()
-                batch = self._prefetch.take(step)
-        except KeyboardInterrupt:
-            raise
-        except BaseException:
-            self.close()
-            raise
-        self._step = step + 1
-        if self._step >= self._stop_step:
-            self.close()
-        return step, batch
-
-    def close(self) -> None:
-        """Stop the prefetch thread. Idempotent."""
-        self._step = self._stop_step
-        if self._finalizer is not None:
-            self._finalizer()
-
-    def __enter__(self) -> MixtureIterator:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()

@@ -1,0 +1,32 @@
+"""The figures of a :class:`~asyncflat.mixture.loader.MixtureLoader` (``stats()``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..engine import EngineStats
+
+__all__ = ["MixtureSourceStats", "MixtureStats"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MixtureSourceStats:
+    """One source's figures on this host: ``passes`` started (1 until it runs out once),
+    ``rows`` served from it, the ``step_count`` of one pass, and its newest pass's engine
+    figures (waits, fills, bytes)."""
+
+    filespec: str
+    passes: int
+    rows: int
+    step_count: int
+    buffer_bytes: int
+    engine: EngineStats
+
+
+@dataclasses.dataclass(frozen=True)
+class MixtureStats:
+    """Per-source figures and the jax build times of this host."""
+
+    sources: tuple[MixtureSourceStats, ...]
+    steps_loaded: int
+    build_median_s: float | None
