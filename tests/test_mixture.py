@@ -266,3 +266,30 @@ def test_inspect_prints_each_sources_memory_and_passes(
     assert main(args) == 0
     text = capsys.readouterr().out
     assert "mixture of 2 sources" in text and "source1.zarr: weight 0.5" in text
+
+
+def test_the_next_pass_is_filled_before_the_mixture_reaches_it(stores: list[str]) -> None:
+    from conftest import wait_until
+
+    small = flat(stores[1], seed=8)
+    mixture = MixtureParams(
+        (MixtureSource(flat(stores[0]), 1), MixtureSource(small, 1)), block_rows=8, steps=40
+    )
+    with asyncflat.ShufflingLoader("train", mixture, BATCH, options=OPTIONS) as loader:
+        boundary = next(
+            step
+            for step in range(loader.step_count)
+            if any(g.source == 1 and g.epoch == 1 for g in loader.groups(step))
+        )
+        for step in range(boundary):
+            loader.load(step)
+        # Serving its last minipoch, the small source's next pass is opened and its first
+        # minipoch filled in the background, before any step needs it.
+        wait_until(lambda: loader._passes.engine_now(1, 1) is not None, "the next pass opens")
+        engine = loader._passes.engine_now(1, 1)
+        assert engine is not None
+        rows = np.array([0, BATCH.batch // 2])  # a row of each stream
+        wait_until(lambda: engine.try_gather(0, rows) is not None, "its first minipoch fills")
+        assert loader.stats().sources[1].passes == 1  # nothing served from it yet
+        loader.load(boundary)
+        assert loader.stats().sources[1].passes == 2
