@@ -144,7 +144,9 @@ class ShufflingLoader:
     :class:`~asyncflat.source.TokenSource` (tests); ``store_wrapper`` wraps the zarr store (fault
     injection, instrumentation). ``epoch`` selects the pass over the split: 0 is seqax's order,
     ``e > 0`` another deterministic order (:func:`asyncflat.plan.epoch_seed`);
-    :func:`asyncflat.iter_epochs` runs several passes.
+    :func:`asyncflat.iter_epochs` runs several passes. Given a
+    :class:`~asyncflat.mixture.MixtureParams`, ``ShufflingLoader(...)`` returns a
+    :class:`~asyncflat.mixture.loader.MixtureLoader` instead (docs/mixtures.md).
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
@@ -160,7 +162,7 @@ class ShufflingLoader:
     def __init__(
         self,
         split: str,
-        params: FlatTokensParams,
+        params: FlatTokensParams | MixtureParams,
         token_batch_params: TokenBatchParams,
         sharding: Sharding | None = None,
         *,
@@ -170,6 +172,13 @@ class ShufflingLoader:
         batch_type: BatchType = TokenBatch,
         epoch: int = 0,
     ) -> None:
+        # (A MixtureParams never gets here from ShufflingLoader(...): __new__ built a
+        # MixtureLoader. The annotation says it is accepted, for type checkers.)
+        if not isinstance(params, FlatTokensParams):
+            raise ConfigError(
+                f"{type(self).__name__} takes a FlatTokensParams; a MixtureParams needs "
+                "ShufflingLoader itself or MixtureLoader"
+            )
         if split not in SPLITS:
             raise ConfigError(f"split must be one of {SPLITS}, got {split!r}")
         self.split, self.params, self.token_batch_params = split, params, token_batch_params
