@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import random_sequences
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import asyncflat
 from asyncflat import (
@@ -75,6 +77,66 @@ def test_one_source_of_weight_1_is_the_plain_loader_bit_for_bit(
         assert loader.step_count == len(expected)
         for step, want in enumerate(expected):
             np.testing.assert_array_equal(encoded(loader.load(step)), want)
+
+
+_PLAIN: dict[tuple[FlatTokensParams, int], list[np.ndarray]] = {}
+
+
+def plain_cached(params: FlatTokensParams, epoch: int) -> list[np.ndarray]:
+    if (params, epoch) not in _PLAIN:
+        _PLAIN[(params, epoch)] = plain_steps(params, epoch)
+    return _PLAIN[(params, epoch)]
+
+
+def check_per_source_order(batches: list[np.ndarray], sources: list[FlatTokensParams]) -> None:
+    """Each source's rows, per stream and in mixture order, are its plain loader's rows of that
+    stream in order, pass after pass; the source of a row is read off its tokens."""
+    r = BATCH.batch // 2
+    served: dict[tuple[int, int], list[np.ndarray]] = {}
+    for batch in batches:
+        for row_index, row in enumerate(batch):
+            source = int(row.min() // 2 // VOCAB)
+            assert (row // 2 // VOCAB == source).all()
+            served.setdefault((source, row_index // r), []).append(row)
+    for (s, i), got in served.items():
+        expected: list[np.ndarray] = []
+        epoch = 0
+        while len(expected) < len(got):
+            for step_rows in plain_cached(sources[s], epoch):
+                expected.extend(step_rows[i * r : (i + 1) * r])
+            epoch += 1
+        np.testing.assert_array_equal(np.array(got), np.array(expected[: len(got)]))
+
+
+@settings(
+    max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    weights=st.lists(st.integers(0, 4), min_size=3, max_size=3).filter(lambda w: sum(w) > 0),
+    later=st.lists(st.integers(0, 4), min_size=3, max_size=3).filter(lambda w: sum(w) > 0),
+    stage_step=st.integers(1, 20),
+    block_rows=st.integers(1, 12),
+    seed=st.integers(0, 100),
+)
+def test_per_source_order_holds_for_any_weights_blocks_and_stages(
+    stores: list[str],
+    weights: list[int],
+    later: list[int],
+    stage_step: int,
+    block_rows: int,
+    seed: int,
+) -> None:
+    sources = [flat(stores[0], seed=1), flat(stores[1], seed=2), flat(stores[2], seed=3)]
+    mixture = MixtureParams(
+        tuple(MixtureSource(p, w) for p, w in zip(sources, weights)),
+        seed=seed,
+        block_rows=block_rows,
+        stages=(MixtureStage(stage_step, tuple(later)),),
+        steps=24,
+    )
+    with asyncflat.ShufflingLoader("train", mixture, BATCH, options=OPTIONS) as loader:
+        batches = all_batches(loader)
+    check_per_source_order(batches, sources)
 
 
 def test_each_source_serves_its_own_order_and_wraps_into_its_next_pass(
