@@ -1,8 +1,10 @@
 """Mixture benchmark: no stall at any source's minipoch or pass boundary.
 
 Three sources of different sizes (1, 1/4 and 1/16 of ``--tokens``) mixed 0.5/0.3/0.2, the
-smallest behind injected storage latency (``FaultyStore``, ``--latency-ms`` per request, as a
-cloud store's round trip), for enough steps that the smallest runs out and wraps. A simulated
+smallest served by the emulated cloud store (the GCS emulator behind a TCP proxy adding
+``--latency-ms`` per round trip, as bench/cloud.py runs it; ``--no-emulator``: a local store
+with ``FaultyStore`` latency per request instead), for enough steps that the smallest runs out
+and wraps. A simulated
 trainer step (``--step-ms`` of sleep) follows every batch; ``next()`` waits are recorded. For
 each source, the mixture steps where its own step enters a new minipoch or pass are its
 boundaries; the figure is its worst wait there against the median wait of all steps. Prints one
@@ -18,6 +20,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -39,6 +42,24 @@ def ensure(tokens: int, index: int) -> str:
             for sequences in synthetic_sequences(tokens, seed=index):
                 writer.append("train", sequences)
     return str(path)
+
+
+def upload(local: str, endpoint: str) -> str:
+    """Copy the local store ``local`` to the emulator's bucket; returns its gs:// URL."""
+    import asyncio
+
+    from cloud import _with_fs
+
+    url = f"gs://bench/{Path(local).name}"
+
+    async def put(fs: object, path: str) -> None:
+        await fs._put(local, path, recursive=True)  # type: ignore[attr-defined]
+
+    asyncio.run(_with_fs(url, {**GCS, "endpoint_url": endpoint}, put))
+    return url
+
+
+GCS = {"token": "anon", "project": "bench"}
 
 
 def boundaries(loader: object, step_count: int) -> list[set[int]]:
@@ -63,17 +84,37 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--step-ms", type=float, default=10.0)
     parser.add_argument("--latency-ms", type=float, default=20.0)
+    parser.add_argument("--no-emulator", action="store_true", help="FaultyStore latency instead")
     args = parser.parse_args()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    # Before gcsfs is imported: its gRPC probe makes every emulator call take 60 s.
+    os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    if args.no_emulator:
+        run(args, None)
+        return
+    import logging
+
+    from cloud import servers
+
+    logging.getLogger("gcp_storage_emulator").setLevel(logging.CRITICAL)
+    with servers(args.latency_ms / 1e3) as endpoints:
+        run(args, endpoints)
+
+
+def run(args: argparse.Namespace, endpoints: dict[str, str] | None) -> None:
 
     import asyncflat
     from asyncflat import EngineOptions, FlatTokensParams, MixtureParams, MixtureSource
     from asyncflat.faults import FaultyStore
 
     paths = [ensure(int(args.tokens * size), i) for i, size in enumerate(SIZES)]
+    options: list[dict[str, str] | None] = [None, None, None]
+    if endpoints is not None:
+        paths[2] = upload(paths[2], endpoints["emulator"])
+        options[2] = {**GCS, "endpoint_url": endpoints["proxy"]}
     sources = tuple(
-        MixtureSource(FlatTokensParams(path, 2, 4, 64, i, True), weight)
-        for i, (path, weight) in enumerate(zip(paths, WEIGHTS))
+        MixtureSource(FlatTokensParams(path, 2, 4, 64, i, True, storage_options=opts), weight)
+        for i, (path, weight, opts) in enumerate(zip(paths, WEIGHTS, options))
     )
     mixture = MixtureParams(sources, seed=0, block_rows=256, steps=args.steps)
     batch = asyncflat.TokenBatchParams(len=512, batch=16)
@@ -88,7 +129,7 @@ def main() -> None:
         mixture,
         batch,
         options=EngineOptions(prefetch_to_device=1),
-        store_wrapper=(None, None, slow),
+        store_wrapper=(None, None, slow if endpoints is None else None),
     ) as loader:
         waits = np.zeros(loader.step_count)
         iterator = loader.iter()
@@ -116,6 +157,7 @@ def main() -> None:
                     "weight": weight,
                     "tokens": int(args.tokens * size),
                     "latency_ms": args.latency_ms if i == 2 else 0.0,
+                    "store": "local" if i < 2 or endpoints is None else "gcs-emulator",
                     "passes": s.passes,
                     "boundaries": len(edges[i]),
                     "worst_boundary_wait_ms": round(
