@@ -228,14 +228,19 @@ class MixtureLoader:
         epochs = passes_step // counts[sources]
         source_steps = passes_step % counts[sources]
         rows = (hosts // r) * r + ks % r
+        # One group per (source, pass, source step): the global source step ``passes_step``
+        # holds the pass and step, so (passes_step, source) identifies a group.
+        keys = passes_step * len(self._sources) + sources
+        order = np.argsort(keys, kind="stable")
+        starts = np.flatnonzero(np.diff(keys[order], prepend=-1))
         groups = []
-        keys = np.stack([sources, epochs, source_steps], axis=1)
-        unique, inverse = np.unique(keys, axis=0, return_inverse=True)
-        inverse = inverse.reshape(-1)
-        for g, (s, e, q) in enumerate(unique.tolist()):
-            out = np.flatnonzero(inverse == g)
+        for out in np.split(order, starts[1:]):
+            i = int(out[0])
             wanted, take = np.unique(rows[out], return_inverse=True)
-            groups.append(RowGroup(s, e, q, wanted, out, take.reshape(-1)))
+            group = RowGroup(
+                int(sources[i]), int(epochs[i]), int(source_steps[i]), wanted, out, take
+            )
+            groups.append(group)
         return groups
 
     def _fast(self, groups: list[RowGroup]) -> list[np.ndarray] | None:
