@@ -355,3 +355,15 @@ def test_the_next_pass_is_filled_before_the_mixture_reaches_it(stores: list[str]
         assert loader.stats().sources[1].passes == 1  # nothing served from it yet
         loader.load(boundary)
         assert loader.stats().sources[1].passes == 2
+
+
+def test_wrong_argument_types_fail_at_the_call(stores: list[str]) -> None:
+    from asyncflat.mixture.loader import MixtureLoader
+
+    mixture = MixtureParams((MixtureSource(flat(stores[1]), 1),))
+    with pytest.raises(asyncflat.ArgumentTypeError, match="token_batch_params"):
+        MixtureLoader("train", mixture, {"len": 16, "batch": 8})  # type: ignore[arg-type]
+    with pytest.raises(asyncflat.ArgumentTypeError, match="params"):
+        MixtureLoader("train", flat(stores[1]), BATCH)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="split must be one of"):
+        asyncflat.ShufflingLoader("test", mixture, BATCH)

@@ -30,6 +30,7 @@ from jax.sharding import Sharding
 
 from .._background import BackgroundBuilder
 from .._loop import LoopThread
+from .._typecheck import checked
 from ..batch import BatchBuilder, BatchType, TokenBatch, default_sharding
 from ..config import EngineOptions, TokenBatchParams, redact_url, step_argument
 from ..engine import Engine, EngineStats
@@ -63,6 +64,7 @@ class MixtureLoader:
     wrapper for every source's store, or a sequence of one per source (``None``: none).
     """
 
+    @checked
     def __init__(
         self,
         split: str,
