@@ -12,8 +12,9 @@ __all__ = ["MixtureSourceStats", "MixtureStats"]
 @dataclasses.dataclass(frozen=True)
 class MixtureSourceStats:
     """One source's figures on this host: ``passes`` started (1 until it runs out once),
-    ``rows`` served from it, the ``step_count`` of one pass, and its newest pass's engine
-    figures (waits, fills, bytes)."""
+    ``rows`` loaded from it (a step loaded twice counts twice), the ``step_count`` of one pass,
+    its ``buffer_bytes`` (one pass, 2 per stream) and its newest pass's ``engine`` figures
+    (waits, fills, bytes)."""
 
     filespec: str
     passes: int
