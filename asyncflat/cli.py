@@ -353,27 +353,13 @@ def _print_figures(f: Any, args: argparse.Namespace, spb: int) -> None:
 
 
 def _inspect_mixture(args: argparse.Namespace) -> int:
-    from .config import TokenBatchParams
-    from .mixture.figures import load_mixture_config, mixture_figures
+    from .mixture.figures import figures_text, inspect_mixture
 
-    if args.len is None:
-        raise ConfigError("inspect --mixture needs --len and --batch")
-    params = load_mixture_config(args.path)
-    batch = TokenBatchParams(len=args.len, batch=args.batch)
-    figures = mixture_figures(params, batch, args.split or "train", hosts=args.hosts)
+    figures = inspect_mixture(args.path, args.len, args.batch, args.split, args.hosts)
     if args.json:
         _print_json(figures)
-        return 0
-    print(
-        f"mixture of {len(figures['sources'])} sources, {figures['split']}: "
-        f"{figures['step_count']:,} steps; shuffle buffers "
-        f"{_bytes(figures['buffer_bytes_per_host'])} per host ({args.hosts} hosts)"
-    )
-    for i, s in enumerate(figures["sources"]):
-        print(
-            f"  {i} {s['filespec']}: weight {s['weight']:g}, {s['step_count']:,} steps a pass, "
-            f"{s['passes']} pass(es) used; buffers {_bytes(s['buffer_bytes_per_host'])} per host"
-        )
+    else:
+        print(figures_text(figures, args.hosts))
     return 0
 
 

@@ -16,10 +16,11 @@ from typing import Any
 from ..config import TokenBatchParams, redact_url
 from ..errors import ConfigError
 from ..inspection import describe_split, loader_figures
+from ..sizing import format_bytes
 from .assignment import Assignment
 from .config import MixtureParams
 
-__all__ = ["load_mixture_config", "mixture_figures"]
+__all__ = ["figures_text", "inspect_mixture", "load_mixture_config", "mixture_figures"]
 
 
 def load_mixture_config(path: str | os.PathLike[str]) -> MixtureParams:
@@ -85,3 +86,30 @@ def mixture_figures(
         "buffer_bytes_per_host": sum(s["buffer_bytes_per_host"] for s in sources),
         "sources": sources,
     }
+
+
+def figures_text(figures: dict[str, Any], hosts: int = 1) -> str:
+    """:func:`mixture_figures` as the lines ``asyncflat inspect --mixture`` prints."""
+    lines = [
+        f"mixture of {len(figures['sources'])} sources, {figures['split']}: "
+        f"{figures['step_count']:,} steps; shuffle buffers "
+        f"{format_bytes(figures['buffer_bytes_per_host'])} per host ({hosts} hosts)"
+    ]
+    for i, s in enumerate(figures["sources"]):
+        lines.append(
+            f"  {i} {s['filespec']}: weight {s['weight']:g}, {s['step_count']:,} steps a pass, "
+            f"{s['passes']} pass(es) used; buffers {format_bytes(s['buffer_bytes_per_host'])} "
+            "per host"
+        )
+    return "\n".join(lines)
+
+
+def inspect_mixture(
+    path: str, length: int | None, batch: int | None, split: str | None, hosts: int
+) -> dict[str, Any]:
+    """What ``asyncflat inspect PATH --mixture`` computes (the CLI prints it)."""
+    if length is None or batch is None:
+        raise ConfigError("inspect --mixture needs --len and --batch")
+    params = load_mixture_config(path)
+    batch_params = TokenBatchParams(len=length, batch=batch)
+    return mixture_figures(params, batch_params, split or "train", hosts=hosts)
