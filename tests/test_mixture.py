@@ -367,3 +367,14 @@ def test_wrong_argument_types_fail_at_the_call(stores: list[str]) -> None:
         MixtureLoader("train", flat(stores[1]), BATCH)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="split must be one of"):
         asyncflat.ShufflingLoader("test", mixture, BATCH)
+
+
+def test_stats_count_the_steps_built(stores: list[str]) -> None:
+    mixture = MixtureParams((MixtureSource(flat(stores[0]), 1), MixtureSource(flat(stores[1]), 1)))
+    with asyncflat.ShufflingLoader("train", mixture, BATCH, options=OPTIONS) as loader:
+        for step in (0, 1, 1):
+            loader.load(step)
+        stats = loader.stats()
+    assert stats.steps_built == 3
+    assert sum(s.rows for s in stats.sources) == 3 * BATCH.batch
+    assert stats.build_median_s is not None and stats.build_median_s > 0

@@ -108,7 +108,7 @@ class MixtureLoader:
         self._lock = threading.Lock()
         self._closed = False
         self._pid = os.getpid()
-        self._steps_loaded = 0
+        self._steps_built = 0
         self._build_s: collections.deque[float] = collections.deque(maxlen=1 << 16)
         self._prefetchers: set[BackgroundBuilder[Any]] = set()
         self._plans: list[ShufflePlan] = []
@@ -281,7 +281,7 @@ class MixtureLoader:
 
     def _count(self, step: int, groups: list[RowGroup]) -> None:
         with self._lock:
-            self._steps_loaded += 1
+            self._steps_built += 1
             for group in groups:
                 source = self._sources[group.source]
                 source.rows += len(group.out)
@@ -356,7 +356,7 @@ class MixtureLoader:
                 )
                 for s in self._sources
             )
-            steps = self._steps_loaded
+            steps = self._steps_built
         return MixtureStats(sources, steps, float(np.median(builds)) if len(builds) else None)
 
     async def _newest_engine_stats(self) -> list[EngineStats]:

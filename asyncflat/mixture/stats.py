@@ -26,8 +26,9 @@ class MixtureSourceStats:
 
 @dataclasses.dataclass(frozen=True)
 class MixtureStats:
-    """Per-source figures and the jax build times of this host."""
+    """Per-source figures, the steps whose rows this host gathered (``steps_built``: loads and
+    steps an iterator built ahead; a step built twice counts twice) and its jax build times."""
 
     sources: tuple[MixtureSourceStats, ...]
-    steps_loaded: int
+    steps_built: int
     build_median_s: float | None
