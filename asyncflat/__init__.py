@@ -29,6 +29,7 @@ from .errors import (
     StorageError,
     TransientStorageError,
 )
+from .mixture.config import MixtureParams, MixtureSource, MixtureStage
 from .permutation import permutation
 from .plan import ShufflePlan, epoch_seed
 from .writer import FlatTokensWriter, write_flat_tokens
@@ -43,6 +44,7 @@ _LAZY_NAMES = {
     "TokenBatch": "batch",
     "default_sharding": "batch",
     "iter_epochs": "epochs",
+    "MixtureLoader": "mixture.loader",
 }
 
 
@@ -62,6 +64,7 @@ if TYPE_CHECKING:
     from .batch import TokenBatch, default_sharding
     from .epochs import iter_epochs
     from .loader import ShufflingLoader, get_loader
+    from .mixture.loader import MixtureLoader
 
 __all__ = [
     "ArgumentTypeError",
@@ -76,6 +79,10 @@ __all__ = [
     "LoadTimeoutError",
     "LoaderClosedError",
     "LoopReentryError",
+    "MixtureLoader",
+    "MixtureParams",
+    "MixtureSource",
+    "MixtureStage",
     "RetryPolicy",
     "ShufflePlan",
     "ShufflingLoader",

@@ -48,6 +48,7 @@ from .config import (
 from .engine import Engine, EngineStats, IntervalStats
 from .errors import ConfigError, LoaderClosedError
 from .format import SPLITS
+from .mixture.config import MixtureParams
 from .permutation import warm_up as warm_up_permutation
 from .plan import ShufflePlan
 from .sizing import dropped_warning, format_bytes
@@ -73,6 +74,66 @@ _DEFAULT_OPTIONS = EngineOptions()
 BUILD_HISTORY = 4096
 
 
+async def open_engine(
+    split: str,
+    params: FlatTokensParams,
+    token_batch_params: TokenBatchParams,
+    host_rows: np.ndarray,
+    options: EngineOptions,
+    *,
+    epoch: int = 0,
+    store_wrapper: StoreWrapper | None = None,
+    source: TokenSource | None = None,
+) -> Engine:
+    """Open ``params``' split (unless ``source`` is given), plan epoch ``epoch`` and build the
+    engine of the streams ``host_rows`` belong to (on the running loop, which then owns it)."""
+    if source is None:
+        source = await ZarrTokenSource.open(
+            os.fspath(params.filespec),  # a str once the config is built
+            split,
+            storage_options=params.storage_options,
+            max_concurrent_requests=options.max_concurrent_reads,
+            retry=options.retry,
+            store_wrapper=store_wrapper,
+        )
+    plan = ShufflePlan.create(
+        params,
+        token_batch_params,
+        token_count=source.token_count,
+        sequence_count=source.sequence_count,
+        epoch=epoch,
+    )
+    # Pay the one-time permutation compile and the global block shuffle here, at start-up,
+    # not inside the first load().
+    warm_up_permutation(max(plan.seqs_per_buffer, plan.read_block_count))
+    _ = plan.block_order
+    streams = np.unique(host_rows // plan.rows_per_stream_step).tolist()
+    needed = 2 * len(streams) * plan.buffer_bytes
+    if options.max_buffer_bytes is not None and needed > options.max_buffer_bytes:
+        raise ConfigError(
+            f"shuffle buffers need {needed:,} bytes on this host (2 x {len(streams)} streams x "
+            f"{plan.buffer_bytes:,}), over EngineOptions.max_buffer_bytes="
+            f"{options.max_buffer_bytes:,}; lower read_blocks_per_shuffle_buffer or "
+            "sequences_per_read_block"
+        )
+    where = f"{redact_url(os.fspath(params.filespec))}/{split}"
+    warning = dropped_warning(plan, where)
+    if warning is not None:
+        log.warning("%s", warning)
+    log.info(
+        "%s: %d steps, %d minipochs, streams %s on this host; shuffle buffers %s each, "
+        "%s on this host (2 per stream), for a split of %s of tokens",
+        where,
+        plan.step_count,
+        plan.minipoch_count,
+        streams,
+        format_bytes(plan.buffer_bytes),
+        format_bytes(needed),
+        format_bytes(plan.token_count * 4),
+    )
+    return Engine(plan, source, streams, options)
+
+
 class ShufflingLoader:
     """Serves batches of a flat-tokens split; the next shuffle buffer fills in the background.
 
@@ -84,14 +145,25 @@ class ShufflingLoader:
     :class:`~asyncflat.source.TokenSource` (tests); ``store_wrapper`` wraps the zarr store (fault
     injection, instrumentation). ``epoch`` selects the pass over the split: 0 is seqax's order,
     ``e > 0`` another deterministic order (:func:`asyncflat.plan.epoch_seed`);
-    :func:`asyncflat.iter_epochs` runs several passes.
+    :func:`asyncflat.iter_epochs` runs several passes. Given a
+    :class:`~asyncflat.mixture.MixtureParams`, ``ShufflingLoader(...)`` returns a
+    :class:`~asyncflat.mixture.loader.MixtureLoader` instead (docs/mixtures.md).
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # A MixtureParams builds a MixtureLoader (not a subclass, so __init__ is not run again).
+        params = args[1] if len(args) > 1 else kwargs.get("params")
+        if cls is ShufflingLoader and isinstance(params, MixtureParams):
+            from .mixture.loader import MixtureLoader
+
+            return MixtureLoader(*args, **kwargs)
+        return super().__new__(cls)
 
     @checked
     def __init__(
         self,
         split: str,
-        params: FlatTokensParams,
+        params: FlatTokensParams | MixtureParams,
         token_batch_params: TokenBatchParams,
         sharding: Sharding | None = None,
         *,
@@ -101,6 +173,13 @@ class ShufflingLoader:
         batch_type: BatchType = TokenBatch,
         epoch: int = 0,
     ) -> None:
+        # (A MixtureParams never gets here from ShufflingLoader(...): __new__ built a
+        # MixtureLoader. The annotation says it is accepted, for type checkers.)
+        if not isinstance(params, FlatTokensParams):
+            raise ConfigError(
+                f"{type(self).__name__} takes a FlatTokensParams; a MixtureParams needs "
+                "ShufflingLoader itself or MixtureLoader"
+            )
         if split not in SPLITS:
             raise ConfigError(f"split must be one of {SPLITS}, got {split!r}")
         self.split, self.params, self.token_batch_params = split, params, token_batch_params
@@ -139,53 +218,16 @@ class ShufflingLoader:
     # -- construction -------------------------------------------------------------------------
 
     async def _open_engine(self) -> Engine:
-        params = self.params
-        source = self._injected_source
-        if source is None:
-            source = await ZarrTokenSource.open(
-                os.fspath(params.filespec),  # a str once the config is built
-                self.split,
-                storage_options=params.storage_options,
-                max_concurrent_requests=self.options.max_concurrent_reads,
-                retry=self.options.retry,
-                store_wrapper=self._store_wrapper,
-            )
-        plan = ShufflePlan.create(
-            params,
+        return await open_engine(
+            self.split,
+            self.params,
             self.token_batch_params,
-            token_count=source.token_count,
-            sequence_count=source.sequence_count,
+            self._host_rows,
+            self.options,
             epoch=self.epoch,
+            store_wrapper=self._store_wrapper,
+            source=self._injected_source,
         )
-        # Pay the one-time permutation compile and the global block shuffle here, at start-up,
-        # not inside the first load().
-        warm_up_permutation(max(plan.seqs_per_buffer, plan.read_block_count))
-        _ = plan.block_order
-        streams = np.unique(self._host_rows // plan.rows_per_stream_step).tolist()
-        needed = 2 * len(streams) * plan.buffer_bytes
-        if self.options.max_buffer_bytes is not None and needed > self.options.max_buffer_bytes:
-            raise ConfigError(
-                f"shuffle buffers need {needed:,} bytes on this host (2 x {len(streams)} streams x "
-                f"{plan.buffer_bytes:,}), over EngineOptions.max_buffer_bytes="
-                f"{self.options.max_buffer_bytes:,}; lower read_blocks_per_shuffle_buffer or "
-                "sequences_per_read_block"
-            )
-        where = f"{redact_url(os.fspath(params.filespec))}/{self.split}"
-        warning = dropped_warning(plan, where)
-        if warning is not None:
-            log.warning("%s", warning)
-        log.info(
-            "%s: %d steps, %d minipochs, streams %s on this host; shuffle buffers %s each, "
-            "%s on this host (2 per stream), for a split of %s of tokens",
-            where,
-            plan.step_count,
-            plan.minipoch_count,
-            streams,
-            format_bytes(plan.buffer_bytes),
-            format_bytes(needed),
-            format_bytes(plan.token_count * 4),
-        )
-        return Engine(plan, source, streams, self.options)
 
     # -- the reference's API ------------------------------------------------------------------
 
@@ -489,7 +531,7 @@ class BatchIterator(Iterator[tuple[int, Any]]):
 @checked
 def get_loader(
     split: str,
-    config: FlatTokensParams | HuggingFaceDataParams,
+    config: FlatTokensParams | MixtureParams | HuggingFaceDataParams,
     token_batch_params: TokenBatchParams,
     sharding: Sharding | None = None,
     *,
@@ -499,8 +541,16 @@ def get_loader(
     """Build the loader for ``config``, as the reference's ``get_loader`` does.
 
     ``batch_type`` is the class the batches are built as (see :class:`ShufflingLoader`);
-    ``options`` are the flat-tokens engine's (the Hugging Face loader has none).
+    ``options`` are the flat-tokens engine's (the Hugging Face loader has none). A
+    :class:`~asyncflat.mixture.MixtureParams` gives a
+    :class:`~asyncflat.mixture.loader.MixtureLoader` (docs/mixtures.md).
     """
+    if isinstance(config, MixtureParams):
+        from .mixture.loader import MixtureLoader
+
+        return MixtureLoader(
+            split, config, token_batch_params, sharding, options=options, batch_type=batch_type
+        )
     if isinstance(config, FlatTokensParams):
         return ShufflingLoader(
             split,

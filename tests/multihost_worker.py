@@ -119,20 +119,56 @@ def run_case(case: dict, results: dict[str, np.ndarray]) -> dict:
         for step in case["out_of_order"]:
             served.append((step, loader.load(step)))
 
-        for i, (step, batch) in enumerate(served):
-            assert batch.targets.shape == (case["batch"], case["len"])
-            targets = multihost_utils.process_allgather(batch.targets, tiled=True)
-            starts = multihost_utils.process_allgather(batch.is_seq_start, tiled=True)
-            local_t, covered = local_view(batch.targets)
-            local_s, _ = local_view(batch.is_seq_start)
-            results[f"{name}/{i}/step"] = np.array(step)
-            results[f"{name}/{i}/targets"] = np.asarray(targets)
-            results[f"{name}/{i}/is_seq_start"] = np.asarray(starts)
-            results[f"{name}/{i}/local_targets"] = local_t
-            results[f"{name}/{i}/local_is_seq_start"] = local_s
-            results[f"{name}/{i}/covered"] = covered
+        save_served(name, case, served, results)
         record["served"] = len(served)
     # No asyncflat thread may outlive close().
+    record["threads_after_close"] = [t.name for t in threading.enumerate() if "asyncflat" in t.name]
+    return record
+
+
+def save_served(name: str, case: dict, served: list, results: dict[str, np.ndarray]) -> None:
+    """Save each served step's gathered global batch and this process's own view of it."""
+    for i, (step, batch) in enumerate(served):
+        assert batch.targets.shape == (case["batch"], case["len"])
+        targets = multihost_utils.process_allgather(batch.targets, tiled=True)
+        starts = multihost_utils.process_allgather(batch.is_seq_start, tiled=True)
+        local_t, covered = local_view(batch.targets)
+        local_s, _ = local_view(batch.is_seq_start)
+        results[f"{name}/{i}/step"] = np.array(step)
+        results[f"{name}/{i}/targets"] = np.asarray(targets)
+        results[f"{name}/{i}/is_seq_start"] = np.asarray(starts)
+        results[f"{name}/{i}/local_targets"] = local_t
+        results[f"{name}/{i}/local_is_seq_start"] = local_s
+        results[f"{name}/{i}/covered"] = covered
+
+
+def run_mixture(case: dict, results: dict[str, np.ndarray]) -> dict:
+    """A mixture of sources over the same store (different seeds): load, iterate, out of order."""
+    sources = tuple(
+        asyncflat.MixtureSource(
+            asyncflat.FlatTokensParams(
+                SPEC["dataset"], case["streams"], case["rbpsb"], case["spb"], seed, True
+            ),
+            weight,
+        )
+        for seed, weight in zip(case["seeds"], case["weights"])
+    )
+    mixture = asyncflat.MixtureParams(
+        sources, seed=case["mix_seed"], block_rows=case["block_rows"], steps=case["steps"]
+    )
+    batch_params = asyncflat.TokenBatchParams(len=case["len"], batch=case["batch"])
+    options = asyncflat.EngineOptions(prefetch_to_device=1)
+    with asyncflat.ShufflingLoader("train", mixture, batch_params, options=options) as loader:
+        served = [(step, batch) for step, batch in loader.iter(case["start"])]
+        served += [(step, loader.load(step)) for step in case["out_of_order"]]
+        save_served(case["name"], case, served, results)
+        stats = loader.stats()
+        record = {
+            "served": len(served),
+            "host_rows": len(loader._host_rows),
+            "source_streams": [list(s.engine.streams) for s in stats.sources],
+            "fill_streams": [sorted({f.stream for f in s.engine.fills}) for s in stats.sources],
+        }
     record["threads_after_close"] = [t.name for t in threading.enumerate() if "asyncflat" in t.name]
     return record
 
@@ -156,6 +192,8 @@ def main() -> None:
     stats = {"init_s": init_s, "process_index": jax.process_index(), "cases": {}}
     for case in SPEC["cases"]:
         stats["cases"][case["name"]] = run_case(case, results)
+    for case in SPEC.get("mixtures", []):
+        stats["cases"][case["name"]] = run_mixture(case, results)
     stats["total_s"] = time.perf_counter() - t0
     out = SPEC["out"]
     np.savez(os.path.join(out, f"result-{PROCESS_ID}.npz"), **results)

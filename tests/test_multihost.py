@@ -73,6 +73,26 @@ CASES: list[dict[str, Any]] = [
 for _i, _case in enumerate(CASES):
     _case.update(len=SEQ_LEN, batch=BATCH, spb=SPB, rbpsb=RBPSB, seed=11 + _i)
 
+# A mixture of three sources over the same store (different seeds, so different orders), 8
+# streams: each process holds 4 streams of every source.
+MIXTURES: list[dict[str, Any]] = [
+    dict(
+        name="mixture_s8",
+        streams=8,
+        seeds=[21, 22, 23],
+        weights=[0.5, 0.3, 0.2],
+        mix_seed=3,
+        block_rows=5,
+        steps=9,
+        start=2,
+        out_of_order=[8, 0, 4],
+        len=SEQ_LEN,
+        batch=BATCH,
+        spb=SPB,
+        rbpsb=RBPSB,
+    )
+]
+
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -183,6 +203,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             init_timeout_s=INIT_TIMEOUT_S,
             out=str(out),
             cases=CASES,
+            mixtures=MIXTURES,
         )
         spec_path = root / f"spec-{name}.json"
         spec_path.write_text(json.dumps(spec))
@@ -292,6 +313,67 @@ def test_one_and_two_processes_give_the_same_batches(
             np.testing.assert_array_equal(a["targets"], b["targets"])
             np.testing.assert_array_equal(a["is_seq_start"], b["is_seq_start"])
     assert runs["one"].served(0, case["name"])[0]["covered"].all()
+
+
+def _mixture_oracle(dataset: str, case: dict[str, Any], step: int) -> tuple[np.ndarray, ...]:
+    """The global batch of a mixture step from the sources' oracles and the pure assignment."""
+    from asyncflat.mixture import Assignment
+
+    weights = tuple(case["weights"])
+    r = case["batch"] // case["streams"]
+    assignment = Assignment([(0, weights)], r, case["block_rows"], case["mix_seed"])
+    tokens, starts = load_split_arrays(dataset, "train")
+    oracles = [
+        ReferenceLoader(
+            tokens,
+            starts,
+            seq_len=case["len"],
+            batch=case["batch"],
+            streams=case["streams"],
+            read_blocks_per_shuffle_buffer=case["rbpsb"],
+            sequences_per_read_block=case["spb"],
+            seed=seed,
+            sequence_packing=True,
+        )
+        for seed in case["seeds"]
+    ]
+    targets = np.zeros((case["batch"], case["len"]), np.uint32)
+    is_start = np.zeros((case["batch"], case["len"]), bool)
+    for stream in range(case["streams"]):
+        for j, (s, k) in enumerate(zip(*assignment.step_slots(stream, step))):
+            source_targets, source_starts = oracles[s].batch(int(k) // r)
+            targets[stream * r + j] = source_targets[stream * r + int(k) % r]
+            is_start[stream * r + j] = source_starts[stream * r + int(k) % r]
+    return targets, is_start
+
+
+@pytest.mark.parametrize("case", MIXTURES, ids=[c["name"] for c in MIXTURES])
+def test_a_mixture_on_two_processes_is_its_sources_oracles(
+    runs: dict[str, Any], case: dict[str, Any]
+) -> None:
+    expected_steps = list(range(case["start"], case["steps"])) + case["out_of_order"]
+    r = case["batch"] // case["streams"]
+    for name, processes in (("two", 2), ("one", 1)):
+        for process in range(processes):
+            served = runs[name].served(process, case["name"])
+            assert [int(s["step"]) for s in served] == expected_steps
+            for s in served:
+                targets, is_start = _mixture_oracle(runs["dataset"], case, int(s["step"]))
+                np.testing.assert_array_equal(s["targets"], targets)
+                np.testing.assert_array_equal(s["is_seq_start"], is_start)
+                covered = s["covered"]
+                np.testing.assert_array_equal(s["local_targets"][covered], targets[covered])
+            # Every source fills only the streams of this process's rows.
+            record = runs[name].stats[process]["cases"][case["name"]]
+            rows = np.flatnonzero(served[0]["covered"].any(axis=1))
+            streams = sorted(set((rows // r).tolist()))
+            assert len(streams) == case["streams"] // processes
+            for source_streams, fill_streams in zip(
+                record["source_streams"], record["fill_streams"]
+            ):
+                assert source_streams == streams
+                assert set(fill_streams) <= set(streams) and fill_streams
+            assert record["threads_after_close"] == []
 
 
 def test_no_thread_outlives_close_and_run_is_quick(runs: dict[str, Any]) -> None:

@@ -152,6 +152,30 @@ def test_batches_are_seqax_token_batches_sharded_as_seqax_shards_them(
     shardtypes.MESH = Mesh(np.empty((), dtype=object), ())
 
 
+def test_a_mixture_goes_through_the_drop_in(drop_in: ModuleType, dataset: str) -> None:
+    shardtypes = sys.modules["shardlib.shardtypes"]
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("d", "t"))
+    shardtypes.MESH = mesh
+    tokens, starts = load_split_arrays(dataset, "train")
+    oracle = ReferenceLoader(
+        tokens, starts, seq_len=SEQ_LEN, batch=BATCH, sequence_packing=True, **FIELDS
+    )
+    params = drop_in.FlatTokensParams(filespec=dataset, sequence_packing=True, **FIELDS)
+    mixture = drop_in.MixtureParams((drop_in.MixtureSource(params, 1.0),), seed=4, block_rows=7)
+    with drop_in.get_loader(
+        "train", mixture, drop_in.TokenBatchParams(len=SEQ_LEN, batch=BATCH)
+    ) as loader:
+        assert loader.step_count == oracle.step_count
+        for step in (3, 0, loader.step_count - 1):
+            batch = loader.load(step)
+            assert type(batch) is drop_in.TokenBatch
+            targets, is_start = oracle.batch(step)
+            np.testing.assert_array_equal(np.asarray(batch.targets), targets)
+            np.testing.assert_array_equal(np.asarray(batch.is_seq_start), is_start)
+            assert batch.targets.sharding == NamedSharding(mesh, PartitionSpec("d", None))
+    shardtypes.MESH = Mesh(np.empty((), dtype=object), ())
+
+
 def test_without_a_mesh_the_error_says_to_open_one(drop_in: ModuleType, dataset: str) -> None:
     params = drop_in.FlatTokensParams(dataset, sequence_packing=True, **FIELDS)
     with pytest.raises(ConfigError, match=r"inside `with Mesh\(\.\.\.\)`"):

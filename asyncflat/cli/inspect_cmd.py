@@ -70,11 +70,24 @@ def _print_figures(f: Any, args: argparse.Namespace, spb: int) -> None:
         print(f"    warning: {f.sizing_warning}")
 
 
+def _inspect_mixture(args: argparse.Namespace) -> int:
+    from ..mixture.figures import figures_text, inspect_mixture
+
+    figures = inspect_mixture(args.path, args.len, args.batch, args.split, args.hosts)
+    if args.json:
+        print_json(figures)
+    else:
+        print(figures_text(figures, args.hosts))
+    return 0
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from ..config import FlatTokensParams, TokenBatchParams
     from ..format import SPLITS
     from ..inspection import describe_split, loader_figures, verify_split
 
+    if args.mixture:
+        return _inspect_mixture(args)
     splits = [args.split] if args.split else list(SPLITS)
     loader_args = (args.len, args.batch)
     spb = args.sequences_per_block or (max(1, (1 << 20) // args.len) if args.len else 1)

@@ -157,6 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument(
         "--no-lengths", action="store_true", help="skip the seq_starts scan (no length statistics)"
     )
+    insp.add_argument(
+        "--mixture",
+        action="store_true",
+        help="PATH is a MixtureParams config (JSON or YAML): per-source steps, passes, memory",
+    )
     insp.add_argument("--verify", action="store_true", help="full scan of every invariant")
     insp.add_argument("--json", action="store_true", help="print everything as JSON")
     insp.add_argument("--no-progress", action="store_true", help="no progress bars")

@@ -24,6 +24,7 @@ from ..batch import BatchType
 from ..config import EngineOptions, FlatTokensParams, HuggingFaceDataParams, TokenBatchParams
 from ..errors import ConfigError
 from ..loader import get_loader as _get_loader
+from ..mixture.config import MixtureParams
 
 __all__ = ["batch_sharding", "get_loader"]
 
@@ -53,7 +54,7 @@ def batch_sharding(batch_type: BatchType) -> Sharding:
 
 def get_loader(
     split: str,
-    config: FlatTokensParams | HuggingFaceDataParams,
+    config: FlatTokensParams | MixtureParams | HuggingFaceDataParams,
     token_batch_params: TokenBatchParams,
     batch_type: BatchType,
     *,
@@ -62,7 +63,8 @@ def get_loader(
     """seqax's ``get_loader``: batches are ``batch_type`` objects with seqax's batch sharding.
 
     ``FlatTokensParams`` gives asyncflat's :class:`~asyncflat.ShufflingLoader` (bit-identical to
-    seqax's ``ShufflingLoader``), ``HuggingFaceDataParams`` asyncflat's Hugging Face loader
+    seqax's ``ShufflingLoader``), ``MixtureParams`` a mixture of them (docs/mixtures.md),
+    ``HuggingFaceDataParams`` asyncflat's Hugging Face loader
     (imported only then, so the flat-tokens path needs no ``datasets``/``transformers``/``torch``).
     """
     return _get_loader(

@@ -9,12 +9,22 @@ build from seqax's hydra configs unchanged. See asyncflat's docs/migrating.md.
 
 from shardlib.shardtypes import bool_, pytree_dataclass, u32
 
-from asyncflat import FlatTokensParams, HuggingFaceDataParams, TokenBatchParams
+from asyncflat import (
+    FlatTokensParams,
+    HuggingFaceDataParams,
+    MixtureParams,
+    MixtureSource,
+    MixtureStage,
+    TokenBatchParams,
+)
 from asyncflat.integrations import seqax
 
 __all__ = [
     "FlatTokensParams",
     "HuggingFaceDataParams",
+    "MixtureParams",
+    "MixtureSource",
+    "MixtureStage",
     "TokenBatch",
     "TokenBatchParams",
     "get_loader",
@@ -30,5 +40,6 @@ class TokenBatch:
 
 
 def get_loader(split, config, token_batch_params):
-    """asyncflat's loader of ``split`` (flat-tokens or Hugging Face), batches of ``TokenBatch``."""
+    """asyncflat's loader of ``split`` (flat-tokens, a mixture of them, or Hugging Face),
+    batches of ``TokenBatch``."""
     return seqax.get_loader(split, config, token_batch_params, TokenBatch)

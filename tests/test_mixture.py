@@ -1,0 +1,380 @@
+"""``MixtureLoader`` on real stores: per-source order, identity, resume, stages, running out.
+
+The sources are written with disjoint vocabularies, so the source of every served row is read
+off its tokens, independently of the assignment the loader used. The expected rows of a source
+are its plain loader's (``ShufflingLoader`` with the same ``TokenBatchParams``; pass ``e`` of a
+source is the plain loader's ``epoch=e``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import random_sequences
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import asyncflat
+from asyncflat import (
+    ConfigError,
+    EngineOptions,
+    FlatTokensParams,
+    MixtureParams,
+    MixtureSource,
+    MixtureStage,
+    StepOutOfRangeError,
+    TokenBatchParams,
+)
+
+VOCAB = 1000
+BATCH = TokenBatchParams(len=16, batch=8)
+OPTIONS = EngineOptions(prefetch_to_device=0)
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    root = tmp_path_factory.mktemp("mixture")
+    paths = []
+    for i, count in enumerate([400, 60, 150]):
+        path = str(root / f"source{i}.zarr")
+        seqs = [s + i * VOCAB for s in random_sequences(10 + i, count, max_len=40, vocab=VOCAB)]
+        asyncflat.write_flat_tokens(path, {"train": seqs}, chunk_tokens=1024)
+        paths.append(path)
+    return paths
+
+
+def flat(path: str, streams: int = 2, seed: int = 0) -> FlatTokensParams:
+    return FlatTokensParams(path, streams, 2, 4, seed, True)
+
+
+def encoded(batch: Any) -> np.ndarray:
+    """The batch as flat-tokens codes (2 * id + is_seq_start), one row per batch row."""
+    targets = np.asarray(batch.targets).astype(np.int64)
+    return 2 * targets + np.asarray(batch.is_seq_start)
+
+
+def plain_steps(params: FlatTokensParams, epoch: int = 0) -> list[np.ndarray]:
+    with asyncflat.ShufflingLoader("train", params, BATCH, options=OPTIONS, epoch=epoch) as loader:
+        return [encoded(loader.load(step)) for step in range(loader.step_count)]
+
+
+def all_batches(loader: Any) -> list[np.ndarray]:
+    return [encoded(loader.load(step)) for step in range(loader.step_count)]
+
+
+@pytest.mark.parametrize("streams", [1, 2])
+def test_one_source_of_weight_1_is_the_plain_loader_bit_for_bit(
+    stores: list[str], streams: int
+) -> None:
+    params = flat(stores[0], streams, seed=3)
+    mixture = MixtureParams((MixtureSource(params, 1.0),), seed=9, block_rows=5)
+    expected = plain_steps(params)
+    with asyncflat.ShufflingLoader("train", mixture, BATCH, options=OPTIONS) as loader:
+        assert type(loader).__name__ == "MixtureLoader"
+        assert loader.step_count == len(expected)
+        for step, want in enumerate(expected):
+            np.testing.assert_array_equal(encoded(loader.load(step)), want)
+
+
+_PLAIN: dict[tuple[FlatTokensParams, int], list[np.ndarray]] = {}
+
+
+def plain_cached(params: FlatTokensParams, epoch: int) -> list[np.ndarray]:
+    if (params, epoch) not in _PLAIN:
+        _PLAIN[(params, epoch)] = plain_steps(params, epoch)
+    return _PLAIN[(params, epoch)]
+
+
+def check_per_source_order(batches: list[np.ndarray], sources: list[FlatTokensParams]) -> None:
+    """Each source's rows, per stream and in mixture order, are its plain loader's rows of that
+    stream in order, pass after pass; the source of a row is read off its tokens."""
+    r = BATCH.batch // 2
+    served: dict[tuple[int, int], list[np.ndarray]] = {}
+    for batch in batches:
+        for row_index, row in enumerate(batch):
+            source = int(row.min() // 2 // VOCAB)
+            assert (row // 2 // VOCAB == source).all()
+            served.setdefault((source, row_index // r), []).append(row)
+    for (s, i), got in served.items():
+        expected: list[np.ndarray] = []
+        epoch = 0
+        while len(expected) < len(got):
+            for step_rows in plain_cached(sources[s], epoch):
+                expected.extend(step_rows[i * r : (i + 1) * r])
+            epoch += 1
+        np.testing.assert_array_equal(np.array(got), np.array(expected[: len(got)]))
+
+
+@settings(
+    max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    weights=st.lists(st.integers(0, 4), min_size=3, max_size=3).filter(lambda w: sum(w) > 0),
+    later=st.lists(st.integers(0, 4), min_size=3, max_size=3).filter(lambda w: sum(w) > 0),
+    stage_step=st.integers(1, 20),
+    block_rows=st.integers(1, 12),
+    seed=st.integers(0, 100),
+)
+def test_per_source_order_holds_for_any_weights_blocks_and_stages(
+    stores: list[str],
+    weights: list[int],
+    later: list[int],
+    stage_step: int,
+    block_rows: int,
+    seed: int,
+) -> None:
+    sources = [flat(stores[0], seed=1), flat(stores[1], seed=2), flat(stores[2], seed=3)]
+    mixture = MixtureParams(
+        tuple(MixtureSource(p, w) for p, w in zip(sources, weights)),
+        seed=seed,
+        block_rows=block_rows,
+        stages=(MixtureStage(stage_step, tuple(later)),),
+        steps=24,
+    )
+    with asyncflat.ShufflingLoader("train", mixture, BATCH, options=OPTIONS) as loader:
+        batches = all_batches(loader)
+    check_per_source_order(batches, sources)
+
+
+def test_each_source_serves_its_own_order_and_wraps_into_its_next_pass(
+    stores: list[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    sources = [flat(stores[0], seed=1), flat(stores[1], seed=2), flat(stores[2], seed=3)]
+    mixture = MixtureParams(
+        tuple(MixtureSource(p, w) for p, w in zip(sources, [0.5, 0.3, 0.2])),
+        seed=4,
+        block_rows=7,
+        stages=(MixtureStage(20, (0.2, 0.6, 0.2)),),
+        steps=60,
+    )
+    r = BATCH.batch // 2
+    caplog.set_level(logging.INFO, logger="asyncflat.mixture")
+    with asyncflat.get_loader("train", mixture, BATCH, options=OPTIONS) as loader:
+        assert loader.step_count == 60
+        batches = [encoded(loader.load(step)) for step in range(60)]
+        stats = loader.stats()
+    # Rows of each source and stream, in mixture order (steps in order, rows in batch order).
+    served: dict[tuple[int, int], list[np.ndarray]] = {}
+    for batch in batches:
+        for row_index, row in enumerate(batch):
+            source = int(row.min() // 2 // VOCAB)
+            assert (row // 2 // VOCAB == source).all()
+            served.setdefault((source, row_index // r), []).append(row)
+    for s, params in enumerate(sources):
+        counts = sum(len(served.get((s, i), [])) for i in range(2))
+        passes = 0
+        expected: dict[int, list[np.ndarray]] = {0: [], 1: []}
+        while min(len(expected[0]), len(expected[1])) < counts:
+            for step_rows in plain_steps(params, epoch=passes):
+                for i in range(2):
+                    expected[i].extend(step_rows[i * r : (i + 1) * r])
+            passes += 1
+        for i in range(2):
+            got = served.get((s, i), [])
+            np.testing.assert_array_equal(np.array(got), np.array(expected[i][: len(got)]))
+        needed_passes = max(
+            -(-len(served.get((s, i), [])) // (len(expected[i]) // passes)) for i in range(2)
+        )
+        assert stats.sources[s].passes == needed_passes
+        assert stats.sources[s].rows == counts
+    assert stats.sources[1].passes >= 3  # the small source at 30-60% ran out more than once
+    assert sum(x.rows for x in stats.sources) == 60 * BATCH.batch
+    assert any("starts pass 3" in rec.getMessage() for rec in caplog.records)
+
+
+def test_a_fresh_loader_at_any_step_gives_the_same_batch(stores: list[str]) -> None:
+    mixture = MixtureParams(
+        (MixtureSource(flat(stores[0]), 2), MixtureSource(flat(stores[1]), 1)),
+        seed=1,
+        block_rows=6,
+        steps=40,
+    )
+    with asyncflat.ShufflingLoader("train", mixture, BATCH, options=OPTIONS) as loader:
+        reference = all_batches(loader)
+    with asyncflat.ShufflingLoader("train", mixture, BATCH, options=OPTIONS) as loader:
+        for step in [37, 3, 22, 22, 0, 39, 14]:  # any order, repeats, across the source's passes
+            np.testing.assert_array_equal(encoded(loader.load(step)), reference[step])
+        with loader.iter(25) as iterator:  # and an iterator resumed mid-run, prefetching
+            for step, batch in iterator:
+                np.testing.assert_array_equal(encoded(batch), reference[step])
+    options = EngineOptions(prefetch_to_device=2)
+    with asyncflat.ShufflingLoader("train", mixture, BATCH, options=options) as loader:
+        assert [s for s, _ in loader.iter(30)] == list(range(30, 40))
+        with pytest.raises(StepOutOfRangeError):
+            loader.load(40)
+
+
+def test_a_stage_takes_effect_exactly_at_its_step_also_after_a_resume(stores: list[str]) -> None:
+    first, second = flat(stores[0], seed=5), flat(stores[2], seed=6)
+    mixture = MixtureParams(
+        (MixtureSource(first, 1.0), MixtureSource(second, 0.0)),
+        block_rows=3,  # a block of 3 rows does not divide a stage of 7 steps x 4 rows
+        stages=(MixtureStage(7, (0.0, 1.0)),),
+        steps=12,
+    )
+    plain_first, plain_second = plain_steps(first), plain_steps(second)
+    with asyncflat.ShufflingLoader("train", mixture, BATCH, options=OPTIONS) as loader:
+        batches = all_batches(loader)
+    for step in range(7):
+        np.testing.assert_array_equal(batches[step], plain_first[step])
+    for step in range(7, 12):
+        np.testing.assert_array_equal(batches[step], plain_second[step - 7])
+    with asyncflat.ShufflingLoader("train", mixture, BATCH, options=OPTIONS) as loader:
+        np.testing.assert_array_equal(encoded(loader.load(7)), plain_second[0])
+        np.testing.assert_array_equal(encoded(loader.load(6)), plain_first[6])
+
+
+def test_without_steps_the_mixture_ends_before_any_source_repeats(stores: list[str]) -> None:
+    mixture = MixtureParams(
+        (MixtureSource(flat(stores[0]), 1), MixtureSource(flat(stores[1]), 1)), block_rows=8
+    )
+    small_steps = len(plain_steps(flat(stores[1])))
+    with asyncflat.ShufflingLoader("train", mixture, BATCH, options=OPTIONS) as loader:
+        # The small source gives half of every block: it lasts about twice its own steps.
+        assert 2 * small_steps - 2 <= loader.step_count <= 2 * small_steps + 2
+        for step in range(loader.step_count):
+            loader.load(step)
+        assert [s.passes for s in loader.stats().sources] == [1, 1]
+        assert loader.buffer_bytes[0] > 0 and len(loader.buffer_bytes) == 2
+
+
+def test_the_buffer_budget_counts_every_source(stores: list[str]) -> None:
+    mixture = MixtureParams((MixtureSource(flat(stores[0]), 1), MixtureSource(flat(stores[1]), 1)))
+    with asyncflat.ShufflingLoader("train", mixture, BATCH, options=OPTIONS) as loader:
+        total = sum(loader.buffer_bytes)
+    tight = EngineOptions(prefetch_to_device=0, max_buffer_bytes=total - 1)
+    with pytest.raises(ConfigError, match=r"source1\.zarr/train"):
+        asyncflat.ShufflingLoader("train", mixture, BATCH, options=tight)
+    roomy = EngineOptions(prefetch_to_device=0, max_buffer_bytes=total)
+    asyncflat.ShufflingLoader("train", mixture, BATCH, options=roomy).close()
+
+
+def test_a_closed_mixture_loader_refuses_loads(stores: list[str]) -> None:
+    mixture = MixtureParams((MixtureSource(flat(stores[1]), 1),))
+    loader = asyncflat.ShufflingLoader("train", mixture, BATCH, options=OPTIONS)
+    loader.load(0)
+    loader.close()
+    loader.close()
+    with pytest.raises(asyncflat.LoaderClosedError):
+        loader.load(0)
+
+
+def test_sources_of_a_step_name_the_source_of_every_row(stores: list[str]) -> None:
+    mixture = MixtureParams(
+        (MixtureSource(flat(stores[0]), 3), MixtureSource(flat(stores[2]), 1)),
+        seed=2,
+        block_rows=4,
+        steps=10,
+    )
+    with asyncflat.ShufflingLoader("train", mixture, BATCH, options=OPTIONS) as loader:
+        for step in range(10):
+            from_tokens = encoded(loader.load(step)).min(axis=1) // 2 // VOCAB
+            np.testing.assert_array_equal(loader.sources(step), np.where(from_tokens == 2, 1, 0))
+        # Blocks of 4 rows at 3:1: exactly 3 of source 0 in every aligned window of 4 rows.
+        per_stream = np.concatenate([loader.sources(t).reshape(2, 4) for t in range(10)], axis=1)
+        assert (per_stream.reshape(2, -1, 4).sum(axis=2) == 1).all()
+
+
+def test_store_wrappers_apply_per_source(stores: list[str]) -> None:
+    wrapped: list[str] = []
+
+    def wrapper(store: Any) -> Any:
+        wrapped.append(str(store))
+        return store
+
+    mixture = MixtureParams((MixtureSource(flat(stores[0]), 1), MixtureSource(flat(stores[1]), 1)))
+    with asyncflat.ShufflingLoader(
+        "train", mixture, BATCH, options=OPTIONS, store_wrapper=(None, wrapper)
+    ) as loader:
+        loader.load(0)
+    assert wrapped and all("source1" in w for w in wrapped)
+    with pytest.raises(ConfigError, match="1 wrappers for 2 sources"):
+        asyncflat.ShufflingLoader("train", mixture, BATCH, store_wrapper=(wrapper,))
+
+
+def test_inspect_prints_each_sources_memory_and_passes(
+    stores: list[str], tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import dataclasses
+    import json
+
+    import yaml
+
+    from asyncflat.cli import main
+
+    mixture = MixtureParams(
+        (MixtureSource(flat(stores[0]), 0.5), MixtureSource(flat(stores[1]), 0.5)),
+        block_rows=8,
+        steps=60,
+    )
+    config = tmp_path / "mixture.yaml"
+    config.write_text(yaml.safe_dump(dataclasses.asdict(mixture)))
+    args = ["inspect", str(config), "--mixture", "--len", "16", "--batch", "8", "--no-progress"]
+    assert main([*args, "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    with asyncflat.ShufflingLoader("train", mixture, BATCH, options=OPTIONS) as loader:
+        for step in range(loader.step_count):
+            loader.load(step)
+        stats = loader.stats()
+    assert figures["step_count"] == 60
+    for got, want, size in zip(figures["sources"], stats.sources, loader.buffer_bytes):
+        assert got["step_count"] == want.step_count
+        assert got["passes"] == want.passes
+        assert got["buffer_bytes_per_host"] == size
+    assert figures["sources"][1]["passes"] >= 2
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "mixture of 2 sources" in text and "source1.zarr: weight 0.5" in text
+
+
+def test_the_next_pass_is_filled_before_the_mixture_reaches_it(stores: list[str]) -> None:
+    from conftest import wait_until
+
+    small = flat(stores[1], seed=8)
+    mixture = MixtureParams(
+        (MixtureSource(flat(stores[0]), 1), MixtureSource(small, 1)), block_rows=8, steps=40
+    )
+    with asyncflat.ShufflingLoader("train", mixture, BATCH, options=OPTIONS) as loader:
+        boundary = next(
+            step
+            for step in range(loader.step_count)
+            if any(g.source == 1 and g.epoch == 1 for g in loader.groups(step))
+        )
+        for step in range(boundary):
+            loader.load(step)
+        # Serving its last minipoch, the small source's next pass is opened and its first
+        # minipoch filled in the background, before any step needs it.
+        wait_until(lambda: loader._passes.engine_now(1, 1) is not None, "the next pass opens")
+        engine = loader._passes.engine_now(1, 1)
+        assert engine is not None
+        rows = np.array([0, BATCH.batch // 2])  # a row of each stream
+        wait_until(lambda: engine.try_gather(0, rows) is not None, "its first minipoch fills")
+        assert loader.stats().sources[1].passes == 1  # nothing served from it yet
+        loader.load(boundary)
+        assert loader.stats().sources[1].passes == 2
+
+
+def test_wrong_argument_types_fail_at_the_call(stores: list[str]) -> None:
+    from asyncflat.mixture.loader import MixtureLoader
+
+    mixture = MixtureParams((MixtureSource(flat(stores[1]), 1),))
+    with pytest.raises(asyncflat.ArgumentTypeError, match="token_batch_params"):
+        MixtureLoader("train", mixture, {"len": 16, "batch": 8})  # type: ignore[arg-type]
+    with pytest.raises(asyncflat.ArgumentTypeError, match="params"):
+        MixtureLoader("train", flat(stores[1]), BATCH)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="split must be one of"):
+        asyncflat.ShufflingLoader("test", mixture, BATCH)
+
+
+def test_stats_count_the_steps_built(stores: list[str]) -> None:
+    mixture = MixtureParams((MixtureSource(flat(stores[0]), 1), MixtureSource(flat(stores[1]), 1)))
+    with asyncflat.ShufflingLoader("train", mixture, BATCH, options=OPTIONS) as loader:
+        for step in (0, 1, 1):
+            loader.load(step)
+        stats = loader.stats()
+    assert stats.steps_built == 3
+    assert sum(s.rows for s in stats.sources) == 3 * BATCH.batch
+    assert stats.build_median_s is not None and stats.build_median_s > 0
