@@ -131,10 +131,23 @@ def redact(text: str, secrets: Iterable[str] = ()) -> str:
 _MIN_SECRET_CHARS = 4
 
 
+#: ``storage_options`` keys whose values locate data and are no credential: hiding them would
+#: garble the very URL an error must name (a bucket named after its project). Any URL userinfo in
+#: them is still redacted.
+_PUBLIC_OPTION_KEYS = frozenset(
+    {"project", "user_project", "endpoint_url", "region", "region_name", "default_location",
+     "location", "consistency", "version_aware", "requester_pays"}
+)  # fmt: skip
+#: gcsfs ``token`` modes: keywords naming how to authenticate, not credentials.
+_TOKEN_MODES = frozenset({"anon", "google_default", "cache", "cloud", "browser"})
+
+
 def option_secrets(options: Any) -> tuple[str, ...]:
     """Every string value in ``storage_options`` (nested mappings and sequences included) that
     could be a credential, as given and URL-quoted (a token ends up in query strings), for
-    :func:`redact`. Keys are not secret; every value is treated as one."""
+    :func:`redact`. Keys are not secret; every value is treated as one, except those of keys that
+    only locate the data (``project``, ``endpoint_url``, ``region_name``...) and gcsfs's token
+    modes (``"anon"``, ``"google_default"``...)."""
     found: set[str] = set()
 
     def walk(value: Any, depth: int) -> None:
@@ -143,11 +156,12 @@ def option_secrets(options: Any) -> tuple[str, ...]:
         if isinstance(value, bytes):
             value = value.decode("utf-8", "replace")
         if isinstance(value, str):
-            if len(value) >= _MIN_SECRET_CHARS:
+            if len(value) >= _MIN_SECRET_CHARS and value not in _TOKEN_MODES:
                 found.update({value, urllib.parse.quote(value, safe=""), repr(value)[1:-1]})
         elif isinstance(value, Mapping):
-            for item in value.values():
-                walk(item, depth + 1)
+            for key, item in value.items():
+                if not (isinstance(key, str) and key.lower() in _PUBLIC_OPTION_KEYS):
+                    walk(item, depth + 1)
         elif isinstance(value, (list, tuple, set, frozenset)):
             for item in value:
                 walk(item, depth + 1)
