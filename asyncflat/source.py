@@ -21,7 +21,6 @@ from here.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
@@ -43,6 +42,7 @@ from .errors import (
 )
 from .format import SplitArrays, open_split
 from .storage import blosc as _blosc
+from .storage.chunks import Frame, blosc_frame_prefixes, raw_codec, without_crc32c
 from .storage.filesystems import (
     OWN_RETRIES_OPTION,
     bounded,
@@ -87,6 +87,8 @@ _filesystem = filesystem
 _close_filesystem = close_filesystem
 _make_store = make_store
 _close_store = close_store
+_raw_codec = raw_codec
+_blosc_frame_prefixes = blosc_frame_prefixes
 
 #: Largest range a row read of a local store reads directly on the loop thread (see pread).
 _PREAD_MAX_BYTES = 1 << 20
@@ -142,52 +144,6 @@ class TokenSource(Protocol):
     async def aclose(self) -> None: ...
 
 
-@dataclasses.dataclass(frozen=True)
-class Frame:
-    """Bytes of one stored chunk (or of a range of it, starting at chunk item ``first_item``):
-    a Blosc frame when ``blosc``, else little-endian items as stored (or as zarr decoded them)."""
-
-    data: np.ndarray  # uint8
-    first_item: int
-    key: str
-    blosc: bool = False
-    #: What a whole Blosc frame must decode to (the chunk's size in bytes), when known.
-    nbytes: int | None = None
-
-    def decode_into(self, first_item: int, out: np.ndarray) -> None:
-        """Items ``[first_item, first_item + len(out))`` of the chunk into ``out``.
-
-        CPU-bound and GIL-free for Blosc: run it off the loop. Raises BloscError.
-        """
-        if self.blosc:
-            _blosc.decode_into(self.data, first_item, out, self.nbytes)
-            return
-        start = (first_item - self.first_item) * 4
-        if start < 0 or start + out.nbytes > self.data.nbytes:
-            raise _blosc.BloscError(
-                f"object has {self.data.nbytes} bytes, needed {start + out.nbytes}"
-            )
-        out[:] = self.data[start : start + out.nbytes].view("<u4")
-
-
-def _blosc_frame_prefixes(arrays: SplitArrays) -> set[str]:
-    """Key prefixes of the split's arrays whose chunk objects are exactly one Blosc frame."""
-    from zarr.codecs import BloscCodec, ShardingCodec
-    from zarr.core.metadata import ArrayV2Metadata
-
-    prefixes = set()
-    for array in (arrays.encoded_tokens, arrays.seq_starts):
-        meta = array.metadata
-        if isinstance(meta, ArrayV2Metadata):
-            blosc = getattr(meta.compressor, "codec_id", None) == "blosc"
-        else:
-            codecs = list(meta.codecs)
-            blosc = isinstance(codecs[-1], BloscCodec) and not isinstance(codecs[0], ShardingCodec)
-        if blosc:
-            prefixes.add(f"{array.store_path.path}/")
-    return prefixes
-
-
 class ZarrTokenSource:
     """A :class:`TokenSource` over a zarr store (format 2 or 3, local or fsspec)."""
 
@@ -213,7 +169,7 @@ class ZarrTokenSource:
         self.remote = store is not None and local_root(store) is None
         #: "blosc" or "raw" when chunk objects can be decoded here, else None (zarr decodes);
         #: checksummed: each object ends with zarr's crc32c of the rest, verified here too.
-        self._codec, self._checksum = _raw_codec(arrays.encoded_tokens)
+        self._codec, self._checksum = raw_codec(arrays.encoded_tokens)
         self._chunk_nbytes = self.token_chunk * 4
         self.partial_reads = self._codec is not None
         self._chunks: SingleFlight[int, Frame] = SingleFlight(_CHUNKS_KEPT)
@@ -283,7 +239,7 @@ class ZarrTokenSource:
             raise
         local = local_root(raw) if store_wrapper is None else None
         source = cls(arrays, io, raw, guard=guard, local=local)
-        guard.check_blosc_frames(_blosc_frame_prefixes(arrays))
+        guard.check_blosc_frames(blosc_frame_prefixes(arrays))
         return source
 
     async def read_tokens(self, start: int, stop: int) -> np.ndarray:
@@ -424,28 +380,11 @@ class ZarrTokenSource:
         assert buffer is not None  # the guarded store raises for a missing chunk
         data = buffer.as_numpy_array().view(np.uint8)
         if self._checksum:
-            data = await asyncio.get_running_loop().run_in_executor(None, self._verified, data, key)
+            where = f"{self.name} encoded_tokens: chunk object {key}"
+            data = await asyncio.get_running_loop().run_in_executor(
+                None, without_crc32c, data, where
+            )
         return Frame(data, first, key, blosc=self._codec == "blosc", nbytes=self._chunk_nbytes)
-
-    def _verified(self, data: np.ndarray, key: str) -> np.ndarray:
-        """``data`` without its crc32c trailer, once the checksum matches (else the error)."""
-        import google_crc32c
-
-        if data.nbytes < 4:
-            raise CorruptChunkError(
-                f"{self.name} encoded_tokens: chunk object {key} is too short for its crc32c"
-            )
-        stored = int(data[-4:].view("<u4")[0])
-        body = np.ascontiguousarray(data[:-4])
-        view = body.view()
-        view.flags.writeable = False  # google_crc32c takes read-only buffers only
-        computed = google_crc32c.value(view)
-        if computed != stored:
-            raise CorruptChunkError(
-                f"{self.name} encoded_tokens: chunk object {key} fails its crc32c checksum "
-                f"(stored {stored:#010x}, computed {computed:#010x}): the object is damaged"
-            )
-        return body
 
     def _decode(self, frame: Frame, first_item: int, out: np.ndarray) -> None:
         try:
@@ -478,47 +417,3 @@ class ZarrTokenSource:
         if store is not None:
             await close_store(store)
         self._arrays.encoded_tokens.store_path.store.close()
-
-
-def _numpy_dtype(dtype: Any) -> np.dtype[Any]:
-    """The numpy dtype of a v2 array's metadata: zarr 3.1 wraps it (``to_native_dtype()``), zarr
-    3.0 stores the numpy dtype itself."""
-    to_native = getattr(dtype, "to_native_dtype", None)
-    return np.dtype(to_native() if to_native is not None else dtype)
-
-
-def _raw_codec(array: Any) -> tuple[str | None, bool]:
-    """How chunks of ``array`` can be read and decoded without zarr: ("blosc" or "raw", whether
-    each object ends with a crc32c), or (None, False) when zarr must decode them.
-
-    That is a plain chunk grid (no sharding, filters or transposes) of little-endian items whose
-    only compressor, if any, is Blosc, optionally followed by zarr's ``crc32c`` codec (format 3).
-    Everything else goes through zarr's codec pipeline.
-    """
-    from zarr.core.metadata import ArrayV2Metadata
-
-    meta = array.metadata
-    checksum = False
-    if isinstance(meta, ArrayV2Metadata):
-        dtype = _numpy_dtype(meta.dtype)
-        if meta.filters or meta.order != "C" or dtype.itemsize != 4 or dtype.byteorder == ">":
-            return None, False
-        compressor = meta.compressor
-        if compressor is None:
-            return "raw", False
-        name = getattr(compressor, "codec_id", None)
-    else:
-        from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec
-        from zarr.codecs.bytes import Endian
-
-        codecs = list(meta.codecs)
-        if not isinstance(codecs[0], BytesCodec) or codecs[0].endian not in (None, Endian.little):
-            return None, False
-        if isinstance(codecs[-1], Crc32cCodec):
-            codecs, checksum = codecs[:-1], True
-        if len(codecs) == 1:
-            return "raw", checksum
-        if len(codecs) != 2 or not isinstance(codecs[1], BloscCodec):
-            return None, False
-        name = "blosc"
-    return ("blosc", checksum) if name == "blosc" and _blosc.AVAILABLE else (None, False)

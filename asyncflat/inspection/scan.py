@@ -20,8 +20,8 @@ from ..errors import (
     scrubbed,
 )
 from ..format import SplitArrays, open_split
-from ..source import ZarrTokenSource, _make_store
-from ..storage.filesystems import close_store, construction_error
+from ..source import ZarrTokenSource
+from ..storage.filesystems import close_store, construction_error, make_store
 
 #: Tokens / seq_starts entries read per request while scanning (rounded to whole chunks):
 #: 16 MiB of tokens and 8 MiB of offsets, so a scan's memory stays bounded.
@@ -50,7 +50,7 @@ async def _open_arrays(
 ) -> tuple[SplitArrays, Any]:
     """The split's arrays (through a guarded store) and the raw store, to close after."""
     try:
-        store = _make_store(filespec, storage_options)
+        store = make_store(filespec, storage_options)
     except Exception as exc:  # noqa: BLE001 - a filesystem constructor, credential exchange
         secrets = option_secrets(storage_options)
         raise construction_error(exc, filespec, secrets) from (

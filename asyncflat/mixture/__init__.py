@@ -2,7 +2,8 @@
 
 :mod:`.config` holds the configuration, :mod:`.assignment` the pure slot -> (source, row) math,
 :mod:`.loader` the :class:`~asyncflat.mixture.loader.MixtureLoader` (imported on use: it needs
-jax). ``asyncflat.ShufflingLoader`` and ``get_loader`` build a ``MixtureLoader`` when given a
+jax; :mod:`.passes`, :mod:`.rows`, :mod:`.setup` and :mod:`.stats` are its parts).
+``asyncflat.ShufflingLoader`` and ``get_loader`` build a ``MixtureLoader`` when given a
 :class:`MixtureParams`.
 """
 

@@ -14,7 +14,6 @@ minipoch.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import dataclasses
 import itertools
@@ -38,13 +37,14 @@ from ..errors import ConfigError, LoaderClosedError, StepOutOfRangeError
 from ..format import SPLITS
 from ..loader import open_engine
 from ..plan import ShufflePlan
-from ..sizing import format_bytes
 from ..source import StoreWrapper
 from .assignment import Assignment
 from .config import MixtureParams
 from .iterator import MixtureIterator
 from .passes import Passes, RowGroup, SourceState
-from .stats import MixtureSourceStats, MixtureStats
+from .rows import batch_sources, count_rows, step_groups
+from .setup import check_budget, default_step_count, log_sources, store_wrappers
+from .stats import MixtureSourceStats, MixtureStats, mixture_stats
 
 __all__ = ["MixtureLoader", "MixtureSourceStats", "MixtureStats"]
 
@@ -96,15 +96,7 @@ class MixtureLoader:
         )
         self._host_rows = self._builder.host_rows
         self.streams = tuple(np.unique(self._host_rows // self.rows_per_stream).tolist())
-        if store_wrapper is None or callable(store_wrapper):
-            self._store_wrappers = [store_wrapper] * len(params.sources)
-        else:
-            self._store_wrappers = list(store_wrapper)
-            if len(self._store_wrappers) != len(params.sources):
-                raise ConfigError(
-                    f"store_wrapper: {len(self._store_wrappers)} wrappers for "
-                    f"{len(params.sources)} sources"
-                )
+        self._store_wrappers = store_wrappers(store_wrapper, len(params.sources))
         self._lock = threading.Lock()
         self._closed = False
         self._pid = os.getpid()
@@ -127,30 +119,17 @@ class MixtureLoader:
             nice=self.options.engine_niceness,
         )
         try:
-            self._runner.run(self._open_first_passes())
-            self._check_budget()
-            self.step_count = self._step_count()
+            self._plans = self._runner.run(self._passes.open_first(len(self.streams)))
+            check_budget(self._sources, self.options.max_buffer_bytes)
+            self.step_count = default_step_count(
+                params, self.assignment, self._sources, self.rows_per_stream
+            )
         except BaseException:
             self.close()
             raise
-        self._log_sources()
+        log_sources(self._sources, params.sources, self.step_count)
 
     # -- construction -------------------------------------------------------------------------
-
-    async def _open_first_passes(self) -> None:
-        engines = await asyncio.gather(
-            *(self._passes.engine(s.index, 0) for s in self._sources), return_exceptions=True
-        )
-        for engine in engines:
-            if isinstance(engine, BaseException):
-                raise engine
-        for source, engine in zip(self._sources, engines):
-            assert isinstance(engine, Engine)
-            plan = engine.plan
-            self._plans.append(plan)
-            source.step_count = plan.step_count
-            source.last_minipoch_step = plan.first_step(plan.minipoch_count - 1)
-            source.buffer_bytes = 2 * len(self.streams) * plan.buffer_bytes
 
     async def _open_pass(self, index: int, epoch: int) -> Engine:
         engine = await open_engine(
@@ -164,43 +143,6 @@ class MixtureLoader:
         )
         self._runner.keep(engine)  # its tasks never die with a dropped loader's cycle
         return engine
-
-    def _check_budget(self) -> None:
-        needed = sum(s.buffer_bytes for s in self._sources)
-        budget = self.options.max_buffer_bytes
-        if budget is not None and needed > budget:
-            each = ", ".join(f"{s.where}: {s.buffer_bytes:,}" for s in self._sources)
-            raise ConfigError(
-                f"the mixture's shuffle buffers need {needed:,} bytes on this host ({each}), over "
-                f"EngineOptions.max_buffer_bytes={budget:,}"
-            )
-
-    def _step_count(self) -> int:
-        if self.params.steps is not None:
-            return self.params.steps
-        capacity = [s.step_count * self.rows_per_stream for s in self._sources]
-        steps = self.assignment.first_exhausted_step(capacity, self.params.streams)
-        if steps == 0:
-            raise ConfigError("the mixture exhausts a source at step 0; set MixtureParams.steps")
-        return steps
-
-    def _log_sources(self) -> None:
-        for source, spec in zip(self._sources, self.params.sources):
-            log.info(
-                "mixture source %d %s: weight %g, %d steps per pass, shuffle buffers %s on this "
-                "host (2 per stream; up to twice that while a next pass starts)",
-                source.index,
-                source.where,
-                spec.weight,
-                source.step_count,
-                format_bytes(source.buffer_bytes),
-            )
-        log.info(
-            "mixture of %d sources: %d steps, shuffle buffers %s on this host in all",
-            len(self._sources),
-            self.step_count,
-            format_bytes(sum(s.buffer_bytes for s in self._sources)),
-        )
 
     @property
     def plans(self) -> tuple[ShufflePlan, ...]:
@@ -216,49 +158,10 @@ class MixtureLoader:
 
     def groups(self, step: int) -> list[RowGroup]:
         """Which source rows (source, pass, source step, rows) make this host's rows of ``step``."""
-        r = self.rows_per_stream
-        hosts = self._host_rows
-        sources = np.empty(len(hosts), np.int64)
-        ks = np.empty(len(hosts), np.int64)
-        for stream in self.streams:
-            mine = np.flatnonzero(hosts // r == stream)
-            src, k = self.assignment.step_slots(stream, step)
-            sources[mine] = src[hosts[mine] % r]
-            ks[mine] = k[hosts[mine] % r]
         counts = np.array([s.step_count for s in self._sources], np.int64)
-        passes_step = ks // r
-        epochs = passes_step // counts[sources]
-        source_steps = passes_step % counts[sources]
-        rows = (hosts // r) * r + ks % r
-        # One group per (source, pass, source step): the global source step ``passes_step``
-        # holds the pass and step, so (passes_step, source) identifies a group.
-        keys = passes_step * len(self._sources) + sources
-        order = np.argsort(keys, kind="stable")
-        starts = np.flatnonzero(np.diff(keys[order], prepend=-1))
-        groups = []
-        for out in np.split(order, starts[1:]):
-            i = int(out[0])
-            wanted, take = np.unique(rows[out], return_inverse=True)
-            group = RowGroup(
-                int(sources[i]), int(epochs[i]), int(source_steps[i]), wanted, out, take
-            )
-            groups.append(group)
-        return groups
-
-    def _fast(self, groups: list[RowGroup]) -> list[np.ndarray] | None:
-        results = []
-        for group in groups:
-            engine = self._passes.engine_now(group.source, group.epoch)
-            if engine is None or self._passes.next_pass_due(group):
-                return None
-            try:
-                rows = engine.try_gather(group.step, group.rows)
-            except LoaderClosedError:  # this pass was just evicted: the loop path reopens it
-                return None
-            if rows is None:
-                return None
-            results.append(rows)
-        return results
+        return step_groups(
+            self.assignment, self._host_rows, self.streams, self.rows_per_stream, counts, step
+        )
 
     def _rows(self, step: int) -> np.ndarray:
         self._check_open()
@@ -268,7 +171,7 @@ class MixtureLoader:
                 f"(valid steps are 0..{self.step_count - 1})"
             )
         groups = self.groups(step)
-        results = self._fast(groups)
+        results = self._passes.try_gather(groups)
         if results is None:
             results = self._runner.run(
                 self._passes.gather(groups), timeout=self.options.load_timeout_s
@@ -282,18 +185,7 @@ class MixtureLoader:
     def _count(self, step: int, groups: list[RowGroup]) -> None:
         with self._lock:
             self._steps_built += 1
-            for group in groups:
-                source = self._sources[group.source]
-                source.rows += len(group.out)
-                if group.epoch + 1 > source.passes:
-                    source.passes = group.epoch + 1
-                    log.info(
-                        "mixture source %d (%s) ran out and starts pass %d at mixture step %d",
-                        source.index,
-                        source.where,
-                        source.passes,
-                        step,
-                    )
+            count_rows(self._sources, groups, step)
 
     # -- the loader's API ---------------------------------------------------------------------
 
@@ -301,11 +193,10 @@ class MixtureLoader:
         """The source index (into ``params.sources``) of every row of ``step``'s batch, all
         rows of all hosts (int64[batch]); pure and cheap, e.g. for a loss per source."""
         step = step_argument(step)
-        out = np.empty(self.token_batch_params.batch, np.int64)
-        r = self.rows_per_stream
-        for stream in range(self.params.streams):
-            out[stream * r : (stream + 1) * r] = self.assignment.step_slots(stream, step)[0]
-        return out
+        batch = self.token_batch_params.batch
+        return batch_sources(
+            self.assignment, self.params.streams, batch, self.rows_per_stream, step
+        )
 
     @property
     def max_token_id(self) -> int:
@@ -348,16 +239,9 @@ class MixtureLoader:
         """Per-source figures (passes, rows, engine waits and fills) of this host."""
         self._check_open()
         engines = self._runner.run(self._newest_engine_stats())
-        builds = np.array(self._build_s)
+        builds = list(self._build_s)
         with self._lock:
-            sources = tuple(
-                MixtureSourceStats(
-                    s.where, s.passes, s.rows, s.step_count, s.buffer_bytes, engines[s.index]
-                )
-                for s in self._sources
-            )
-            steps = self._steps_built
-        return MixtureStats(sources, steps, float(np.median(builds)) if len(builds) else None)
+            return mixture_stats(self._sources, engines, self._steps_built, builds)
 
     async def _newest_engine_stats(self) -> list[EngineStats]:
         return [s.engines[max(s.engines)].stats() for s in self._sources]

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..engine import Engine
 from ..errors import LoaderClosedError
+from ..plan import ShufflePlan
 
 __all__ = ["Passes", "RowGroup", "SourceState"]
 
@@ -55,7 +56,7 @@ class RowGroup:
 
 class Passes:
     """Opens, serves from and closes the sources' passes (call on the loop, except
-    :meth:`engine_now` and :meth:`next_pass_due`, which only read)."""
+    :meth:`engine_now`, :meth:`next_pass_due` and :meth:`try_gather`, which only read)."""
 
     def __init__(
         self,
@@ -72,6 +73,42 @@ class Passes:
 
     def engine_now(self, index: int, epoch: int) -> Engine | None:
         return self.sources[index].engines.get(epoch)
+
+    async def open_first(self, streams: int) -> list[ShufflePlan]:
+        """Open every source's first pass, note its shape in its state (``buffer_bytes`` for
+        this host's ``streams``) and return the sources' plans."""
+        engines = await asyncio.gather(
+            *(self.engine(s.index, 0) for s in self.sources), return_exceptions=True
+        )
+        for engine in engines:
+            if isinstance(engine, BaseException):
+                raise engine
+        plans = []
+        for source, engine in zip(self.sources, engines):
+            assert isinstance(engine, Engine)
+            plan = engine.plan
+            plans.append(plan)
+            source.step_count = plan.step_count
+            source.last_minipoch_step = plan.first_step(plan.minipoch_count - 1)
+            source.buffer_bytes = 2 * streams * plan.buffer_bytes
+        return plans
+
+    def try_gather(self, groups: list[RowGroup]) -> list[np.ndarray] | None:
+        """The rows of every group without the loop when all are ready in open passes and no
+        next pass is due, else None (the caller then runs :meth:`gather` on the loop)."""
+        results = []
+        for group in groups:
+            engine = self.engine_now(group.source, group.epoch)
+            if engine is None or self.next_pass_due(group):
+                return None
+            try:
+                rows = engine.try_gather(group.step, group.rows)
+            except LoaderClosedError:  # this pass was just evicted: the loop path reopens it
+                return None
+            if rows is None:
+                return None
+            results.append(rows)
+        return results
 
     async def engine(self, index: int, epoch: int) -> Engine:
         source = self.sources[index]

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
 
 from ..engine import EngineStats
+from .passes import SourceState
 
-__all__ = ["MixtureSourceStats", "MixtureStats"]
+__all__ = ["MixtureSourceStats", "MixtureStats", "mixture_stats"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,3 +36,21 @@ class MixtureStats:
     sources: tuple[MixtureSourceStats, ...]
     steps_built: int
     build_median_s: float | None
+
+
+def mixture_stats(
+    sources: Sequence[SourceState],
+    engines: Sequence[EngineStats],
+    steps_built: int,
+    build_s: Sequence[float],
+) -> MixtureStats:
+    """The figures of ``sources`` (``engines``: each one's newest pass's engine figures) and of
+    the steps built (``build_s``: jax build times)."""
+    builds = np.array(build_s)
+    per_source = tuple(
+        MixtureSourceStats(
+            s.where, s.passes, s.rows, s.step_count, s.buffer_bytes, engines[s.index]
+        )
+        for s in sources
+    )
+    return MixtureStats(per_source, steps_built, float(np.median(builds)) if len(builds) else None)

@@ -7,6 +7,7 @@
 * :mod:`.retry`: which failures are transient, and jittered exponential backoff to a deadline.
 * :mod:`.limiter`: the adaptive (AIMD) bound on requests in flight.
 * :mod:`.blosc`: Blosc frames: header checks, block layouts, partial decoding into buffers.
+* :mod:`.chunks`: chunk objects the reader decodes itself (codec detection, ``Frame``, crc32c).
 * :mod:`.faults`: a store wrapper that injects latency, errors and damaged bytes (tests, benches).
 
 The reader (:mod:`asyncflat.source`) sits on top of these; the engine never sees them.
