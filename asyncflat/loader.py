@@ -19,14 +19,15 @@ import logging
 import os
 import threading
 import time
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 from jax.sharding import Sharding
 
-from ._background import BackgroundBuilder, BackgroundStopped
+from ._background import BackgroundBuilder
+from ._engine_open import open_engine
+from ._loader_iter import BatchIterator, _Pin
 from ._loop import LoopThread
 from ._typecheck import checked
 from .batch import (
@@ -42,17 +43,14 @@ from .config import (
     FlatTokensParams,
     HuggingFaceDataParams,
     TokenBatchParams,
-    redact_url,
     step_argument,
 )
 from .engine import Engine, EngineStats, IntervalStats
 from .errors import ConfigError, LoaderClosedError
 from .format import SPLITS
 from .mixture.config import MixtureParams
-from .permutation import warm_up as warm_up_permutation
 from .plan import ShufflePlan
-from .sizing import dropped_warning, format_bytes
-from .source import StoreWrapper, TokenSource, ZarrTokenSource
+from .source import StoreWrapper, TokenSource
 
 # TokenBatch, default_sharding and check_batch_sharding live in asyncflat.batch; re-exported here
 # for code that imported them from this module.
@@ -72,66 +70,6 @@ _prefetch_ids = itertools.count()
 _DEFAULT_OPTIONS = EngineOptions()
 #: build times kept for ``stats().build_median_s``
 BUILD_HISTORY = 4096
-
-
-async def open_engine(
-    split: str,
-    params: FlatTokensParams,
-    token_batch_params: TokenBatchParams,
-    host_rows: np.ndarray,
-    options: EngineOptions,
-    *,
-    epoch: int = 0,
-    store_wrapper: StoreWrapper | None = None,
-    source: TokenSource | None = None,
-) -> Engine:
-    """Open ``params``' split (unless ``source`` is given), plan epoch ``epoch`` and build the
-    engine of the streams ``host_rows`` belong to (on the running loop, which then owns it)."""
-    if source is None:
-        source = await ZarrTokenSource.open(
-            os.fspath(params.filespec),  # a str once the config is built
-            split,
-            storage_options=params.storage_options,
-            max_concurrent_requests=options.max_concurrent_reads,
-            retry=options.retry,
-            store_wrapper=store_wrapper,
-        )
-    plan = ShufflePlan.create(
-        params,
-        token_batch_params,
-        token_count=source.token_count,
-        sequence_count=source.sequence_count,
-        epoch=epoch,
-    )
-    # Pay the one-time permutation compile and the global block shuffle here, at start-up,
-    # not inside the first load().
-    warm_up_permutation(max(plan.seqs_per_buffer, plan.read_block_count))
-    _ = plan.block_order
-    streams = np.unique(host_rows // plan.rows_per_stream_step).tolist()
-    needed = 2 * len(streams) * plan.buffer_bytes
-    if options.max_buffer_bytes is not None and needed > options.max_buffer_bytes:
-        raise ConfigError(
-            f"shuffle buffers need {needed:,} bytes on this host (2 x {len(streams)} streams x "
-            f"{plan.buffer_bytes:,}), over EngineOptions.max_buffer_bytes="
-            f"{options.max_buffer_bytes:,}; lower read_blocks_per_shuffle_buffer or "
-            "sequences_per_read_block"
-        )
-    where = f"{redact_url(os.fspath(params.filespec))}/{split}"
-    warning = dropped_warning(plan, where)
-    if warning is not None:
-        log.warning("%s", warning)
-    log.info(
-        "%s: %d steps, %d minipochs, streams %s on this host; shuffle buffers %s each, "
-        "%s on this host (2 per stream), for a split of %s of tokens",
-        where,
-        plan.step_count,
-        plan.minipoch_count,
-        streams,
-        format_bytes(plan.buffer_bytes),
-        format_bytes(needed),
-        format_bytes(plan.token_count * 4),
-    )
-    return Engine(plan, source, streams, options)
 
 
 class ShufflingLoader:
@@ -421,111 +359,6 @@ class ShufflingLoader:
     def _live_prefetchers(self) -> list[BackgroundBuilder[Any]]:
         with self._lock:
             return list(self._prefetchers)
-
-
-class _Pin:
-    """An iterator's pin on the minipochs it is positioned in (:meth:`Engine.pin`), so other
-    threads' loads and prefetches do not evict the buffers the iterator reads next.
-
-    Held per minipoch, not per step: moving within the minipochs already pinned changes
-    nothing (no engine lock, no counter churn on every ``next()``); entering the next minipoch
-    pins the new keys before releasing the old ones, so the minipoch read now is never unpinned
-    in between."""
-
-    def __init__(self, engine: Engine, host_rows: np.ndarray) -> None:
-        self._engine, self._rows = engine, host_rows
-        self._keys: list[tuple[int, int]] | None = None
-        self._lock = threading.Lock()
-
-    def move(self, step: int) -> None:
-        keys = self._engine.pin_keys(step, self._rows)
-        with self._lock:  # pin and unpin under it: a release() in between cannot leak a pin
-            if keys == self._keys:
-                return
-            old, self._keys = self._keys, keys
-            self._engine.pin(keys)
-            if old is not None:
-                self._engine.unpin(old)
-
-    def release(self) -> None:
-        with self._lock:
-            old, self._keys = self._keys, None
-            if old is not None:
-                self._engine.unpin(old)
-
-
-class BatchIterator(Iterator[tuple[int, Any]]):
-    """``(step, batch)`` pairs of a :class:`ShufflingLoader`, built ahead when prefetching.
-
-    A ``KeyboardInterrupt`` while ``next()`` waits leaves the iterator where it was: the next
-    ``next()`` returns the same step. Any other error ends the iteration.
-    """
-
-    def __init__(self, loader: ShufflingLoader, start: int, depth: int) -> None:
-        self._loader = loader
-        self._step = start
-        self._stop_step = loader.step_count
-        self._prefetch: BackgroundBuilder[Any] | None = None
-        self._finalizer: weakref.finalize | None = None
-        self._pin = _Pin(loader._engine, loader._host_rows)
-        if start < self._stop_step:
-            self._pin.move(start)
-        if depth and start < self._stop_step:
-            self._prefetch = loader._start_prefetch(start, depth)
-            # The finalizer holds the loader and the builder, never this iterator, so a dropped
-            # iterator is collected and its thread stopped.
-            self._finalizer = weakref.finalize(
-                self, loader._stop_prefetch, self._prefetch, self._pin
-            )
-        else:
-            self._finalizer = weakref.finalize(self, self._pin.release)
-        # Not at interpreter exit: joining a thread blocked in a load could wait a whole
-        # load; the thread is a daemon and the loop's own exit hook cancels its load.
-        self._finalizer.atexit = False
-
-    def __iter__(self) -> BatchIterator:
-        return self
-
-    def __next__(self) -> tuple[int, Any]:
-        if self._step >= self._stop_step:
-            raise StopIteration
-        step = self._step
-        if self._prefetch is None:
-            batch = self._loader.load(step)  # raising leaves the step where it is
-        else:
-            self._loader._check_open()
-            try:
-                batch = self._prefetch.take(step)
-            except KeyboardInterrupt:
-                raise  # the builder goes on; the next next() takes this same step
-            except BackgroundStopped:
-                self._step = self._stop_step
-                self.close()
-                self._loader._check_open()  # closed loader: LoaderClosedError
-                raise LoaderClosedError("the device-prefetch thread has stopped") from None
-            except BaseException:
-                self._step = self._stop_step  # an error ends the iteration
-                self.close()
-                raise
-            self._loader._count_delivered()  # (load() above counts its own)
-        self._step = step + 1
-        if self._step >= self._stop_step:
-            self.close()
-        elif not self._loader._closed:
-            self._pin.move(self._step)
-        return step, batch
-
-    def close(self) -> None:
-        """Stop the prefetch thread and drop the batches built ahead. Idempotent."""
-        self._step = self._stop_step
-        if self._finalizer is not None:
-            self._finalizer()
-
-    def __enter__(self) -> BatchIterator:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
 
 @checked

@@ -22,7 +22,7 @@ from asyncflat import (
     TokenBatchParams,
 )
 from asyncflat.engine import Engine
-from asyncflat.engine.core import ROWS_AHEAD_STEPS
+from asyncflat.engine.waiting import ROWS_AHEAD_STEPS
 
 
 def make(

@@ -106,7 +106,7 @@ def test_the_heap_is_trimmed_once_per_finished_fill(
     """After each fill the engine hands glibc's free heap pages back (``malloc_trim``, on its
     worker pool): a fill's transient chunk reads otherwise stay resident in the heap."""
     import asyncflat._heap
-    import asyncflat.engine.core
+    import asyncflat.engine.units
 
     if asyncflat._heap._resolve() is None:
         pytest.skip("no glibc malloc_trim here")
@@ -123,7 +123,7 @@ def test_the_heap_is_trimmed_once_per_finished_fill(
         deadline = time.monotonic() + 10
         while len(trimmed) < fills and time.monotonic() < deadline:  # the pool runs them
             time.sleep(0.01)
-    assert asyncflat.engine.core.trim_later is asyncflat._heap.trim_later
+    assert asyncflat.engine.units.trim_later is asyncflat._heap.trim_later
     assert fills >= 3
     assert len(trimmed) == fills
     assert all(result in (0, 1) for result in trimmed)

@@ -13,6 +13,9 @@ One job per module:
 * :mod:`.scheduler`: one priority queue keyed by the first step that needs each unit, a fixed
   set of workers (a sliding window of reads), one admission rule for the byte budget, and the
   background limits that leave the trainer a core;
+* :mod:`.units`: one unit read into its fill's buffer (the body the scheduler's workers run);
+* :mod:`.waiting`: what a load does about each fill it reads (serve, wait for its blocks, or
+  read its rows alone and read ahead; a failed fill's error, raised with the step);
 * :mod:`.rows`: rows read on their own for a load that arrives before its blocks;
 * :mod:`.stats` and :mod:`.recorder`: typed snapshots, bounded history, the trainer's step rate
   and the lateness warning;

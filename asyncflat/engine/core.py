@@ -1,9 +1,10 @@
 """The :class:`Engine`: serves any step's rows from per-stream buffer pairs, filling ahead.
 
 It composes the pieces of this package: the fill table and its buffers (:mod:`.table`,
-:mod:`.fill`), the unit scheduler (:mod:`.scheduler`), row reads for loads ahead of their
-blocks (:mod:`.rows`) and the figures (:mod:`.recorder`, :mod:`.stats`), over a
-:class:`~asyncflat.source.TokenSource`.
+:mod:`.fill`), the unit scheduler (:mod:`.scheduler`) and the reads its workers run
+(:mod:`.units`), what a load does about each fill it reads (:mod:`.waiting`), row reads for
+loads ahead of their blocks (:mod:`.rows`) and the figures (:mod:`.recorder`, :mod:`.stats`),
+over a :class:`~asyncflat.source.TokenSource`.
 """
 
 from __future__ import annotations
@@ -13,27 +14,24 @@ import itertools
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 import numpy as np
 
-from .._heap import trim_later
 from ..config import EngineOptions
-from ..errors import AsyncflatError, LoaderClosedError, StorageError
-from ..plan import NEVER, ShufflePlan
+from ..errors import LoaderClosedError
+from ..plan import ShufflePlan
 from ..source import TokenSource
-from ..storage.limiter import DEMAND
-from .fill import Fill, FillWriter, Unit, read_unpacked_rows
-from .recorder import Recorder, log
+from .fill import Fill, Unit
+from .recorder import Recorder
 from .rows import RowReader
 from .scheduler import UnitScheduler
 from .stats import EngineStats, IntervalStats
 from .table import FillTable, Groups
+from .units import UnitReader, inflight_budget
+from .waiting import FillWaiter
 
 __all__ = ["Engine"]
-
-#: Steps whose rows a load served by row reads starts reading ahead (a fill in progress).
-ROWS_AHEAD_STEPS = 8
 
 
 class Engine:
@@ -69,14 +67,15 @@ class Engine:
             if plan.sequence_packing
             else plan.sequences_per_read_block * plan.seq_len
         )
+        self._recorder = Recorder()
+        self._units = UnitReader(plan, source, self._recorder, options.decode_threads)
         self._scheduler: UnitScheduler[Unit] = UnitScheduler(
-            self._run_unit,
+            self._units.run,
             workers=options.max_concurrent_reads,
             reserve=4 * unit_tokens,  # decoded bytes of the largest unit
-            budget=self._inflight_budget(),
+            budget=inflight_budget(plan, source, options),
             background_limit=options.max_concurrent_reads if source.remote else 1,
         )
-        self._recorder = Recorder()
         self._fills = FillTable(
             plan,
             self.streams,
@@ -84,32 +83,24 @@ class Engine:
             queue=self._scheduler.put,
             ended=self._recorder.fill_ended,
         )
-        # Prefetch fills decode on all but one CPU thread, leaving a core to the trainer; a fill
-        # that a load is waiting for (urgent) uses them all.
-        self._background_decodes = asyncio.Semaphore(max(1, options.decode_threads - 1))
         # A load ahead of its blocks reads just its rows when the source can do that cheaply.
         self._rows = (
             RowReader(plan, source, self._scheduler, pause=not source.remote)
             if plan.sequence_packing and source.partial_reads and options.prefetch
             else None
         )
-        #: the step of the load waiting right now, if any: the units it needs are demand reads
-        self._waiting_step: int | None = None
+        self._waiter = FillWaiter(
+            plan,
+            options,
+            lock=self._lock,
+            fills=self._fills,
+            scheduler=self._scheduler,
+            rows=self._rows,
+            recorder=self._recorder,
+            closed=lambda: self._closed,
+        )
         self._closed = False  # no load is served any more
         self._aclosed = False  # workers, row reads and the source closed
-
-    def _inflight_budget(self) -> int:
-        # Decoded bytes of reads in flight. An eighth of a buffer keeps peak memory near two
-        # buffers per stream; a few whole chunks keep the read window open on small buffers.
-        # Behind a network, latency is hidden only by keeping the whole read window busy.
-        if self.options.max_inflight_bytes is not None:
-            return self.options.max_inflight_bytes
-        chunk_bytes = self.source.token_chunk * 4
-        window = self.options.max_concurrent_reads if self.source.remote else 4
-        return max(
-            self.plan.buffer_bytes // 8,
-            min(self.options.max_concurrent_reads, window) * chunk_bytes,
-        )
 
     # -- public -------------------------------------------------------------------------------
 
@@ -136,25 +127,14 @@ class Engine:
                     fills.append(fill)
                 if self.options.prefetch:
                     self._fills.prefetch_after(groups)
-            self._waiting_step = step
+            self._units.waiting_step = step
             try:
                 out = np.empty((len(loc.batch_index), self.plan.seq_len), np.uint32)
                 for fill, rows in zip(fills, groups.values()):
                     buffer_rows = fill.perm[loc.position[rows]]
-                    if not fill.done:
-                        await self._make_urgent(fill)
-                    if not fill.done and self._rows is not None:
-                        await self._serve_early(fill, step, buffer_rows, out[rows])
-                        if not fill.done:  # after this load's rows: they must not wait
-                            self._rows.read_ahead(fill, self._rows_ahead(fill, step, batch_indices))
-                        continue
-                    if not fill.done:
-                        await self._wait_ready(fill, step, buffer_rows)
-                    elif fill.error is not None:
-                        self._raise_fill_error(fill, step)
-                    np.take(fill.buffer, buffer_rows, axis=0, out=out[rows])
+                    await self._waiter.serve(fill, step, batch_indices, buffer_rows, out[rows])
             finally:
-                self._waiting_step = None
+                self._units.waiting_step = None
                 with self._lock:
                     for fill in fills:
                         fill.owners -= 1
@@ -285,130 +265,6 @@ class Engine:
         with self._lock:
             self._fills.prefetch_after(groups)
 
-    # -- reading ------------------------------------------------------------------------------
-
-    async def _run_unit(self, unit: Unit) -> None:
-        fill = unit.fill
-        waiting = self._waiting_step
-        # A unit the waiting load needs goes ahead of every other request at the store.
-        demand = DEMAND.set(waiting is not None and unit.priority <= waiting)
-        try:
-            await self._read_unit(unit)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - kept by the fill, raised by the load needing it
-            log.debug(
-                "read %d:%d of stream %d minipoch %d failed",
-                unit.start,
-                unit.stop,
-                fill.stream,
-                fill.minipoch,
-                exc_info=True,
-            )
-            fill.fail(exc)
-            return
-        finally:
-            DEMAND.reset(demand)
-        if fill.cancelled:
-            return
-        fill.unit_done(unit)
-        self._recorder.unit_done(fill, sum(piece[3] for piece in unit.pieces) * 4)
-        if fill.done:
-            trim_later(asyncio.get_running_loop())  # the fill's transient reads, freed
-
-    async def _read_unit(self, unit: Unit) -> None:
-        fill = unit.fill
-        flat = fill.buffer.reshape(-1)
-        slot_tokens = self.plan.sequences_per_read_block * self.plan.seq_len
-        writer = FillWriter(fill, self._background_decodes)
-        if self.plan.sequence_packing:
-            lo = unit.start // self.source.token_chunk * self.source.token_chunk
-            targets = [
-                (unit.start - lo + src, flat[slot * slot_tokens + offset :][:length])
-                for slot, offset, src, length in unit.pieces
-            ]
-            await self.source.read_into(unit.start, unit.stop, targets, writer)
-            return
-        rows = await read_unpacked_rows(self.source, unit.start, unit.stop, self.plan.seq_len)
-        ((slot, _, _, length),) = unit.pieces
-        view = flat[slot * slot_tokens :][:length]
-
-        def copy() -> None:
-            view[:] = rows.reshape(-1)
-
-        await writer.write(copy)
-
-    async def _make_urgent(self, fill: Fill) -> None:
-        fill.waited_on = True
-        if not fill.urgent:
-            fill.urgent = True  # a load waits on it: full speed from now on
-            await self._scheduler.wake_background()
-
-    async def _serve_early(
-        self, fill: Fill, step: int, buffer_rows: np.ndarray, out: np.ndarray
-    ) -> None:
-        """A fill still in progress: its finished rows from the buffer, the others read alone."""
-        assert self._rows is not None
-        if fill.error is not None:
-            self._raise_fill_error(fill, step)
-        try:
-            self._recorder.rows_read_directly += await self._rows.serve(fill, buffer_rows, out)
-        except asyncio.CancelledError:
-            if self._closed:  # aclose() cancelled the reads: the load learns why
-                raise LoaderClosedError("the engine was closed") from None
-            raise
-        except Exception as exc:  # noqa: BLE001 - re-raised with the step and stream named
-            _raise_with_context(
-                exc,
-                f"step {step}: reading rows of stream {fill.stream} minipoch {fill.minipoch} failed",
-            )
-
-    def _rows_ahead(self, fill: Fill, step: int, batch_indices: np.ndarray) -> np.ndarray:
-        """Buffer rows of ``fill`` that the next steps' loads of the same batch rows will read
-        (up to ``ROWS_AHEAD_STEPS`` steps, as long as they stay in this fill)."""
-        rows = []
-        for ahead in range(step + 1, min(step + 1 + ROWS_AHEAD_STEPS, self.plan.step_count)):
-            loc = self.plan.locate(ahead, batch_indices)
-            mine = (loc.stream == fill.stream) & (loc.minipoch == fill.minipoch)
-            if not mine.any():
-                break
-            rows.append(fill.perm[loc.position[mine]])
-        return np.concatenate(rows) if rows else np.empty(0, np.int64)
-
-    async def _wait_ready(self, fill: Fill, step: int, buffer_rows: np.ndarray) -> None:
-        if self.options.prefetch:
-            slots = np.unique(buffer_rows // self.plan.sequences_per_read_block)
-        else:  # the reference's behaviour: a load waits for the whole buffer
-            slots = np.arange(len(fill.blocks))
-        for slot in slots.tolist():
-            if fill.deadlines[slot] > step and fill.deadlines[slot] != NEVER:
-                # Filled in order of need, except when a load jumps backwards: bump its units.
-                fill.deadlines[slot] = step
-                for unit in fill.units:
-                    if any(piece[0] == slot for piece in unit.pieces):
-                        self._scheduler.reprioritise(unit, step)
-            await fill.ready[slot].wait()
-            if fill.error is not None:
-                self._raise_fill_error(fill, step)
-
-    def _raise_fill_error(self, fill: Fill, step: int) -> NoReturn:
-        exc = fill.error
-        assert exc is not None
-        with self._lock:
-            if self._fills.get(fill.stream, fill.minipoch) is fill:
-                self._fills.drop(fill)  # the next load retries this minipoch
-        _raise_with_context(
-            exc, f"step {step}: filling stream {fill.stream} minipoch {fill.minipoch} failed"
-        )
-
     def _record_step(self, step: int, wait: float) -> None:
         with self._lock:
             self._recorder.step(step, wait)
-
-
-def _raise_with_context(exc: BaseException, context: str) -> NoReturn:
-    """Re-raise ``exc`` (same library class, else StorageError) with ``context`` prefixed."""
-    message = f"{context}: {exc}"
-    if isinstance(exc, AsyncflatError):
-        raise type(exc)(message) from exc
-    raise StorageError(message) from exc

@@ -1,0 +1,150 @@
+"""What a load does about each fill it reads: serve a finished buffer, wait for the blocks it
+needs of a fill in progress, or read its rows on their own when the fill is behind (and start
+reading the next steps' rows too); a failed fill is dropped and its error raised with the step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from typing import NoReturn
+
+import numpy as np
+
+from ..config import EngineOptions
+from ..errors import AsyncflatError, LoaderClosedError, StorageError
+from ..plan import NEVER, ShufflePlan
+from .fill import Fill, Unit
+from .recorder import Recorder
+from .rows import RowReader
+from .scheduler import UnitScheduler
+from .table import FillTable
+
+__all__ = ["ROWS_AHEAD_STEPS", "FillWaiter", "raise_with_context"]
+
+#: Steps whose rows a load served by row reads starts reading ahead (a fill in progress).
+ROWS_AHEAD_STEPS = 8
+
+
+class FillWaiter:
+    """Serves a load's rows of one fill (:meth:`serve`), on the engine's loop.
+
+    Shares the engine's lock, fill table, scheduler, row reader and recorder; ``closed`` says
+    whether the engine has been closed.
+    """
+
+    def __init__(
+        self,
+        plan: ShufflePlan,
+        options: EngineOptions,
+        *,
+        lock: threading.Lock,
+        fills: FillTable,
+        scheduler: UnitScheduler[Unit],
+        rows: RowReader | None,
+        recorder: Recorder,
+        closed: Callable[[], bool],
+    ) -> None:
+        self._plan = plan
+        self._options = options
+        self._lock = lock
+        self._fills = fills
+        self._scheduler = scheduler
+        self._rows = rows
+        self._recorder = recorder
+        self._closed = closed
+
+    async def serve(
+        self,
+        fill: Fill,
+        step: int,
+        batch_indices: np.ndarray,
+        buffer_rows: np.ndarray,
+        out: np.ndarray,
+    ) -> None:
+        """Write the rows ``buffer_rows`` of ``fill`` (a load of ``step`` at ``batch_indices``)
+        into ``out``, waiting for them or reading them alone if the fill is not done."""
+        if not fill.done:
+            await self._make_urgent(fill)
+        if not fill.done and self._rows is not None:
+            await self._serve_early(fill, step, buffer_rows, out)
+            if not fill.done:  # after this load's rows: they must not wait
+                self._rows.read_ahead(fill, self._rows_ahead(fill, step, batch_indices))
+            return
+        if not fill.done:
+            await self._wait_ready(fill, step, buffer_rows)
+        elif fill.error is not None:
+            self._raise_fill_error(fill, step)
+        np.take(fill.buffer, buffer_rows, axis=0, out=out)
+
+    async def _make_urgent(self, fill: Fill) -> None:
+        fill.waited_on = True
+        if not fill.urgent:
+            fill.urgent = True  # a load waits on it: full speed from now on
+            await self._scheduler.wake_background()
+
+    async def _serve_early(
+        self, fill: Fill, step: int, buffer_rows: np.ndarray, out: np.ndarray
+    ) -> None:
+        """A fill still in progress: its finished rows from the buffer, the others read alone."""
+        assert self._rows is not None
+        if fill.error is not None:
+            self._raise_fill_error(fill, step)
+        try:
+            self._recorder.rows_read_directly += await self._rows.serve(fill, buffer_rows, out)
+        except asyncio.CancelledError:
+            if self._closed():  # aclose() cancelled the reads: the load learns why
+                raise LoaderClosedError("the engine was closed") from None
+            raise
+        except Exception as exc:  # noqa: BLE001 - re-raised with the step and stream named
+            raise_with_context(
+                exc,
+                f"step {step}: reading rows of stream {fill.stream} minipoch {fill.minipoch} failed",
+            )
+
+    def _rows_ahead(self, fill: Fill, step: int, batch_indices: np.ndarray) -> np.ndarray:
+        """Buffer rows of ``fill`` that the next steps' loads of the same batch rows will read
+        (up to ``ROWS_AHEAD_STEPS`` steps, as long as they stay in this fill)."""
+        rows = []
+        for ahead in range(step + 1, min(step + 1 + ROWS_AHEAD_STEPS, self._plan.step_count)):
+            loc = self._plan.locate(ahead, batch_indices)
+            mine = (loc.stream == fill.stream) & (loc.minipoch == fill.minipoch)
+            if not mine.any():
+                break
+            rows.append(fill.perm[loc.position[mine]])
+        return np.concatenate(rows) if rows else np.empty(0, np.int64)
+
+    async def _wait_ready(self, fill: Fill, step: int, buffer_rows: np.ndarray) -> None:
+        if self._options.prefetch:
+            slots = np.unique(buffer_rows // self._plan.sequences_per_read_block)
+        else:  # the reference's behaviour: a load waits for the whole buffer
+            slots = np.arange(len(fill.blocks))
+        for slot in slots.tolist():
+            if fill.deadlines[slot] > step and fill.deadlines[slot] != NEVER:
+                # Filled in order of need, except when a load jumps backwards: bump its units.
+                fill.deadlines[slot] = step
+                for unit in fill.units:
+                    if any(piece[0] == slot for piece in unit.pieces):
+                        self._scheduler.reprioritise(unit, step)
+            await fill.ready[slot].wait()
+            if fill.error is not None:
+                self._raise_fill_error(fill, step)
+
+    def _raise_fill_error(self, fill: Fill, step: int) -> NoReturn:
+        exc = fill.error
+        assert exc is not None
+        with self._lock:
+            if self._fills.get(fill.stream, fill.minipoch) is fill:
+                self._fills.drop(fill)  # the next load retries this minipoch
+        raise_with_context(
+            exc, f"step {step}: filling stream {fill.stream} minipoch {fill.minipoch} failed"
+        )
+
+
+def raise_with_context(exc: BaseException, context: str) -> NoReturn:
+    """Re-raise ``exc`` (same library class, else StorageError) with ``context`` prefixed."""
+    message = f"{context}: {exc}"
+    if isinstance(exc, AsyncflatError):
+        raise type(exc)(message) from exc
+    raise StorageError(message) from exc
