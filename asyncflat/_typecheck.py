@@ -51,7 +51,10 @@ def _plain_classes(hint: Any) -> tuple[type, ...] | None:
 
 
 def _qualified_name(value: Any) -> str:
-    cls = type(value)
+    return _qualified_class(type(value))
+
+
+def _qualified_class(cls: type) -> str:
     module = cls.__module__
     return cls.__qualname__ if module == "builtins" else f"{module}.{cls.__qualname__}"
 
@@ -112,6 +115,14 @@ class _Checker:
                         continue
                 except TypeError:
                     pass  # e.g. a protocol that is not runtime-checkable: typeguard decides
+                else:
+                    if len(classes) > 1 and type(None) not in classes:
+                        # typeguard words a union as one line per member; one line reads better
+                        wanted = " or ".join(_qualified_class(c) for c in classes)
+                        raise ArgumentTypeError(
+                            f'{self._fn.__qualname__}(): argument "{name}" '
+                            f"({_qualified_name(value)}) is not an instance of {wanted}"
+                        )
             self._slow(name, value, hint)
 
     def _slow(self, name: str, value: Any, hint: Any) -> None:

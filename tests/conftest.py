@@ -12,8 +12,9 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 import asyncio
 import functools
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -123,3 +124,19 @@ def s3_server():
             patch.setenv(name, value)
         with MotoS3(bucket="asyncflat-test") as server:
             yield server
+
+
+@pytest.fixture(autouse=True)
+def _logging_as_found() -> Iterator[None]:
+    """Each test leaves logging's levels and root handlers as it found them: the CLI's ``main()``
+    configures logging the way a command line should, which would change what later tests see."""
+    loggers = [logging.getLogger(), logging.getLogger("asyncflat")]
+    levels = [lg.level for lg in loggers]
+    handlers = list(logging.getLogger().handlers)
+    yield
+    for lg, level in zip(loggers, levels):
+        lg.setLevel(level)
+    root = logging.getLogger()
+    for handler in root.handlers[:]:
+        if handler not in handlers and not type(handler).__module__.startswith("_pytest"):
+            root.removeHandler(handler)  # pytest's own capture handlers come and go by phase
