@@ -57,9 +57,21 @@ def rss_kib() -> int:
 
 def python_blocks() -> int:
     """Blocks of Python's small-object allocator in use: every small Python object, the ones
-    the collector does not track too (a dict of ints, a tuple, a float)."""
+    the collector does not track too (a dict of ints, a tuple, a float).
+
+    Read once the engine has settled: right after a load, the rows it started reading ahead and
+    the fill streaming on hold a few hundred transient objects (+-1,000 between two reads)."""
+    deadline = time.monotonic() + 5
     gc.collect()
-    return sys.getallocatedblocks()
+    last = sys.getallocatedblocks()
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        gc.collect()
+        now = sys.getallocatedblocks()
+        if abs(now - last) < 20:
+            return now
+        last = now
+    return last
 
 
 def test_thousands_of_random_loads_hold_flat_memory_after_warm_up(tmp_path: Path) -> None:
@@ -86,8 +98,10 @@ def test_thousands_of_random_loads_hold_flat_memory_after_warm_up(tmp_path: Path
         blocks1 = python_blocks()
         stats = loader.stats()
 
-    # The run recycled fills all along (the case where a per-fill leak would show).
-    assert stats.fills_completed - fills0 > MEASURED_LOADS // 2, stats.fills_completed - fills0
+    # The run recycled fills all along (the case where a per-fill leak would show). Most random
+    # loads are served by row reads while the fill of their minipoch streams on, so there are
+    # fewer fills than loads (about 200 in 1,600 here), but hundreds of them.
+    assert stats.fills_completed - fills0 >= 100, stats.fills_completed - fills0
     assert len(stats.fills) <= 256
     growth = rss1 - rss0
     assert growth < RSS_BOUND_KIB, (
