@@ -39,7 +39,13 @@ from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.core.sync import sync
 from zarr.storage import FsspecStore, LocalStore, WrapperStore
 
-from .errors import AsyncflatError, ConfigError, StorageError
+from .errors import (
+    AsyncflatError,
+    ConfigError,
+    StorageError,
+    install_log_redaction,
+    option_secrets,
+)
 
 __all__ = [
     "GuardedStore",
@@ -384,6 +390,8 @@ def open_output(
     """The output for a local path, a ``file://`` URL or any other fsspec URL."""
     text = os.fspath(path)
     if is_remote(text):
+        # fsspec's and the cloud clients' own log records show the URL they were given
+        install_log_redaction(option_secrets(storage_options))
         return ObjectOutput(text, overwrite=overwrite, storage_options=storage_options)
     if storage_options:
         raise ConfigError(

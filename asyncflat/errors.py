@@ -104,6 +104,9 @@ _USERINFO = re.compile(
     r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)"
     r"(?:(?P<user>[^/@:\s]*):(?P<password>[^@\s]*)|(?P<token>[^/@:\s]+))@"
 )
+#: ``user:password@host`` with its scheme already stripped, as libraries show a bucket or path
+#: they parsed from a URL (``Invalid bucket name "carol:pw@bkt"``, ``/alice:pw@bucket/x``).
+_BARE_USERINFO = re.compile(r"(?P<user>[\w.+%~-]+):(?P<password>[^@\s/'\"]+)@(?=[\w.\[-])")
 _QUERY_SECRET = re.compile(
     r"(?i)(?P<key>[?&](?:token|access_token|sig|signature|x-amz-signature|x-amz-credential|"
     r"x-amz-security-token|x-goog-signature|x-goog-credential|key|secret|password)=)[^&\s#'\"]+"
@@ -124,7 +127,8 @@ def redact(text: str, secrets: Iterable[str] = ()) -> str:
 
     for secret in sorted(secrets, key=len, reverse=True):
         text = text.replace(secret, "***")
-    return _QUERY_SECRET.sub(r"\g<key>***", _USERINFO.sub(userinfo, text))
+    text = _BARE_USERINFO.sub(r"\g<user>:***@", _USERINFO.sub(userinfo, text))
+    return _QUERY_SECRET.sub(r"\g<key>***", text)
 
 
 #: Option values shorter than this are not treated as secrets (``True``, ``"us"``, ``3``).
@@ -231,7 +235,7 @@ def install_log_redaction(secrets: Iterable[str] = ()) -> None:
         except Exception:  # noqa: BLE001 - a malformed record is logging's to report
             return record
         secrets = _LOG_SECRETS
-        if "://" in message or "=" in message or any(s in message for s in secrets):
+        if "@" in message or "=" in message or any(s in message for s in secrets):
             clean = redact(message, secrets)
             if clean != message:
                 record.msg, record.args = clean, None

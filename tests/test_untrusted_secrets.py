@@ -267,3 +267,60 @@ def test_a_read_error_that_repeats_an_option_value_is_scrubbed(
         assert any("retrying" in m and "refused for token ***" in m for m in records), records
     for message in records:
         assert "tok-OPTION" not in message, message
+
+
+# -- credentials a library shows without their URL's scheme -------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        'Invalid bucket name "carol:pw3SECRET@bkt": Bucket name must match',
+        "info: /alice:pw3SECRET@bucket/w.zarr/zarr.json",
+        "{'Bucket': 'carol:pw3SECRET@bkt', 'Key': 'x.zarr/zarr.json'}",
+    ],
+)
+def test_userinfo_without_its_scheme_is_redacted(text: str) -> None:
+    clean = redact(text)
+    assert "pw3SECRET" not in clean and ":***@" in clean, clean
+
+
+def _chain(exc: BaseException | None) -> Iterator[BaseException]:
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        # what a traceback (or an error reporter) shows: the cause, or an unsuppressed context
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+
+
+def test_an_s3_url_with_a_password_never_shows_it(caplog: pytest.LogCaptureFixture) -> None:
+    """botocore rejects ``carol:pw@bkt`` as a bucket name and quotes it, without ``s3://``."""
+    pytest.importorskip("s3fs")
+    caplog.set_level(logging.DEBUG)
+    params = asyncflat.FlatTokensParams(
+        "s3://carol:pw3SECRET@bkt/x.zarr", 1, 4, 16, 0, True,
+        storage_options={"endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s"},
+    )  # fmt: skip
+    with pytest.raises(AsyncflatError) as info:
+        asyncflat.ShufflingLoader("train", params, asyncflat.TokenBatchParams(len=16, batch=8))
+    for exc in _chain(info.value):
+        assert "pw3SECRET" not in str(exc), str(exc)
+    assert "pw3SECRET" not in "".join(traceback.format_exception(info.value))
+    leaks = [r.getMessage() for r in caplog.records if "pw3SECRET" in r.getMessage()]
+    assert not leaks, leaks[:3]
+
+
+def test_writing_to_a_url_with_a_password_logs_none_of_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    url = "memory://alice:pw3SECRET@bucket/w.zarr"
+    asyncflat.write_flat_tokens(url, {"train": [np.arange(1, 30, dtype=np.uint32)] * 50})
+    params = asyncflat.FlatTokensParams(url, 1, 2, 8, 0, True)
+    batch = asyncflat.TokenBatchParams(len=16, batch=8)
+    with asyncflat.ShufflingLoader("train", params, batch) as loader:
+        loader.load(0)
+    assert caplog.records, "fsspec's DEBUG records are what this test reads"
+    leaks = [r.getMessage() for r in caplog.records if "pw3SECRET" in r.getMessage()]
+    assert not leaks, leaks[:3]

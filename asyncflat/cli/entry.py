@@ -51,6 +51,25 @@ def _check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
     """Combinations argparse cannot express; reported as usage errors (exit status 2)."""
     if args.command == "inspect" and (args.len is None) != (args.batch is None):
         parser.error("inspect: --len and --batch go together (loader figures need both)")
+    if args.command == "inspect" and args.mixture:
+        # the config file holds each source's loader parameters: these flags would be ignored
+        ignored = [
+            flag
+            for flag, given in (
+                ("--verify", args.verify),
+                ("--streams", args.streams != 1),
+                ("--read-blocks-per-buffer", args.read_blocks_per_buffer != 64),
+                ("--sequences-per-block", args.sequences_per_block is not None),
+                ("--seed", args.seed != 0),
+                ("--no-packing", args.no_packing),
+            )
+            if given
+        ]
+        if ignored:
+            parser.error(
+                f"inspect --mixture: {', '.join(ignored)} do not apply (each source's loader "
+                "parameters are in the config; --verify each source's store on its own)"
+            )
     if args.command == "demo" and args.plot:
         try:
             import matplotlib  # noqa: F401

@@ -29,7 +29,15 @@ def _weight(owner: str, value: object) -> float:
     return weight
 
 
-def _int(owner: str, value: object, minimum: int) -> int:
+#: A block's placement is one permutation of its rows, built whole: more rows than this would
+#: take seconds and hundreds of MiB per block for no better proportions.
+MAX_BLOCK_ROWS = 1 << 22
+#: Steps of a mixture: far beyond any run, and small enough that row counts (steps x batch)
+#: stay exact in int64.
+MAX_STEPS = 1 << 40
+
+
+def _int(owner: str, value: object, minimum: int, maximum: int | None = None) -> int:
     if isinstance(value, bool):
         raise ConfigError(f"{owner} must be an integer, got bool {value!r}")
     try:
@@ -40,6 +48,8 @@ def _int(owner: str, value: object, minimum: int) -> int:
         ) from None
     if as_int < minimum:
         raise ConfigError(f"{owner} must be >= {minimum}, got {as_int}")
+    if maximum is not None and as_int > maximum:
+        raise ConfigError(f"{owner} must be <= {maximum:,}, got {as_int:,}")
     return as_int
 
 
@@ -139,7 +149,9 @@ class MixtureParams:
         object.__setattr__(self, "sources", built)
         object.__setattr__(self, "seed", _int("MixtureParams.seed", self.seed, minimum=0))
         object.__setattr__(
-            self, "block_rows", _int("MixtureParams.block_rows", self.block_rows, minimum=1)
+            self,
+            "block_rows",
+            _int("MixtureParams.block_rows", self.block_rows, minimum=1, maximum=MAX_BLOCK_ROWS),
         )
         stages = self.stages
         if isinstance(stages, (str, bytes, Mapping)) or not isinstance(stages, Sequence):
@@ -167,7 +179,9 @@ class MixtureParams:
             previous = stage.start_step
         object.__setattr__(self, "stages", built_stages)
         if self.steps is not None:
-            object.__setattr__(self, "steps", _int("MixtureParams.steps", self.steps, minimum=1))
+            object.__setattr__(
+                self, "steps", _int("MixtureParams.steps", self.steps, minimum=1, maximum=MAX_STEPS)
+            )
 
     @property
     def streams(self) -> int:

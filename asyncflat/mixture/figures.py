@@ -27,15 +27,24 @@ def load_mixture_config(path: str | os.PathLike[str]) -> MixtureParams:
     """A :class:`MixtureParams` from a JSON file, or a YAML one (``.yaml``/``.yml``, needs
     PyYAML); the file holds the dataclass's dict form (``sources`` of ``params`` and ``weight``,
     optional ``seed``, ``block_rows``, ``stages``, ``steps``)."""
-    text = Path(path).read_text(encoding="utf-8")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read the mixture config: {exc}") from None
     if Path(path).suffix in (".yaml", ".yml"):
         try:
             import yaml
         except ImportError:
             raise ConfigError("reading a YAML mixture config needs PyYAML") from None
-        data = yaml.safe_load(text)
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     else:
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}: not valid JSON (YAML needs .yaml or .yml): {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a mixture config is a mapping, got {type(data).__name__}")
     try:

@@ -163,13 +163,16 @@ class MixtureLoader:
             self.assignment, self._host_rows, self.streams, self.rows_per_stream, counts, step
         )
 
-    def _rows(self, step: int) -> np.ndarray:
+    def _check_step(self, step: int) -> None:
         self._check_open()
         if not 0 <= step < self.step_count:
             raise StepOutOfRangeError(
                 f"step {step} is out of range: the mixture has {self.step_count} steps "
                 f"(valid steps are 0..{self.step_count - 1})"
             )
+
+    def _rows(self, step: int) -> np.ndarray:
+        self._check_step(step)
         groups = self.groups(step)
         results = self._passes.try_gather(groups)
         if results is None:
@@ -193,6 +196,7 @@ class MixtureLoader:
         """The source index (into ``params.sources``) of every row of ``step``'s batch, all
         rows of all hosts (int64[batch]); pure and cheap, e.g. for a loss per source."""
         step = step_argument(step)
+        self._check_step(step)
         batch = self.token_batch_params.batch
         return batch_sources(
             self.assignment, self.params.streams, batch, self.rows_per_stream, step

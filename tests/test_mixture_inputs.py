@@ -1,0 +1,101 @@
+"""A mixture's bad inputs fail early and say which source or flag: sizes out of reach, steps out
+of range, a source too small for the batch, unreadable config files, flags that do not apply."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import random_sequences
+
+import asyncflat
+from asyncflat import (
+    ConfigError,
+    EngineOptions,
+    FlatTokensParams,
+    MixtureParams,
+    MixtureSource,
+    StepOutOfRangeError,
+    TokenBatchParams,
+)
+from asyncflat.cli import main
+from asyncflat.mixture.config import MAX_BLOCK_ROWS, MAX_STEPS
+
+BATCH = TokenBatchParams(len=16, batch=8)
+OPTIONS = EngineOptions(prefetch_to_device=0)
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    root = tmp_path_factory.mktemp("mixture_inputs")
+    paths = []
+    for i, count in enumerate([300, 12]):
+        path = str(root / f"source{i}.zarr")
+        asyncflat.write_flat_tokens(
+            path, {"train": random_sequences(20 + i, count, max_len=40)}, chunk_tokens=1024
+        )
+        paths.append(path)
+    return paths
+
+
+def flat(path: str) -> FlatTokensParams:
+    return FlatTokensParams(path, 1, 2, 4, 0, True)
+
+
+def test_block_rows_and_steps_beyond_reach_fail_at_construction(stores: list[str]) -> None:
+    sources = (MixtureSource(flat(stores[0]), 1.0), MixtureSource(flat(stores[0]), 1.0))
+    with pytest.raises(ConfigError, match=r"MixtureParams\.block_rows must be <= "):
+        MixtureParams(sources, block_rows=MAX_BLOCK_ROWS + 1)
+    with pytest.raises(ConfigError, match=r"MixtureParams\.steps must be <= "):
+        MixtureParams(sources, steps=MAX_STEPS + 1)
+    assert MixtureParams(sources, block_rows=MAX_BLOCK_ROWS, steps=MAX_STEPS).steps == MAX_STEPS
+
+
+def test_sources_of_a_step_out_of_range_is_a_step_error(stores: list[str]) -> None:
+    params = MixtureParams(
+        (MixtureSource(flat(stores[0]), 1.0), MixtureSource(flat(stores[0]), 1.0)), block_rows=8
+    )
+    with asyncflat.ShufflingLoader("train", params, BATCH, options=OPTIONS) as loader:
+        assert len(loader.sources(0)) == BATCH.batch
+        for step in (-1, loader.step_count, 2**70):
+            with pytest.raises(StepOutOfRangeError):
+                loader.sources(step)
+
+
+def test_a_source_too_small_for_the_batch_is_named(stores: list[str]) -> None:
+    params = MixtureParams(
+        (MixtureSource(flat(stores[0]), 1.0), MixtureSource(flat(stores[1]), 1.0)), block_rows=8
+    )
+    with pytest.raises(ConfigError) as info:
+        asyncflat.ShufflingLoader("train", params, TokenBatchParams(len=16, batch=64))
+    assert "MixtureParams.sources[1]" in str(info.value) and stores[1] in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [("missing.json", None), ("bad.json", "{"), ("bad.yaml", "sources: [\n"), ("dir", "")],
+)
+def test_an_unreadable_mixture_config_is_one_error_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, text: str | None
+) -> None:
+    path = tmp_path / name
+    if name == "dir":
+        path.mkdir()
+    elif text is not None:
+        path.write_text(text)
+    assert main(["inspect", str(path), "--mixture", "--len", "16", "--batch", "8"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("asyncflat inspect: error: ") and str(path) in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("flag", [["--verify"], ["--streams", "2"], ["--seed", "3"]])
+def test_flags_a_mixture_ignores_are_usage_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: list[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(
+            ["inspect", str(tmp_path / "m.json"), "--mixture", "--len", "16", "--batch", "8", *flag]
+        )
+    assert info.value.code == 2
+    assert f"{flag[0]} do not apply" in capsys.readouterr().err
