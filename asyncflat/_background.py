@@ -8,12 +8,13 @@ Knows nothing of loaders: it only calls ``build``.
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import logging
 import threading
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-__all__ = ["BackgroundBuilder", "BackgroundStopped", "wait_result"]
+__all__ = ["BackgroundBuilder", "BackgroundStopped", "Prefetchers", "wait_result"]
 
 log = logging.getLogger(__name__)
 
@@ -133,3 +134,63 @@ class BackgroundBuilder(Generic[T]):
             log.warning("%s did not stop within %ss", self._thread.name, _JOIN_TIMEOUT_S)
         with self._cond:
             self._built.clear()
+
+
+_prefetch_ids = itertools.count()
+
+
+class Prefetchers(Generic[T]):
+    """The builders running ahead of one loader's iterators: ``load(step)`` takes a step one of
+    them has built instead of building it again, and closing the loader stops them all.
+
+    Holds no ``build``: it is given to :meth:`start`, so a loader that owns this registry is not
+    referenced from it (dropping the loader frees it without the cycle collector). After
+    :meth:`close`, :meth:`start` raises: a builder started concurrently with the close cannot
+    outlive it."""
+
+    def __init__(self, name: str, closed_error: Callable[[], BaseException]) -> None:
+        self._name = name
+        self._closed_error = closed_error
+        self._lock = threading.Lock()
+        self._live: set[BackgroundBuilder[T]] = set()
+        self._closed = False
+
+    def start(
+        self, build: Callable[[int], T], start: int, stop: int, depth: int
+    ) -> BackgroundBuilder[T]:
+        with self._lock:
+            if self._closed:
+                raise self._closed_error()
+            builder = BackgroundBuilder(
+                build, start, stop, depth, name=f"{self._name}-{next(_prefetch_ids)}"
+            )
+            self._live.add(builder)
+        return builder
+
+    def stop(self, builder: BackgroundBuilder[T], *, join: bool) -> None:
+        """Stop ``builder``; ``join`` waits for its thread (not from a thread it may wait on)."""
+        builder.signal_stop()
+        with self._lock:
+            self._live.discard(builder)
+        if join:
+            builder.stop()
+
+    def lookup(self, step: int) -> T | None:
+        """``step``'s item if a live builder has built it (or is building it), else None."""
+        with self._lock:
+            live = list(self._live)
+        for builder in live:
+            item = builder.lookup(step)
+            if item is not None:
+                return item
+        return None
+
+    def close(self) -> list[BackgroundBuilder[T]]:
+        """Signal every builder to stop (a build in progress ends on its own) and return them,
+        for the caller to join once what they may wait on is closed; idempotent."""
+        with self._lock:
+            self._closed = True
+            live, self._live = list(self._live), set()
+        for builder in live:
+            builder.signal_stop()
+        return live

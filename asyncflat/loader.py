@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from jax.sharding import Sharding
 
-from ._background import BackgroundBuilder
+from ._background import BackgroundBuilder, Prefetchers
 from ._engine_open import open_engine
 from ._loader_iter import BatchIterator, _Pin
 from ._loop import LoopThread
@@ -66,7 +66,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _host_batch_indices = host_batch_indices  # the old private name
-_prefetch_ids = itertools.count()
 _DEFAULT_OPTIONS = EngineOptions()
 #: build times kept for ``stats().build_median_s``
 BUILD_HISTORY = 4096
@@ -128,7 +127,9 @@ class ShufflingLoader:
             self.sharding, (token_batch_params.batch, token_batch_params.len), batch_type
         )
         self._host_rows = self._builder.host_rows
-        self._prefetchers: set[BackgroundBuilder[Any]] = set()
+        self._prefetchers: Prefetchers[Any] = Prefetchers(
+            "asyncflat-device-prefetch", lambda: LoaderClosedError("this loader is closed")
+        )
         self._store_wrapper = store_wrapper
         self._injected_source = source
         self._lock = threading.Lock()
@@ -185,12 +186,9 @@ class ShufflingLoader:
         """
         step = step_argument(step)
         self._check_open()
-        for prefetcher in self._live_prefetchers():
-            batch = prefetcher.lookup(step)
-            if batch is not None:
-                self._count_delivered()
-                return batch
-        batch = self._load_now(step)
+        batch = self._prefetchers.lookup(step)
+        if batch is None:
+            batch = self._load_now(step)
         self._count_delivered()
         return batch
 
@@ -266,10 +264,8 @@ class ShufflingLoader:
             if self._closed:
                 return
             self._closed = True
-            prefetchers = list(self._prefetchers)
-            self._prefetchers.clear()
-        for prefetcher in prefetchers:  # no new builds start; a build in progress fails fast below
-            prefetcher.signal_stop()
+        # no new builds start; a build in progress fails fast below
+        prefetchers = self._prefetchers.close()
         engine = getattr(self, "_engine", None)
         own_thread = self._runner.in_loop_thread()
         if own_thread and engine is not None:
@@ -336,29 +332,13 @@ class ShufflingLoader:
 
     def _start_prefetch(self, start: int, depth: int) -> BackgroundBuilder[Any]:
         """A builder of steps [start, step_count) ahead of an iterator, known to :meth:`load`."""
-        with self._lock:
-            self._check_open()
-            builder: BackgroundBuilder[Any] = BackgroundBuilder(
-                self._load_now,
-                start,
-                self.step_count,
-                depth,
-                name=f"asyncflat-device-prefetch-{next(_prefetch_ids)}",
-            )
-            self._prefetchers.add(builder)
-        return builder
+        self._check_open()
+        return self._prefetchers.start(self._load_now, start, self.step_count, depth)
 
     def _stop_prefetch(self, builder: BackgroundBuilder[Any], pin: _Pin) -> None:
         pin.release()
-        builder.signal_stop()
-        with self._lock:
-            self._prefetchers.discard(builder)
-        if not self._runner.in_loop_thread():  # the builder may be waiting on this very thread
-            builder.stop()
-
-    def _live_prefetchers(self) -> list[BackgroundBuilder[Any]]:
-        with self._lock:
-            return list(self._prefetchers)
+        # not from the loop's thread: the builder may be waiting on this very thread
+        self._prefetchers.stop(builder, join=not self._runner.in_loop_thread())
 
 
 @checked

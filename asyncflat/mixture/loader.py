@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import logging
 import os
 import threading
@@ -27,7 +26,7 @@ from typing import Any
 import numpy as np
 from jax.sharding import Sharding
 
-from .._background import BackgroundBuilder
+from .._background import BackgroundBuilder, Prefetchers
 from .._loop import LoopThread
 from .._typecheck import checked
 from ..batch import BatchBuilder, BatchType, TokenBatch, default_sharding
@@ -49,8 +48,6 @@ from .stats import MixtureSourceStats, MixtureStats, mixture_stats
 __all__ = ["MixtureLoader", "MixtureSourceStats", "MixtureStats"]
 
 log = logging.getLogger(__name__)
-
-_ids = itertools.count()
 
 
 class MixtureLoader:
@@ -102,7 +99,10 @@ class MixtureLoader:
         self._pid = os.getpid()
         self._steps_built = 0
         self._build_s: collections.deque[float] = collections.deque(maxlen=1 << 16)
-        self._prefetchers: set[BackgroundBuilder[Any]] = set()
+        self._prefetchers: Prefetchers[Any] = Prefetchers(
+            "asyncflat-mixture-prefetch",
+            lambda: LoaderClosedError("this MixtureLoader is closed; create a new one"),
+        )
         self._plans: list[ShufflePlan] = []
         self._sources = [
             SourceState(i, f"{redact_url(str(s.params.filespec))}/{split}")
@@ -210,11 +210,8 @@ class MixtureLoader:
         """The batch of ``step`` (in [0, step_count), in any order); a pure function of it."""
         step = step_argument(step)
         self._check_open()
-        for prefetcher in self._live_prefetchers():
-            batch = prefetcher.lookup(step)
-            if batch is not None:
-                return batch
-        return self._load_now(step)
+        batch = self._prefetchers.lookup(step)
+        return batch if batch is not None else self._load_now(step)
 
     def _load_now(self, step: int) -> Any:
         rows = self._rows(step)
@@ -256,10 +253,7 @@ class MixtureLoader:
             if self._closed:
                 return
             self._closed = True
-            prefetchers = list(self._prefetchers)
-            self._prefetchers.clear()
-        for prefetcher in prefetchers:
-            prefetcher.signal_stop()
+        prefetchers = self._prefetchers.close()
         own_thread = self._runner.in_loop_thread()
         try:
             if self._pid == os.getpid():
@@ -292,25 +286,8 @@ class MixtureLoader:
             raise LoaderClosedError("this MixtureLoader was created in another process")
 
     def _start_prefetch(self, start: int, depth: int) -> BackgroundBuilder[Any]:
-        with self._lock:
-            self._check_open()
-            builder: BackgroundBuilder[Any] = BackgroundBuilder(
-                self._load_now,
-                start,
-                self.step_count,
-                depth,
-                name=f"asyncflat-mixture-prefetch-{next(_ids)}",
-            )
-            self._prefetchers.add(builder)
-        return builder
+        self._check_open()
+        return self._prefetchers.start(self._load_now, start, self.step_count, depth)
 
     def _stop_prefetch(self, builder: BackgroundBuilder[Any]) -> None:
-        builder.signal_stop()
-        with self._lock:
-            self._prefetchers.discard(builder)
-        if not self._runner.in_loop_thread():
-            builder.stop()
-
-    def _live_prefetchers(self) -> list[BackgroundBuilder[Any]]:
-        with self._lock:
-            return list(self._prefetchers)
+        self._prefetchers.stop(builder, join=not self._runner.in_loop_thread())
