@@ -6,15 +6,9 @@ import argparse
 import json
 from typing import Any
 
+from ..sizing import format_bytes as human_bytes
+
 __all__ = ["human_bytes", "ms", "non_negative_float", "positive", "print_json"]
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def ms(seconds: float | None) -> str:

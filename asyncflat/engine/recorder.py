@@ -13,6 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
+from ..sizing import format_bytes
 from ..storage.guarded import IOCounters
 from .fill import Fill
 from .stats import (
@@ -103,7 +104,7 @@ class Recorder:
             fill.needed_from,
             finish - needed,
             f"{fill.blocks_done}/{len(fill.blocks)} blocks after {elapsed:.2f} s at "
-            f"{_per_second(rate)}; the trainer loads {self.rate.per_second() or 0:.1f} steps/s",
+            f"{format_bytes(rate)}/s; the trainer loads {self.rate.per_second() or 0:.1f} steps/s",
         )
 
     def snapshot(
@@ -176,11 +177,3 @@ class Recorder:
             requests=delta("requests"),
             retries=delta("retries"),
         )
-
-
-def _per_second(bytes_per_s: float) -> str:
-    """A byte rate in the unit that keeps it readable: small blocks read at KiB/s, not 0 MiB/s."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if bytes_per_s >= scale:
-            return f"{bytes_per_s / scale:.1f} {unit}/s"
-    return f"{bytes_per_s:.0f} B/s"
