@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from ..engine import Engine
-from ..errors import AsyncflatError, LoaderClosedError, redact
+from ..engine.waiting import raise_with_context
+from ..errors import AsyncflatError, LoaderClosedError
 from ..plan import ShufflePlan
 
 __all__ = ["Passes", "RowGroup", "SourceState"]
@@ -81,8 +82,13 @@ class Passes:
             *(self.engine(s.index, 0) for s in self.sources), return_exceptions=True
         )
         for source, engine in zip(self.sources, engines):
+            if isinstance(engine, AsyncflatError) and source.where not in str(engine):
+                # "the split yields 176 rows" says nothing of which store is too small
+                raise_with_context(
+                    engine, f"MixtureParams.sources[{source.index}] ({source.where})"
+                )
             if isinstance(engine, BaseException):
-                raise _naming_source(engine, source.index, source.where)
+                raise engine
         plans = []
         for source, engine in zip(self.sources, engines):
             assert isinstance(engine, Engine)
@@ -196,17 +202,3 @@ class Passes:
         for source in self.sources:
             for engine in source.engines.values():
                 engine.release()
-
-
-def _naming_source(exc: BaseException, index: int, where: str) -> BaseException:
-    """``exc`` with the source it came from in front of its message ("the split yields 176 rows"
-    says nothing of which of three stores is too small)."""
-    filespec = redact(where)
-    if not isinstance(exc, AsyncflatError) or filespec in str(exc):
-        return exc
-    try:
-        named = type(exc)(f"MixtureParams.sources[{index}] ({filespec}): {exc}")
-    except TypeError:  # an error class with another signature: keep it as it is
-        return exc
-    named.__cause__ = exc.__cause__
-    return named
