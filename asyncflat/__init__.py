@@ -32,13 +32,15 @@ from .errors import (
 from .mixture.config import MixtureParams, MixtureSource, MixtureStage
 from .permutation import permutation
 from .plan import ShufflePlan, epoch_seed
-from .writer import FlatTokensWriter, write_flat_tokens
 
 __version__ = "0.1.0"
 
-# The loader's names need jax; they are imported on first use, so that importing the package
-# for writing or converting (``asyncflat.writer``, ``asyncflat convert``) does not load jax.
+# The loader's names need jax, the writer's zarr's writing side; each is imported on first use, so
+# that importing the package for writing or converting does not load jax, and a trainer's restart
+# does not import the writer.
 _LAZY_NAMES = {
+    "FlatTokensWriter": "writer",
+    "write_flat_tokens": "writer",
     "ShufflingLoader": "loader",
     "get_loader": "loader",
     "TokenBatch": "batch",
@@ -65,6 +67,7 @@ if TYPE_CHECKING:
     from .epochs import iter_epochs
     from .loader import ShufflingLoader, get_loader
     from .mixture.loader import MixtureLoader
+    from .writer import FlatTokensWriter, write_flat_tokens
 
 __all__ = [
     "ArgumentTypeError",

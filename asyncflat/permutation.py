@@ -22,8 +22,10 @@ kernel instead (:mod:`asyncflat._permutation_kernel`: LLVM IR compiled with llvm
 in ~0.1 s, where numba took 0.6-1.1 s per process; it runs with the GIL released, so a background
 thread can shuffle while the trainer runs Python). The kernel re-implements Philox4x64-10 on the
 key of ``np.random.Philox(seed)``; the tests check it against numpy's own ``random_raw``, the
-literal algorithm, and checked-in golden vectors. Small ``n`` takes a plain Python path that needs
-no compilation.
+literal algorithm, and checked-in golden vectors. ``n`` up to ``2**16`` (a shuffle buffer's rows
+up to a 512 MiB buffer of 2048-token sequences) takes a plain Python path that needs no
+compilation: a process that never needs a larger permutation never loads LLVM (~0.1-0.3 s of CPU
+and ~64 MiB of resident library code).
 """
 
 from __future__ import annotations
@@ -47,9 +49,11 @@ logger = logging.getLogger(__name__)
 # Below this size the plain Python path is fast enough (well under a millisecond) and never pays
 # for compiling the kernel.
 _SMALL_N = 2048
-# Until the kernel is compiled (~0.1 s, once per process), sizes up to this one take the Python
-# path (<= ~10 ms, holding the GIL) while the kernel compiles in the background, so that a
-# restart's first batch (one buffer's row permutation, typically 10^4 rows) never waits for it.
+# Sizes up to this one take the Python path (~1 ms per 4,096 items, ~28 ms at 2**16, holding the
+# GIL in switch-interval slices) unless the kernel is already compiled: they never start a compile,
+# so a loader whose permutations all fit (the rows of one buffer, the read blocks of a dataset of
+# up to 2**16 blocks) never pays LLVM's compile time and resident code, and a restart's first
+# batch never waits for it. Larger sizes need the kernel.
 _NO_WAIT_N = 1 << 16
 _Kernel = Callable[[np.uint64, np.uint64, np.ndarray], None]
 _kernel: _Kernel | None = None
@@ -73,7 +77,6 @@ def permutation(seed: int, n: int) -> np.ndarray:
     if n < _SMALL_N:
         return _small_permutation(bit_generator, n)
     if _kernel is None and n <= _NO_WAIT_N:
-        warm_up(n)
         return _small_permutation(bit_generator, n)
     state = bit_generator.state
     # The kernel replays the generator from its key, so it must start where numpy's would.
@@ -89,14 +92,14 @@ def warm_up(n: int) -> None:
     """Start compiling the kernel on a background thread if permutations of ``n`` items need it.
 
     Returns at once; a :func:`permutation` that needs the kernel before then waits for this
-    compile instead of starting its own (one of at most 2**16 items does not wait at all). The
+    compile instead of starting its own. Sizes up to ``2**16`` never need it (nor start it). The
     compile (~0.1 s) runs in LLVM with the GIL released, apart from importing llvmlite, so a
     loader can call this in its constructor and open its store meanwhile.
     """
     global _warm_up_thread
     # The thread is the process's, not a loader's: it ends when the compile does, whatever
     # becomes of the loader that started it (hence a name outside the loaders' "asyncflat-").
-    if n < _SMALL_N or _kernel is not None:
+    if n <= _NO_WAIT_N or _kernel is not None:
         return
     with _warm_up_lock:
         if _warm_up_thread is None:
