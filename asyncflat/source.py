@@ -100,6 +100,10 @@ _LAYOUTS_KEPT = 4096
 WHOLE_ROW_CHUNK = 1 << 20
 #: Whole chunks kept after their fills used them: consecutive fills often share a chunk.
 _CHUNKS_KEPT = 2
+#: A row read whose Blosc blocks decode to at most this many bytes is decoded on the loop (tens
+#: of microseconds, the GIL released): cheaper than a hop to the decode threads, and never queued
+#: there behind a fill's whole-chunk reads and decodes (a resume's first load waited for them).
+INLINE_DECODE_BYTES = 1 << 17
 
 #: (chunk-relative first item, view to fill) pairs of one read.
 Targets = Sequence[tuple[int, np.ndarray]]
@@ -334,7 +338,10 @@ class ZarrTokenSource:
             lo, hi = layout.items_range(first_item, len(out))
             sparse = layout.sparse_frame([(lo, await self._read_range(key, lo, hi))])
             frame = Frame(sparse, 0, key, blosc=True, nbytes=self._chunk_nbytes)
-            await loop.run_in_executor(None, self._decode, frame, first_item, out)
+            if layout.decoded_span(first_item, len(out)) <= INLINE_DECODE_BYTES:
+                self._decode(frame, first_item, out)
+            else:
+                await loop.run_in_executor(None, self._decode, frame, first_item, out)
         except _blosc.BloscError as exc:
             if layout is not None:
                 self._layouts.forget(key, layout)  # parsed from bad bytes: read it afresh

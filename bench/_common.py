@@ -47,7 +47,9 @@ def ensure_dataset(layout: str, tokens: int = REFERENCE_TOKENS) -> str:
     """Write (once) and return the path of a ``layout`` dataset with about ``tokens`` tokens."""
     from asyncflat import FlatTokensWriter
 
-    path = bench_dir() / f"{layout}-{tokens}.zarr"
+    # the writer's format version in the name: a store written by an older default (Blosc's own
+    # block size before 32 KiB blocks) is not reused
+    path = bench_dir() / f"{layout}-{tokens}-w2.zarr"
     if path.exists():
         return str(path)
     kwargs = {

@@ -413,8 +413,10 @@ def test_try_gather_serves_finished_buffers_without_the_loop() -> None:
 
 
 def test_a_load_ahead_of_its_blocks_reads_just_its_rows() -> None:
-    # whole chunks take 30 s, rows are read at once
+    # whole chunks take 30 s, rows are read at once; behind a network the next steps' rows are
+    # read ahead too
     source = FakeSource(*make_data(rows=4096), chunk=SEQ_LEN * 16, latency_s=30, partial_reads=True)
+    source.remote = True
     engine = make(source, streams=1, rbpsb=32, spb=16, batch=8)
     oracle = oracle_for(engine, source)
     step = engine.plan.first_step(1) + 5
@@ -435,6 +437,26 @@ def test_a_load_ahead_of_its_blocks_reads_just_its_rows() -> None:
             batch = await asyncio.wait_for(engine.gather(later, ALL), 5)
             np.testing.assert_array_equal(batch, oracle.encoded_batch(later))
             assert source.item_reads == ahead + 8 * (later - step) and not source.reads
+        await engine.aclose()
+
+    run(main)
+
+
+def test_on_a_local_store_only_the_loads_own_rows_are_read() -> None:
+    # Locally a row read is Python work on the engine's loop (the GIL) while the fill decodes
+    # without it: no rows are read ahead, each load ahead of its blocks reads its own.
+    source = FakeSource(*make_data(rows=4096), chunk=SEQ_LEN * 16, latency_s=30, partial_reads=True)
+    engine = make(source, streams=1, rbpsb=32, spb=16, batch=8)
+    oracle = oracle_for(engine, source)
+    step = engine.plan.first_step(1) + 5
+
+    async def main() -> None:
+        for n, later in enumerate(range(step, step + 3), 1):
+            batch = await asyncio.wait_for(engine.gather(later, ALL), 5)
+            np.testing.assert_array_equal(batch, oracle.encoded_batch(later))
+            await asyncio.sleep(0.05)  # time for reads ahead, if any were started
+            assert source.item_reads == 8 * n and not source.reads
+        assert engine.stats()["rows_read_directly"] == 24
         await engine.aclose()
 
     run(main)

@@ -69,7 +69,7 @@ class FillWaiter:
             await self._make_urgent(fill)
         if not fill.done and self._rows is not None:
             await self._serve_early(fill, step, buffer_rows, out)
-            if not fill.done:  # after this load's rows: they must not wait
+            if not fill.done and self._rows.reads_ahead:  # after this load's rows
                 self._rows.read_ahead(fill, self._rows_ahead(fill, step, batch_indices))
             return
         if not fill.done:

@@ -238,6 +238,14 @@ class FrameLayout:
         end = int(self._ends[first : last + 1].max())
         return start, end
 
+    def decoded_span(self, first_item: int, n: int) -> int:
+        """Bytes Blosc decodes to serve items ``[first_item, first_item + n)``: their whole
+        blocks (just the items for an uncompressed frame)."""
+        lo, hi = first_item * self.itemsize, (first_item + n) * self.itemsize
+        if self.memcpyed or self.blocksize <= 0:
+            return hi - lo
+        return ((hi - 1) // self.blocksize - lo // self.blocksize + 1) * self.blocksize
+
     def sparse_frame(self, parts: list[tuple[int, bytes]]) -> np.ndarray:
         """A frame-sized buffer holding only ``parts`` ((offset, bytes)) and the header/table.
 
