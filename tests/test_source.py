@@ -195,7 +195,9 @@ def test_local_read_errors_name_a_path_that_exists(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("zarr_format", [2, 3])
-def test_a_row_read_costs_its_blosc_blocks_not_half_a_chunk(tmp_path: Path, zarr_format: int) -> None:
+def test_a_row_read_costs_its_blosc_blocks_not_half_a_chunk(
+    tmp_path: Path, zarr_format: int
+) -> None:
     # The writer's small Blosc blocks (32 KiB by default) are what make a resume cheap: a
     # 2048-token row of a 1M-token chunk reads its one or two blocks, where Blosc's own block
     # size (what seqax's tools write, blosc_block_bytes=0) reads half a MiB of tokens for it.
