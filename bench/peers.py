@@ -26,7 +26,8 @@ Figures per loader:
   ``max_ms`` (``max_step``: where): ``load`` latency (until the arrays are ready) of every later
   step, over an epoch in which each step is followed by ``--step-ms`` of simulated trainer work
   (a sleep: a trainer waiting on its accelerator), with ``gc.freeze()`` as JAX trainers do;
-  ``boundary_ms``: the worst first step of a minipoch (a shuffle-buffer refill; for Grain the
+  ``ordinary_p999_ms`` / ``ordinary_max_ms``: the same over ordinary steps only (neither a
+  boundary nor one of the first 16 steps, a fresh loader's start-up); ``boundary_ms``: the worst first step of a minipoch (a shuffle-buffer refill; for Grain the
   same step numbers, where nothing special happens);
 * ``restart_s``: process start to the first batch of a step in the middle of the second
   minipoch, as a preempted job's restart sees it, median of ``--restarts`` fresh processes
@@ -65,6 +66,8 @@ SIZES: dict[str, dict[str, int]] = {
     "large": dict(tokens=1 << 27, seq_len=2048, batch=64, spb=512, rbpsb=64),
 }
 LOADERS = ("asyncflat", "asyncflat-iter", "seqax", "grain")
+#: Steps after a loader's construction that do not count as ordinary (its start-up)
+STARTUP_STEPS = 16
 
 
 # -- the loaders, each as "an iterator of (targets, is_seq_start) jax arrays from a step" -------
@@ -221,6 +224,17 @@ def child(args: argparse.Namespace) -> None:
         figures["p999_ms"] = float(np.quantile(ms, 0.999))
         figures["max_ms"] = float(ms.max())
         figures["boundary_ms"] = max(latencies[s] * 1e3 for s in args.boundaries)
+        # ordinary steps: neither a boundary nor one of the first STARTUP_STEPS (whose rows a
+        # fresh loader may still be reading while its first fill streams)
+        ordinary = np.array(
+            [
+                latencies[s]
+                for s in range(STARTUP_STEPS, len(latencies))
+                if s not in set(args.boundaries)
+            ]
+        )
+        figures["ordinary_p999_ms"] = float(np.quantile(ordinary, 0.999)) * 1e3
+        figures["ordinary_max_ms"] = float(ordinary.max()) * 1e3
         figures["rss_mib"] = (peak_anon - anon0 + peak_file - file0) / 2**20
         figures["rss_file_mib"] = (peak_file - file0) / 2**20
     print(json.dumps(figures), flush=True)
@@ -336,15 +350,16 @@ def machine() -> dict[str, Any]:
 def table(size: str, results: dict[str, dict[str, Any]], buffer_mib: float) -> str:
     head = (
         "| loader | tokens/s (epoch) | first step (ms) | later steps: median / p99.9 / max "
-        "(ms, at step) | worst boundary (ms) "
+        "(ms, at step) | ordinary steps: p99.9 / max (ms) | worst boundary (ms) "
         "| restart (s): total = start+jax, imports, construct, first batch "
-        "| RSS growth (MiB, x buffer) |\n|---|---|---|---|---|---|---|"
+        "| RSS growth (MiB, x buffer) |\n|---|---|---|---|---|---|---|---|"
     )
     lines = [head]
     for name, r in results.items():
         lines.append(
             f"| {name} | {r['tokens_per_s'] / 1e6:.0f}M | {r['first_ms']:.0f} | "
             f"{r['median_ms']:.2f} / {r['p999_ms']:.2f} / {r['max_ms']:.1f} ({r['max_step']}) | "
+            f"{r['ordinary_p999_ms']:.2f} / {r['ordinary_max_ms']:.1f} | "
             f"{r['boundary_ms']:.1f} | "
             f"{r['restart_s']:.2f} = "
             + " + ".join(f"{p:.2f}" for p in r["restart_parts_s"])
