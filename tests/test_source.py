@@ -237,3 +237,68 @@ def test_blosc_block_bytes_is_checked() -> None:
     for bad in (-4, 6, True, 1.5, 1 << 31):
         with pytest.raises(ConfigError, match="blosc_block_bytes"):
             FlatTokensWriter("memory://never", blosc_block_bytes=bad)  # type: ignore[arg-type]
+
+
+def test_a_fill_unit_reads_just_its_blocks_of_a_larger_local_chunk(tmp_path: Path) -> None:
+    # seqax's layout: a read block is an eighth of a chunk. A fill's unit reads the compressed
+    # Blosc blocks holding its read block (after the frame's layout), not the whole object, and
+    # decodes them into place; a chunk it needs more than half of is still read whole.
+    chunk = 1 << 20  # 4 MiB: eight of Blosc's own 512 KiB blocks
+    rng = np.random.default_rng(1)
+    sequences = [rng.zipf(1.15, 1_700_000) % 50_000 for _ in range(2)]
+    encoded, _ = encode_sequences(sequences)
+    path = str(tmp_path / "seqax-like.zarr")
+    with FlatTokensWriter(path, zarr_format=2, chunk_tokens=chunk) as writer:
+        writer.append("train", sequences)
+    stored = os.path.getsize(_chunk_file(path, 2))
+
+    async def main() -> None:
+        source = await open_source(path)
+        block = chunk // 8
+        for first in (3 * block, 0, 7 * block):
+            out = np.empty(block, np.uint32)
+            before = source.io.bytes_read
+            await source.read_into(
+                2 * chunk + first, 2 * chunk + first + block, [(first, out)], Writer()
+            )
+            np.testing.assert_array_equal(
+                out, encoded[2 * chunk + first : 2 * chunk + first + block]
+            )
+            assert source.io.bytes_read - before < stored / 3, (
+                source.io.bytes_read - before,
+                stored,
+            )
+        whole = np.empty(chunk, np.uint32)
+        before = source.io.bytes_read
+        await source.read_into(chunk, 2 * chunk, [(0, whole)], Writer())
+        np.testing.assert_array_equal(whole, encoded[chunk : 2 * chunk])
+        assert source.io.bytes_read - before >= os.path.getsize(_chunk_file(path, 1))
+        await source.aclose()
+
+    run(main)
+
+
+def test_damaged_blocks_read_by_range_are_a_corrupt_chunk_error(tmp_path: Path) -> None:
+    chunk = 1 << 18
+    rng = np.random.default_rng(2)
+    sequences = [rng.zipf(1.15, 600_000) % 50_000 for _ in range(2)]
+    path = str(tmp_path / "seqax-like.zarr")
+    with FlatTokensWriter(path, zarr_format=2, chunk_tokens=chunk) as writer:
+        writer.append("train", sequences)
+    target = _chunk_file(path, 1)
+    data = bytearray(Path(target).read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 4096] = b"\xff" * 4096  # inside some block
+    Path(target).write_bytes(bytes(data))
+
+    async def main() -> None:
+        source = await open_source(path)
+        block = chunk // 8
+        with pytest.raises(CorruptChunkError, match="encoded_tokens"):
+            for first in range(0, chunk, block):
+                out = np.empty(block, np.uint32)
+                await source.read_into(
+                    chunk + first, chunk + first + block, [(first, out)], Writer()
+                )
+        await source.aclose()
+
+    run(main)
