@@ -61,13 +61,18 @@ def read_rows(
     """Open the split, read rows of chunk 0, ``plant`` something at chunk 1's file, read rows
     of chunk 1. Returns the files ``pread`` was asked for and the rows read (or the error)."""
     calls: list[tuple[str, str]] = []
-    real_pread = asyncflat.source.pread
+    real_pread, real_pread_into = asyncflat.source.pread, asyncflat.source.pread_into
 
     def spy(root: str, key: str, *args: Any, **kwargs: Any) -> bytes:
         calls.append((root, key))
         return real_pread(root, key, *args, **kwargs)
 
+    def spy_into(root: str, key: str, *args: Any, **kwargs: Any) -> None:
+        calls.append((root, key))
+        real_pread_into(root, key, *args, **kwargs)
+
     monkeypatch.setattr(asyncflat.source, "pread", spy)
+    monkeypatch.setattr(asyncflat.source, "pread_into", spy_into)
 
     async def main() -> Any:
         source = await ZarrTokenSource.open(str(path), "train")

@@ -54,6 +54,7 @@ __all__ = [
     "local_root",
     "make_store",
     "pread",
+    "pread_into",
 ]
 
 log = logging.getLogger(__name__)
@@ -407,7 +408,23 @@ def _open_local(root: str, path: str, where: str) -> int:
 def pread(
     root: str, key: str, lo: int, hi: int, *, name: str, max_object_bytes: int | None = None
 ) -> bytes:
-    """Bytes ``[lo, hi)`` of object ``key`` of the local store at ``root``, read right here.
+    """Bytes ``[lo, hi)`` of object ``key`` (see :func:`pread_into`)."""
+    out = bytearray(hi - lo)
+    pread_into(root, key, lo, memoryview(out), name=name, max_object_bytes=max_object_bytes)
+    return bytes(out)
+
+
+def pread_into(
+    root: str,
+    key: str,
+    lo: int,
+    out: memoryview,
+    *,
+    name: str,
+    max_object_bytes: int | None = None,
+) -> None:
+    """Bytes ``[lo, lo + len(out))`` of object ``key`` of the local store at ``root``, read
+    right here into ``out`` (a writable byte buffer: no copy beyond the kernel's).
 
     Row reads are a few KiB from the page cache: a thread hop through the store would cost 100x
     the read itself. Errors name the file (``root/key``, a path that exists when the store is
@@ -418,6 +435,7 @@ def pread(
     of its chunk), no larger: a FIFO, a device, a directory or an 8 GiB sparse file is a
     :class:`CorruptChunkError` naming the file, refused before a byte is read (never a hang).
     """
+    hi = lo + len(out)
     path = os.path.join(root, key)
     where = f"{path} (bytes={lo}-{hi - 1}; dataset {name})"
     fd = _open_local(root, path, where)
@@ -437,11 +455,13 @@ def pread(
                 f"{where}: chunk object is truncated: got {max(0, st.st_size - lo)} bytes "
                 f"(the object has {st.st_size})"
             )
-        data = os.pread(fd, hi - lo, lo)
+        done = 0
+        while done < len(out):
+            n = os.preadv(fd, [out[done:]], lo + done)
+            if n == 0:  # it shrank since fstat
+                raise CorruptChunkError(f"{where}: chunk object is truncated: got {done} bytes")
+            done += n
     except OSError as exc:
         raise StorageError(f"reading {where} failed: {exc}") from exc
     finally:
         os.close(fd)
-    if len(data) < hi - lo:  # it shrank since fstat
-        raise CorruptChunkError(f"{where}: chunk object is truncated: got {len(data)} bytes")
-    return data
