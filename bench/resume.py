@@ -1,11 +1,16 @@
-"""Resume: time to the first batch of a fresh loader started mid-minipoch, vs a whole fill.
+"""Resume: a fresh loader's first batch of a step in the middle of a minipoch, against the
+seqax-style reference loader's and against a whole fill, on seqax's layout and on asyncflat's.
 
-A resumed job builds a new loader and asks for step k in the middle of a minipoch. The engine
-fetches the blocks holding step k's rows first and returns as soon as those are in; the
-reference (prefetch off here) fills the whole buffer first. Both pay for fresh buffer memory.
-Runs for streams=1 and streams=8 (the reference setup otherwise). Prints one JSON line.
+A resumed job builds a new loader and asks for step k in the middle of a minipoch. asyncflat
+reads just the rows step k needs (the Blosc blocks that hold them) and returns; the reference
+(``bench/seqax_style.py``, seqax's way of working) reads, concatenates and permutes the whole
+shuffle buffer first; ``whole_fill`` is asyncflat made to wait for its whole buffer
+(``EngineOptions(prefetch=False)``, the reference's behaviour on asyncflat's engine). Each figure
+is construction plus the first ``load`` until its arrays are ready, in one warm process (imports,
+jax and the page cache are warm; ``bench/peers.py`` measures a fresh process's restart), median
+of ``--repeats``, the three interleaved so drift hits all alike. Prints one JSON line.
 
-Target: time to first batch <= 1/8 of a whole fill.
+Targets (issue 14): asyncflat <= 1/6 of the reference on seqax's layout, <= 1/8 on asyncflat's.
 """
 
 from __future__ import annotations
@@ -14,82 +19,90 @@ import argparse
 import os
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import REFERENCE_TOKENS, emit, ensure_dataset
+from _common import emit, ensure_dataset
 
 LEN, BATCH, SPB, RBPSB = 2048, 64, 512, 64
+TARGETS = {"seqax": 6, "aligned": 8}
 
 
-def first_batch_s(
-    path: str, streams: int, prefetch: bool, step: int | None = None
-) -> tuple[float, int, float]:
+def asyncflat_first_batch_s(path: str, step: int, prefetch: bool) -> float:
     import jax
 
     import asyncflat
 
-    params = asyncflat.FlatTokensParams(path, streams, RBPSB, SPB, seed=0, sequence_packing=True)
+    t0 = time.perf_counter()
+    params = asyncflat.FlatTokensParams(path, 1, RBPSB, SPB, seed=0, sequence_packing=True)
     options = asyncflat.EngineOptions(prefetch=prefetch)
     with asyncflat.ShufflingLoader(
         "train", params, asyncflat.TokenBatchParams(LEN, BATCH), options=options
     ) as loader:
-        plan = loader.plan
-        if step is None:
-            step = (
-                plan.first_step(min(2, plan.minipoch_count - 1))
-                + plan.seqs_per_buffer // plan.rows_per_stream_step // 3
-            )
-        t0 = time.perf_counter()
         jax.block_until_ready(loader.load(step))
-        elapsed = time.perf_counter() - t0
-        blocks_needed = sum(
-            len(
-                np.unique(
-                    plan.row_permutation(s, m)[
-                        plan.locate(step).position[plan.locate(step).stream == s]
-                    ]
-                    // SPB
-                )
-            )
-            for s in range(streams)
-            for m in set(plan.minipochs_of_step(step))
-        )
-        blocks_total = (
-            sum(plan.blocks_in_minipoch(m) for m in set(plan.minipochs_of_step(step))) * streams
-        )
-    return elapsed, step, blocks_needed / blocks_total
+        return time.perf_counter() - t0
+
+
+def reference_first_batch_s(path: str, step: int) -> float:
+    import jax
+    from seqax_style import SeqaxStyleLoader
+
+    t0 = time.perf_counter()
+    reference = SeqaxStyleLoader(
+        path,
+        "train",
+        seq_len=LEN,
+        batch=BATCH,
+        streams=1,
+        read_blocks_per_shuffle_buffer=RBPSB,
+        sequences_per_read_block=SPB,
+    )
+    jax.block_until_ready(tuple(reference.load(step)))
+    return time.perf_counter() - t0
+
+
+def resume_step(path: str) -> int:
+    """A step a third of the way into minipoch 1 (or the last minipoch, if there is one)."""
+    import asyncflat
+
+    params = asyncflat.FlatTokensParams(path, 1, RBPSB, SPB, seed=0, sequence_packing=True)
+    with asyncflat.ShufflingLoader("train", params, asyncflat.TokenBatchParams(LEN, BATCH)) as ld:
+        plan = ld.plan
+        return plan.first_step(min(1, plan.minipoch_count - 1)) + plan.seqs_per_buffer // BATCH // 3
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=REFERENCE_TOKENS)
+    parser.add_argument("--tokens", type=int, default=1 << 27)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--layouts", default="seqax,aligned")
     args = parser.parse_args()
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    path = ensure_dataset("seqax", args.tokens)
-    figures: dict = {"bench": "resume", "tokens": args.tokens}
-    # Warm-up: imports, jit, numba, page cache, and this VM's first touch of the memory the
-    # buffers will use (~0.7 s per 256 MiB the first time a guest page is used; see
-    # docs/benchmarks.md), which would otherwise land in whichever run comes first.
-    for streams in (1, 8):
-        for prefetch in (True, False):
-            first_batch_s(path, streams, prefetch)
-    for streams in (1, 8):
-        resume, fill = [], []
+    figures: dict[str, Any] = {"bench": "resume", "tokens": args.tokens, "unit": "s"}
+    for layout in args.layouts.split(","):
+        path = ensure_dataset(layout, args.tokens)
+        step = resume_step(path)
+        # Warm-up: imports, the page cache, and this VM's first touch of buffer-sized memory.
+        asyncflat_first_batch_s(path, step, True)
+        asyncflat_first_batch_s(path, step, False)
+        reference_first_batch_s(path, step)
+        runs: dict[str, list[float]] = {"asyncflat": [], "reference": [], "whole_fill": []}
         for _ in range(args.repeats):
-            t, step, fraction = first_batch_s(path, streams, True)
-            resume.append(t)
-            fill.append(first_batch_s(path, streams, False, step)[0])
-        r, f = float(np.median(resume)), float(np.median(fill))
-        figures[f"streams_{streams}"] = {
+            runs["asyncflat"].append(asyncflat_first_batch_s(path, step, True))
+            runs["reference"].append(reference_first_batch_s(path, step))
+            runs["whole_fill"].append(asyncflat_first_batch_s(path, step, False))
+        med = {name: float(np.median(values)) for name, values in runs.items()}
+        target = TARGETS[layout]
+        figures[layout] = {
             "step": step,
-            "first_batch_s": round(r, 4),
-            "whole_fill_s": round(f, 4),
-            "ratio": round(r / f, 3),
-            "blocks_needed_fraction": round(fraction, 3),
-            "meets_target": r <= f / 8,
+            **{f"{name}_s": round(value, 4) for name, value in med.items()},
+            "vs_reference": round(med["asyncflat"] / med["reference"], 3),
+            "vs_whole_fill": round(med["asyncflat"] / med["whole_fill"], 3),
+            "target_vs_reference": round(1 / target, 3),
+            "meets_target": med["asyncflat"] <= med["reference"] / target,
+            "asyncflat_all_s": [round(v, 4) for v in runs["asyncflat"]],
+            "reference_all_s": [round(v, 4) for v in runs["reference"]],
         }
     emit(figures)
 

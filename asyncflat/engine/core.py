@@ -85,7 +85,7 @@ class Engine:
         )
         # A load ahead of its blocks reads just its rows when the source can do that cheaply.
         self._rows = (
-            RowReader(plan, source, self._scheduler, pause=not source.remote)
+            RowReader(plan, source, self._scheduler, local=not source.remote)
             if plan.sequence_packing and source.partial_reads and options.prefetch
             else None
         )
