@@ -195,6 +195,12 @@ def test_inspect_text_and_json(
     )
     assert loader["streams_per_host"] == 1
     assert loader["buffer_bytes_per_host"] == 2 * plan.buffer_bytes
+    # buffers + compressed reads in flight (here 4 whole chunks, less than uint32 in size) +
+    # the fixed part
+    from asyncflat.inspection.figures import FIXED_MEMORY_BYTES
+
+    in_flight = loader["memory_bytes_per_host"] - 2 * plan.buffer_bytes - FIXED_MEMORY_BYTES
+    assert 0 < in_flight < 4 * summary["chunk_tokens"] * 4
     assert report["verify"]["token_count"] == tokens
 
 

@@ -64,6 +64,10 @@ def _print_figures(f: Any, args: argparse.Namespace, spb: int) -> None:
         f"{human_bytes(f.split_bytes)} (as uint32); read amplification {amp} (chunk tokens decoded "
         "per token used)"
     )
+    print(
+        f"    expected peak memory per host {human_bytes(f.memory_bytes_per_host)} (the buffers, "
+        "the compressed reads in flight, ~24 MiB fixed)"
+    )
     unit = "tokens" if not args.no_packing else "sequences"
     print(f"    dropped by rounding: {f.dropped_fraction:.1%} of the split's {unit} per epoch")
     if f.sizing_warning:

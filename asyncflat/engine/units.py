@@ -17,18 +17,25 @@ from ..storage.limiter import DEMAND
 from .fill import FillWriter, Unit, read_unpacked_rows
 from .recorder import Recorder, log
 
-__all__ = ["UnitReader", "inflight_budget"]
+__all__ = ["UnitReader", "inflight_budget", "inflight_budget_for"]
 
 
 def inflight_budget(plan: ShufflePlan, source: TokenSource, options: EngineOptions) -> int:
     """Decoded bytes of reads in flight (the scheduler's byte budget)."""
+    return inflight_budget_for(plan, source.token_chunk, remote=source.remote, options=options)
+
+
+def inflight_budget_for(
+    plan: ShufflePlan, token_chunk: int, *, remote: bool, options: EngineOptions
+) -> int:
+    """:func:`inflight_budget` from a chunk size (what ``inspect`` knows of a store)."""
     # An eighth of a buffer keeps peak memory near two buffers per stream; a few whole chunks
     # keep the read window open on small buffers. Behind a network, latency is hidden only by
     # keeping the whole read window busy.
     if options.max_inflight_bytes is not None:
         return options.max_inflight_bytes
-    chunk_bytes = source.token_chunk * 4
-    window = options.max_concurrent_reads if source.remote else 4
+    chunk_bytes = token_chunk * 4
+    window = options.max_concurrent_reads if remote else 4
     return max(
         plan.buffer_bytes // 8,
         min(options.max_concurrent_reads, window) * chunk_bytes,

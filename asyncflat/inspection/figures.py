@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from ..config import FlatTokensParams, TokenBatchParams
+from ..config import EngineOptions, FlatTokensParams, TokenBatchParams
 from ..errors import ConfigError, DatasetTooLargeError
 from ..plan import ShufflePlan
 from . import scan
@@ -15,6 +15,11 @@ from .results import LoaderFigures, SplitSummary
 from .scan import _open_source, _run, _seq_start_windows
 
 __all__ = ["loader_figures"]
+
+#: Resident memory a loader adds beyond its buffers and reads in flight, whatever their size:
+#: threads' stacks and heaps, the plan's arrays, the codecs' state (measured 15-30 MiB with
+#: ``bench/peers.py`` on one stream, at 32 MiB to 256 MiB buffers).
+FIXED_MEMORY_BYTES = 24 << 20
 
 #: Bytes per read block that loader_figures' arrays take at their peak (block order, buffer
 #: ids, first and last chunks, and the sort that deduplicates them).
@@ -69,6 +74,7 @@ def loader_figures(
             storage_options,
         )
     rows_used = plan.step_count * plan.batch
+    buffers = 2 * streams_per_host * plan.buffer_bytes
     return LoaderFigures(
         seq_count=plan.seq_count,
         read_block_count=plan.read_block_count,
@@ -79,12 +85,30 @@ def loader_figures(
         buffer_bytes=plan.buffer_bytes,
         hosts=hosts,
         streams_per_host=streams_per_host,
-        buffer_bytes_per_host=2 * streams_per_host * plan.buffer_bytes,
+        buffer_bytes_per_host=buffers,
         read_amplification=amplification,
         dropped_fraction=plan.dropped_fraction,
         split_bytes=4 * summary.token_count,
         sizing_warning=plan.sizing_warning(),
+        memory_bytes_per_host=buffers
+        + _inflight_stored_bytes(plan, summary, storage_options)
+        + FIXED_MEMORY_BYTES,
     )
+
+
+def _inflight_stored_bytes(
+    plan: ShufflePlan, summary: SplitSummary, storage_options: Mapping[str, Any] | None
+) -> int:
+    """Compressed bytes of a fill's reads in flight at their most: the engine's decoded-bytes
+    budget (default options) at the store's compression ratio."""
+    from ..engine.units import inflight_budget_for
+    from ..storage.filesystems import is_url
+
+    filespec = getattr(summary, "_filespec", summary.filespec)
+    remote = is_url(filespec) and not filespec.startswith("file://")
+    budget = inflight_budget_for(plan, summary.chunk_tokens, remote=remote, options=EngineOptions())
+    stored = summary.tokens_nbytes_stored / max(1, summary.tokens_nbytes)
+    return int(budget * min(1.0, stored))
 
 
 def _packed_amplification(plan: ShufflePlan, chunk: int) -> float | None:

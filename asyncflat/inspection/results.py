@@ -78,6 +78,9 @@ class LoaderFigures:
     split_bytes: int = 0
     #: Why and how to fix it, when the rounding drops more than 1% of the split.
     sizing_warning: str | None = None
+    #: Expected peak resident memory the loader adds on a host (``docs/tuning.md``): its
+    #: buffers, the compressed bytes of the reads in flight, and a fixed part.
+    memory_bytes_per_host: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
