@@ -177,7 +177,15 @@ class ZarrTokenSource:
         #: checksummed: each object ends with zarr's crc32c of the rest, verified here too.
         self._codec, self._checksum = raw_codec(arrays.encoded_tokens)
         self._chunk_nbytes = self.token_chunk * 4
-        self.partial_reads = self._codec is not None
+        # Rows of a checksummed chunk, or of a small Blosc chunk behind a network, are read with
+        # their whole object (see read_items): no cheaper than the fill's unit for that chunk,
+        # which a waiting load moves to the front of the fill, so the engine waits for that
+        # unit instead of fetching the object twice (on a slow bucket the rows read ahead after
+        # a resume re-fetched most of the fill's objects beside it).
+        whole = self._checksum or (
+            self.remote and self._codec == "blosc" and self._chunk_nbytes <= WHOLE_ROW_CHUNK
+        )
+        self.partial_reads = self._codec is not None and not whole
         self._chunks: SingleFlight[int, Frame] = SingleFlight(_CHUNKS_KEPT)
         #: Blosc frame layouts (header + block table) of chunks read row by row
         self._layouts: SingleFlight[str, _blosc.FrameLayout] = SingleFlight(_LAYOUTS_KEPT)
