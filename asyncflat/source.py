@@ -311,6 +311,8 @@ class ZarrTokenSource:
         key = self._chunk_key(chunk_id)
         first = min(first_item for first_item, _ in targets)
         end = max(first_item + len(out) for first_item, out in targets)
+        base = chunk_id * self.token_chunk
+        tokens = f"{base + first}:{base + end}"
         layout: _blosc.FrameLayout | None = None
         try:
             try:
@@ -318,12 +320,16 @@ class ZarrTokenSource:
             except _blosc.Unsupported:
                 return None
             lo, hi = layout.items_range(first, end - first)
-            sparse = await self._blocks_frame(key, layout, lo, hi)
+            sparse = await self._blocks_frame(key, layout, lo, hi, inline=False)
         except _blosc.BloscError as exc:
             if layout is not None:
                 self._layouts.forget(key, layout)  # parsed from bad bytes: read it afresh
-            where = f"{self.name} encoded_tokens: chunk object {key}"
+            where = f"{self.name} encoded_tokens[{tokens}]: chunk object {key}"
             raise CorruptChunkError(f"{where}: {exc}") from exc
+        except AsyncflatError as exc:  # a truncated or replaced object: name the token range
+            if layout is not None:
+                self._layouts.forget(key, layout)
+            raise type(exc)(f"{self.name} encoded_tokens[{tokens}]: {exc}") from exc
         return Frame(sparse, 0, key, blosc=True, nbytes=self._chunk_nbytes)
 
     async def _decoded_chunk(self, chunk_id: int) -> Frame:
@@ -352,14 +358,24 @@ class ZarrTokenSource:
         return buffer.to_bytes()
 
     async def _blocks_frame(
-        self, key: str, layout: _blosc.FrameLayout, lo: int, hi: int
+        self, key: str, layout: _blosc.FrameLayout, lo: int, hi: int, *, inline: bool
     ) -> np.ndarray:
         """A sparse frame of object ``key`` holding its bytes ``[lo, hi)`` (compressed blocks)
         beside the header and block table. A local store's bytes are read straight into it (no
-        copy in between: a fill of seqax's layout has ~16 such ranges of ~1 MiB in flight)."""
+        copy in between: a fill of seqax's layout has ~16 such ranges of ~1 MiB in flight):
+        on the loop when ``inline`` and small (a load's rows), else on a thread (a fill's reads:
+        a slow or hung mount must not stall the loop, whose timeouts bound every read).
+
+        Raises :class:`~asyncflat.storage.blosc.BloscError` when the frame's header claims more
+        bytes than any legal encoding of the chunk (nothing is mapped for it)."""
+        cap = self._guard.max_object_bytes(key) if self._guard is not None else None
+        if cap is not None and layout.cbytes > cap:
+            raise _blosc.BloscError(
+                f"the header claims {layout.cbytes} bytes, more than any legal encoding of the "
+                f"chunk ({cap} bytes)"
+            )
         frame = layout.sparse_frame([])
         if self._local_root is not None:
-            cap = self._guard.max_object_bytes(key) if self._guard is not None else None
             read = functools.partial(
                 pread_into,
                 self._local_root,
@@ -369,8 +385,8 @@ class ZarrTokenSource:
                 name=self.name,
                 max_object_bytes=cap,
             )
-            if hi - lo <= _PREAD_MAX_BYTES:
-                read()  # a few KiB to a MiB from the page cache: cheaper than a thread hop
+            if inline and hi - lo <= _PREAD_MAX_BYTES:
+                read()  # a row's blocks from the page cache: cheaper than a thread hop
             else:
                 await asyncio.get_running_loop().run_in_executor(None, read)
             self.io.requests += 1
@@ -417,7 +433,7 @@ class ZarrTokenSource:
                 await loop.run_in_executor(None, self._decode, frame, first_item, out)
                 return
             lo, hi = layout.items_range(first_item, len(out))
-            sparse = await self._blocks_frame(key, layout, lo, hi)
+            sparse = await self._blocks_frame(key, layout, lo, hi, inline=True)
             frame = Frame(sparse, 0, key, blosc=True, nbytes=self._chunk_nbytes)
             if layout.decoded_span(first_item, len(out)) <= INLINE_DECODE_BYTES:
                 self._decode(frame, first_item, out)

@@ -24,6 +24,7 @@ into larger objects with ``shard_tokens`` (zarr format 3).
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import reprlib
 from collections.abc import Iterable, Iterator, Mapping
@@ -286,12 +287,12 @@ class FlatTokensWriter:
         chunk_tokens = _positive_int("chunk_tokens", chunk_tokens)
         if blosc_block_bytes is None:
             blosc_block_bytes = BLOSC_BLOCK_BYTES if zarr_format == 3 else 0
-        if (
-            isinstance(blosc_block_bytes, bool)
-            or not isinstance(blosc_block_bytes, int)
-            or not 0 <= blosc_block_bytes <= 1 << 30
-            or blosc_block_bytes % 4
-        ):
+        try:
+            valid = not isinstance(blosc_block_bytes, bool)
+            blosc_block_bytes = operator.index(blosc_block_bytes)  # numpy integers too
+        except TypeError:
+            valid = False
+        if not valid or not 0 <= blosc_block_bytes <= 1 << 30 or blosc_block_bytes % 4:
             raise ConfigError(
                 "FlatTokensWriter.blosc_block_bytes must be 0 (Blosc's choice) or a multiple of "
                 f"4 up to 2**30, got {blosc_block_bytes!r}"

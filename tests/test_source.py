@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from conftest import random_sequences
 
+import asyncflat.source
 from asyncflat import CorruptChunkError, FlatTokensWriter
 from asyncflat.format import encode_sequences
 from asyncflat.source import TokenSource, ZarrTokenSource
@@ -234,9 +235,10 @@ def test_a_row_read_costs_its_blosc_blocks_not_half_a_chunk(
 def test_blosc_block_bytes_is_checked() -> None:
     from asyncflat import ConfigError
 
-    for bad in (-4, 6, True, 1.5, 1 << 31):
+    for bad in (-4, 6, True, 1.5, 1 << 31, "4096"):
         with pytest.raises(ConfigError, match="blosc_block_bytes"):
             FlatTokensWriter("memory://never", blosc_block_bytes=bad)  # type: ignore[arg-type]
+    FlatTokensWriter("memory://numpy-int", blosc_block_bytes=np.int64(1 << 14)).abort()
 
 
 def test_a_fill_unit_reads_just_its_blocks_of_a_larger_local_chunk(tmp_path: Path) -> None:
@@ -290,6 +292,13 @@ def test_damaged_blocks_read_by_range_are_a_corrupt_chunk_error(tmp_path: Path) 
     data[len(data) // 2 : len(data) // 2 + 4096] = b"\xff" * 4096  # inside some block
     Path(target).write_bytes(bytes(data))
 
+    ranged: list[str] = []
+    real_pread_into = asyncflat.source.pread_into
+
+    def spy(root: str, key: str, *args: Any, **kwargs: Any) -> None:
+        ranged.append(key)
+        real_pread_into(root, key, *args, **kwargs)
+
     async def main() -> None:
         source = await open_source(path)
         block = chunk // 8
@@ -299,6 +308,28 @@ def test_damaged_blocks_read_by_range_are_a_corrupt_chunk_error(tmp_path: Path) 
                 await source.read_into(
                     chunk + first, chunk + first + block, [(first, out)], Writer()
                 )
+        await source.aclose()
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(asyncflat.source, "pread_into", spy)
+        run(main)
+    assert ranged and all(key.endswith(("/1", ".1")) for key in ranged)  # read by range
+
+
+def test_a_header_claiming_more_than_a_legal_encoding_maps_nothing(tmp_path: Path) -> None:
+    path = str(tmp_path / "data.zarr")
+    sequences = random_sequences(3, 200)
+    with FlatTokensWriter(path, zarr_format=3, chunk_tokens=CHUNK) as writer:
+        writer.append("train", sequences)
+    target = _chunk_file(path, 1)
+    data = bytearray(Path(target).read_bytes())
+    data[12:16] = (0x7FFF0000).to_bytes(4, "little")  # cbytes: ~2 GiB
+    Path(target).write_bytes(bytes(data))
+
+    async def main() -> None:
+        source = await open_source(path)
+        with pytest.raises(CorruptChunkError, match="encoded_tokens"):
+            await source.read_items(1, 5, np.empty(40, np.uint32))
         await source.aclose()
 
     run(main)
