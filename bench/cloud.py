@@ -72,6 +72,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--step-ms", type=float, default=10.0, help="simulated train step")
     parser.add_argument("--steps", type=int, default=0, help="steps to run (0: 2 minipochs)")
     parser.add_argument("--skip-reference", action="store_true")
+    parser.add_argument(
+        "--plot",
+        default=str(Path(__file__).resolve().parent / "out" / "cloud.png"),
+        help="PNG of per-step load() time, asyncflat vs the reference ('' for none)",
+    )
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # internal
     return parser.parse_args()
 
@@ -348,6 +353,8 @@ def steps_figures(args: argparse.Namespace, make: Callable[[], Any]) -> dict[str
     at = [s for s in boundaries if s < last]
     ordinary = [w for s, w in enumerate(waits) if s and s not in at]
     return {
+        "_waits": waits,  # per-step load() seconds, for the plot (not printed)
+        "_boundaries": at,
         "construct_s": round(construct, 3),
         "first_load_s": round(waits[0], 3),
         "worst_boundary_ms": round(max(waits[s] for s in at) * 1e3, 1) if at else None,
@@ -470,7 +477,56 @@ def main() -> None:
             figures["resume"]["reference"] = resume_figures(
                 args, lambda: _reference_loader(args, url)
             )
+    waits = {name: run.pop("_waits") for name, run in figures["steps"].items()}
+    marks = [run.pop("_boundaries") for run in figures["steps"].values()]  # the same for all
+    boundaries = marks[0]
+    if args.plot:
+        plot_steps(args.plot, waits, boundaries, caption=f"{figures['store']}; {_setup(figures)}")
+        figures["plot"] = args.plot
     print(json.dumps(figures), flush=True)
+
+
+def _setup(figures: dict[str, Any]) -> str:
+    return (
+        f"{figures['tokens_mib']:g} MiB of tokens, {figures['buffer_mib']:g} MiB buffer, batch "
+        f"{figures['batch']} x {figures['len']}, {figures['step_ms']:g} ms train step"
+    )
+
+
+def plot_steps(
+    path: str, waits: dict[str, list[float]], boundaries: list[int], *, caption: str
+) -> None:
+    """Per-step ``load()`` time of each loader (log scale), minipoch boundaries marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from asyncflat.plotting import machine_description
+
+    fig, ax = plt.subplots(figsize=(9, 4.8))
+    styles = {"asyncflat": ("tab:blue", "o"), "reference": ("tab:red", "s")}
+    for name, run in waits.items():
+        color, marker = styles.get(name, ("tab:green", "^"))
+        ms = [w * 1e3 for w in run]
+        label = "reference (seqax-style, synchronous)" if name == "reference" else name
+        ax.plot(range(len(ms)), ms, color=color, marker=marker, ms=2.5, lw=0.8, label=label)
+    for i, step in enumerate(boundaries):
+        ax.axvline(
+            step, color="gray", ls="--", lw=0.8, label="minipoch boundary" if not i else None
+        )
+    ax.set_yscale("log")
+    ax.set_xlabel("step (from construction)")
+    ax.set_ylabel("load() [ms, log]")
+    ax.grid(True, which="both", axis="y", alpha=0.3)
+    ax.legend(loc="upper right", fontsize=8)
+    ax.set_title("load() per step over an emulated bucket", fontsize=11)
+    fig.text(0.01, 0.01, f"{caption}\n{machine_description()}", fontsize=7, color="dimgray")
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    log.info("wrote %s", path)
 
 
 if __name__ == "__main__":
