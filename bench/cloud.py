@@ -78,6 +78,11 @@ def parse_args() -> argparse.Namespace:
         help="PNG of per-step load() time, asyncflat vs the reference ('' for none)",
     )
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # internal
+    # internal: one fresh-process resume (see fresh_resume_figures)
+    parser.add_argument(
+        "--resume-child", choices=["asyncflat", "reference"], help=argparse.SUPPRESS
+    )
+    parser.add_argument("--child-url", help=argparse.SUPPRESS)
     return parser.parse_args()
 
 
@@ -393,6 +398,63 @@ def resume_figures(args: argparse.Namespace, make: Callable[[], Any]) -> dict[st
     }
 
 
+def resume_child(args: argparse.Namespace) -> None:
+    """In a fresh process: import jax and the loader, resume mid-minipoch 1, load 11 batches;
+    print wall-clock stamps (the parent subtracts the time it spawned this process)."""
+    stamps: dict[str, float] = {}
+    import jax  # a trainer has imported it anyway
+
+    if args.resume_child == "asyncflat":
+        import asyncflat  # noqa: F401
+
+        options = json.loads(args.storage_options)
+        make: Callable[[], Any] = lambda: _asyncflat_loader(args, args.child_url, options)  # noqa: E731
+    else:
+        import seqax_style  # noqa: F401
+        import zarr  # noqa: F401
+
+        make = lambda: _reference_loader(args, args.child_url)  # noqa: E731
+    stamps["imported_at"] = time.time()
+    loader = make()
+    stamps["constructed_at"] = time.time()
+    try:
+        start = _first_step(loader, 1)
+        step = start + (_first_step(loader, 2) - start) // 2
+        jax.block_until_ready(loader.load(step))
+        stamps["first_at"] = time.time()
+        for s in range(step + 1, step + 11):
+            time.sleep(args.step_ms / 1e3)
+            jax.block_until_ready(loader.load(s))
+        stamps["eleventh_at"] = time.time()
+    finally:
+        _close(loader)
+    print(json.dumps(stamps), flush=True)
+
+
+def fresh_resume_figures(
+    args: argparse.Namespace, loader: str, url: str, options: dict[str, Any]
+) -> dict[str, Any]:
+    """A resume as a restarted job sees it: a fresh process (interpreter, ``import jax``, the
+    loader's imports and construction included) to its first and 11th batch; median of
+    ``--repeats`` processes."""
+    command = [sys.executable, str(Path(__file__).resolve()), "--resume-child", loader]
+    command += ["--child-url", url, "--storage-options", json.dumps(options)]
+    for name in ("len", "spb", "rbpsb", "batch", "concurrency", "step_ms"):
+        command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    runs = []
+    for _ in range(max(1, args.repeats)):
+        spawned = time.time()
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{loader} resume child failed:\n{proc.stderr[-3000:]}")
+        stamps = json.loads(proc.stdout.strip().splitlines()[-1])
+        runs.append({k.replace("_at", "_s"): v - spawned for k, v in stamps.items()})
+    return {
+        key: round(statistics.median(run[key] for run in runs), 3)
+        for key in ("imported_s", "constructed_s", "first_s", "eleventh_s")
+    }
+
+
 def reference_env(args: argparse.Namespace, endpoint: str) -> None:
     """The reference loader gets the proxy through the environment, as seqax would."""
     if args.backend == "s3":
@@ -425,6 +487,9 @@ def main() -> None:
     logging.getLogger("gcp_storage_emulator").setLevel(logging.CRITICAL)  # 404 probes
     if args.serve:
         serve(args)
+        return
+    if args.resume_child:
+        resume_child(args)
         return
     options = json.loads(args.storage_options)
     figures: dict[str, Any] = {
@@ -470,7 +535,13 @@ def main() -> None:
         figures["resume"] = {
             "asyncflat": resume_figures(args, lambda: _asyncflat_loader(args, url, options))
         }
+        figures["fresh_resume"] = {
+            "asyncflat": fresh_resume_figures(args, "asyncflat", url, options)
+        }
         if not args.skip_reference:
+            figures["fresh_resume"]["reference"] = fresh_resume_figures(
+                args, "reference", url, options
+            )
             figures["steps"]["reference"] = steps_figures(
                 args, lambda: _reference_loader(args, url)
             )
