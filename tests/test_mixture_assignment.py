@@ -167,6 +167,7 @@ def test_mixture_params_build_from_a_plain_dict_and_round_trip() -> None:
         (dict(stages=(MixtureStage(5, (1.0,)),)), "1 weights for 2 sources"),
         (dict(stages=(MixtureStage(5, (1, 0)), MixtureStage(5, (0, 1)))), "strictly increasing"),
         (dict(steps=0), "steps must be >= 1"),
+        (dict(steps=10, stages=(MixtureStage(10, (1, 0)),)), "never take effect"),
         (dict(seed=-1), "seed must be >= 0"),
     ],
 )

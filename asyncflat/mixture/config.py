@@ -110,7 +110,8 @@ class MixtureParams:
     * ``block_rows``: rows of one stream per block; every block holds exactly the counts the
       weights prescribe (largest remainder), so proportions are exact over any block.
     * ``stages``: weights that change at given steps (each ``MixtureStage.start_step``, strictly
-      increasing); a stage starts a new block, so it takes effect exactly at its step.
+      increasing, and before ``steps`` when that is given); a stage starts a new block, so it
+      takes effect exactly at its step.
     * ``steps``: the mixture's ``step_count``. ``None``: the mixture ends before the first step
       that would need a row beyond the first pass of some source (no row repeats). An explicit
       number lets a source that runs out wrap into its next pass (its next epoch's order).
@@ -182,6 +183,12 @@ class MixtureParams:
             object.__setattr__(
                 self, "steps", _int("MixtureParams.steps", self.steps, minimum=1, maximum=MAX_STEPS)
             )
+            late = [s.start_step for s in built_stages if s.start_step >= self.steps]
+            if late:  # a stage that never takes effect is a mistake in the schedule
+                raise ConfigError(
+                    f"MixtureParams.stages start at steps {late}, at or after the mixture's last "
+                    f"step (steps={self.steps}): they would never take effect"
+                )
 
     @property
     def streams(self) -> int:
