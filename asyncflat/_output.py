@@ -46,6 +46,7 @@ from .errors import (
     install_log_redaction,
     option_secrets,
 )
+from .storage.filesystems import is_remote
 
 __all__ = [
     "GuardedStore",
@@ -82,12 +83,6 @@ class OutputExistsError(ConfigError):
 def display_url(url: str) -> str:
     """``url`` as shown in messages: a ``user:password@`` part becomes ``user:***@``."""
     return re.sub(r"^([a-zA-Z][\w+.-]*://[^/@:]*):[^/@]*@", r"\1:***@", url)
-
-
-def is_remote(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a URL of a non-local filesystem (``file://`` counts as local)."""
-    text = os.fspath(path)
-    return "://" in text and not text.startswith("file://")
 
 
 def _storage_error(exc: Exception, what: str) -> StorageError:

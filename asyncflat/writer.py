@@ -285,18 +285,17 @@ class FlatTokensWriter:
         blosc_block_bytes: int | None = None,
     ) -> None:
         chunk_tokens = _positive_int("chunk_tokens", chunk_tokens)
-        if blosc_block_bytes is None:
-            blosc_block_bytes = BLOSC_BLOCK_BYTES if zarr_format == 3 else 0
-        try:
-            valid = not isinstance(blosc_block_bytes, bool)
-            blosc_block_bytes = operator.index(blosc_block_bytes)  # numpy integers too
-        except TypeError:
-            valid = False
-        if not valid or not 0 <= blosc_block_bytes <= 1 << 30 or blosc_block_bytes % 4:
-            raise ConfigError(
-                "FlatTokensWriter.blosc_block_bytes must be 0 (Blosc's choice) or a multiple of "
-                f"4 up to 2**30, got {blosc_block_bytes!r}"
-            )
+        if blosc_block_bytes is not None:  # None: the format's default (create_split_arrays)
+            try:
+                valid = not isinstance(blosc_block_bytes, bool)
+                blosc_block_bytes = operator.index(blosc_block_bytes)  # numpy integers too
+            except TypeError:
+                valid = False
+            if not valid or not 0 <= blosc_block_bytes <= 1 << 30 or blosc_block_bytes % 4:
+                raise ConfigError(
+                    "FlatTokensWriter.blosc_block_bytes must be 0 (Blosc's choice) or a multiple "
+                    f"of 4 up to 2**30, got {blosc_block_bytes!r}"
+                )
         if checksum is None:
             checksum = False
         if not isinstance(checksum, bool) or (checksum and zarr_format != 3):

@@ -9,11 +9,9 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from ..storage.filesystems import is_remote as is_url  # a URL of a non-local filesystem
+
 __all__ = ["Location", "is_url"]
-
-
-def is_url(target: str) -> bool:
-    return "://" in target and not target.startswith("file://")
 
 
 class Location:

@@ -96,9 +96,8 @@ class RowReader:
         """Start reading rows ``buffer_rows`` of ``fill`` that the next loads will need, unless
         their blocks are ready or they are being read: after a resume, or at start-up, the
         trainer's next steps then find their rows read while the fill streams on. Demand
-        requests, like the load's own. Nothing on a local store (:attr:`reads_ahead`)."""
-        if not self.reads_ahead:
-            return
+        requests, like the load's own. Only behind a network (:attr:`reads_ahead`: the caller
+        checks, before it computes the rows)."""
         for other in [f for f in self._ahead if f.done or f.cancelled or f.error is not None]:
             self._forget_ahead(other)  # no load reads rows of these one by one any more
         mine = self._ahead.setdefault(fill, {})

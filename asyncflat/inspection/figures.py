@@ -102,10 +102,9 @@ def _inflight_stored_bytes(
     """Compressed bytes of a fill's reads in flight at their most: the engine's decoded-bytes
     budget (default options) at the store's compression ratio."""
     from ..engine.units import inflight_budget_for
-    from ..storage.filesystems import is_url
+    from ..storage.filesystems import is_remote
 
-    filespec = getattr(summary, "_filespec", summary.filespec)
-    remote = is_url(filespec) and not filespec.startswith("file://")
+    remote = is_remote(getattr(summary, "_filespec", summary.filespec))
     budget = inflight_budget_for(plan, summary.chunk_tokens, remote=remote, options=EngineOptions())
     stored = summary.tokens_nbytes_stored / max(1, summary.tokens_nbytes)
     return int(budget * min(1.0, stored))

@@ -50,6 +50,7 @@ __all__ = [
     "construction_error",
     "file_kind",
     "filesystem",
+    "is_remote",
     "is_url",
     "local_root",
     "make_store",
@@ -63,6 +64,12 @@ T = TypeVar("T")
 
 def is_url(filespec: str) -> bool:
     return "://" in filespec
+
+
+def is_remote(filespec: str | os.PathLike[str]) -> bool:
+    """Whether ``filespec`` is a URL of a non-local filesystem (``file://`` counts as local)."""
+    text = os.fspath(filespec)
+    return is_url(text) and not text.startswith("file://")
 
 
 #: storage_options key (asyncflat's, popped before the filesystem sees it when the filesystem
@@ -250,7 +257,7 @@ def make_store(
     max_connections: int | None = None,
 ) -> Store:
     """The raw zarr store of ``filespec`` (an fsspec store for a URL, else a LocalStore)."""
-    if is_url(filespec) and not filespec.startswith("file://"):
+    if is_remote(filespec):
         fs, path = filesystem(
             filespec, storage_options, timeout_s=timeout_s, max_connections=max_connections
         )
