@@ -286,15 +286,16 @@ class FlatTokensWriter:
     ) -> None:
         chunk_tokens = _positive_int("chunk_tokens", chunk_tokens)
         if blosc_block_bytes is not None:  # None: the format's default (create_split_arrays)
+            given = blosc_block_bytes
             try:
-                valid = not isinstance(blosc_block_bytes, bool)
-                blosc_block_bytes = operator.index(blosc_block_bytes)  # numpy integers too
+                valid = not isinstance(given, bool)
+                blosc_block_bytes = operator.index(given)  # numpy integers too
             except TypeError:
                 valid = False
             if not valid or not 0 <= blosc_block_bytes <= 1 << 30 or blosc_block_bytes % 4:
                 raise ConfigError(
                     "FlatTokensWriter.blosc_block_bytes must be 0 (Blosc's choice) or a multiple "
-                    f"of 4 up to 2**30, got {blosc_block_bytes!r}"
+                    f"of 4 up to 2**30, got {given!r}"
                 )
         if checksum is None:
             checksum = False

@@ -238,6 +238,8 @@ def test_blosc_block_bytes_is_checked() -> None:
     for bad in (-4, 6, True, 1.5, 1 << 31, "4096"):
         with pytest.raises(ConfigError, match="blosc_block_bytes"):
             FlatTokensWriter("memory://never", blosc_block_bytes=bad)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="got True"):  # the value given, not int(True)
+        FlatTokensWriter("memory://never", blosc_block_bytes=True)
     FlatTokensWriter("memory://numpy-int", blosc_block_bytes=np.int64(1 << 14)).abort()
 
 
