@@ -266,9 +266,30 @@ class ZarrTokenSource:
 
     async def read_into(self, start: int, stop: int, targets: Targets, writer: UnitWriter) -> None:
         chunk_id = start // self.token_chunk
+        ranged = self._reads_blosc_ranges(targets)
+        cached = ranged and self._chunk_key(chunk_id) in self._layouts
+        try:
+            await self._read_into(chunk_id, start, stop, targets, writer, ranged=ranged)
+        except CorruptChunkError:
+            if not cached:
+                raise
+            # The cached layout (forgotten by now) may describe an object since replaced (a
+            # repair, a rewrite in place): read the layout afresh, once.
+            await self._read_into(chunk_id, start, stop, targets, writer, ranged=ranged)
+
+    async def _read_into(
+        self,
+        chunk_id: int,
+        start: int,
+        stop: int,
+        targets: Targets,
+        writer: UnitWriter,
+        *,
+        ranged: bool,
+    ) -> None:
         lo = chunk_id * self.token_chunk
         partial: Frame | None = None
-        if self._reads_blosc_ranges(targets):
+        if ranged:
             partial = await self._read_blosc_range(chunk_id, targets)
         if self._codec == "raw" and not self._checksum:  # fetch just the bytes we use, uncached
             frame = await self._read_frame(chunk_id, (start - lo, stop - lo))
@@ -425,20 +446,25 @@ class ZarrTokenSource:
                 data = await self._read_range(key, first_item * 4, (first_item + len(out)) * 4)
                 out[:] = np.frombuffer(data, "<u4")
                 return
-            try:
-                layout = await self._layouts.get(key, lambda: self._read_layout(key))
-            except _blosc.Unsupported:
-                # A frame the fast path does not fully understand: zarr's codec, whole object.
-                frame = await self._chunks.get(chunk_id, lambda: self._read_frame(chunk_id))
-                await loop.run_in_executor(None, self._decode, frame, first_item, out)
-                return
-            lo, hi = layout.items_range(first_item, len(out))
-            sparse = await self._blocks_frame(key, layout, lo, hi, inline=True)
-            frame = Frame(sparse, 0, key, blosc=True, nbytes=self._chunk_nbytes)
-            if layout.decoded_span(first_item, len(out)) <= INLINE_DECODE_BYTES:
-                self._decode(frame, first_item, out)
-            else:
-                await loop.run_in_executor(None, self._decode, frame, first_item, out)
+            while True:
+                cached = key in self._layouts
+                try:
+                    layout = await self._layouts.get(key, lambda: self._read_layout(key))
+                except _blosc.Unsupported:
+                    # A frame the fast path does not fully understand: zarr's codec, whole object.
+                    frame = await self._chunks.get(chunk_id, lambda: self._read_frame(chunk_id))
+                    await loop.run_in_executor(None, self._decode, frame, first_item, out)
+                    return
+                try:
+                    await self._read_blocks_into(key, layout, first_item, out)
+                    return
+                except (_blosc.BloscError, CorruptChunkError):
+                    if not cached:
+                        raise
+                    # The cached layout may describe an object since replaced (a repair, a
+                    # rewrite in place): forget it and read the layout afresh, once.
+                    self._layouts.forget(key, layout)
+                    layout = None
         except _blosc.BloscError as exc:
             if layout is not None:
                 self._layouts.forget(key, layout)  # parsed from bad bytes: read it afresh
@@ -449,6 +475,21 @@ class ZarrTokenSource:
             raise CorruptChunkError(f"{where}: {exc}") from exc
         except AsyncflatError as exc:  # name the token range, as _read does
             raise type(exc)(f"{where}: {exc}") from exc
+
+    async def _read_blocks_into(
+        self, key: str, layout: _blosc.FrameLayout, first_item: int, out: np.ndarray
+    ) -> None:
+        """Items ``[first_item, first_item + len(out))`` of object ``key`` decoded from just
+        the Blosc blocks that hold them; small spans decode right here on the loop."""
+        lo, hi = layout.items_range(first_item, len(out))
+        sparse = await self._blocks_frame(key, layout, lo, hi, inline=True)
+        frame = Frame(sparse, 0, key, blosc=True, nbytes=self._chunk_nbytes)
+        if layout.decoded_span(first_item, len(out)) <= INLINE_DECODE_BYTES:
+            self._decode(frame, first_item, out)
+        else:
+            await asyncio.get_running_loop().run_in_executor(
+                None, self._decode, frame, first_item, out
+            )
 
     async def _read_layout(self, key: str) -> _blosc.FrameLayout:
         # Chunks of one array share a Blosc block size, so after the first frame the header

@@ -188,3 +188,48 @@ def test_a_row_read_refuses_a_chunk_directory_linked_out_of_the_store(
     _, (_, outcome) = read_rows(path, monkeypatch, move_out)
     assert isinstance(outcome, CorruptChunkError), outcome
     assert "outside the store" in str(outcome) and str(outside) in str(outcome), str(outcome)
+
+
+class _Writer:
+    """The engine's side of a fill unit, reduced to running the decode."""
+
+    async def write(self, fill_targets: Callable[[], None]) -> bool:
+        fill_targets()
+        return True
+
+
+@pytest.mark.parametrize("path_kind", ["rows", "fill"])
+def test_a_chunk_replaced_and_restored_reads_as_restored(tmp_path: Path, path_kind: str) -> None:
+    """The frame layout cached for a chunk read while another object stood in its place (a
+    repair, a rewrite in place) does not fail the reads after the original is back."""
+    path = tmp_path / "d.zarr"
+    encoded = write(path, "blosc")
+    other = tmp_path / "other.zarr"
+    with FlatTokensWriter(other, zarr_format=2, chunk_tokens=CHUNK) as writer:
+        writer.append("train", random_sequences(23, 300))
+    original = chunk_path(path, 1).read_bytes()
+    stand_in = chunk_path(other, 1).read_bytes()
+    assert len(stand_in) != len(original)  # a different layout, not just different tokens
+
+    async def read(source: ZarrTokenSource) -> np.ndarray:
+        out = np.empty(16, np.uint32)
+        if path_kind == "rows":
+            await source.read_items(1, 200, out)
+        else:
+            start = CHUNK + 200
+            await source.read_into(start, start + 16, [(200, out)], _Writer())
+        return out
+
+    async def main() -> tuple[np.ndarray, np.ndarray]:
+        source = await ZarrTokenSource.open(str(path), "train")
+        try:
+            chunk_path(path, 1).write_bytes(stand_in)
+            during = await read(source)
+            chunk_path(path, 1).write_bytes(original)
+            return during, await read(source)
+        finally:
+            await source.aclose()
+
+    during, after = asyncio.run(asyncio.wait_for(main(), timeout=20))
+    assert not np.array_equal(during, encoded[CHUNK + 200 : CHUNK + 216])  # the stand-in was read
+    np.testing.assert_array_equal(after, encoded[CHUNK + 200 : CHUNK + 216])
