@@ -444,6 +444,9 @@ class TcpProxy:
         self._thread: threading.Thread | None = None
         self._server: asyncio.base_events.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        # Every connection's transports, both sides: aborted at stop. ``close()`` of a transport
+        # whose peer stopped reading keeps its socket until the buffer drains, i.e. for ever.
+        self._transports: set[asyncio.BaseTransport] = set()
         self.port = 0
 
     @property
@@ -522,10 +525,25 @@ class TcpProxy:
         async def shutdown() -> None:
             assert self._server is not None
             self._server.close()
-            for task in list(self._tasks):
-                task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            current = asyncio.current_task()
+            while True:
+                # A connection accepted just before the close has its handler task created but
+                # not started: cancelled now, it would never run its ``finally`` and its socket
+                # would be collected unclosed during some later test. Let such tasks start
+                # (they register themselves), then cancel everything until nothing is left.
+                for _ in range(3):
+                    await asyncio.sleep(0)
+                tasks = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
+                if not tasks:
+                    break
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
             await self._server.wait_closed()
+            for transport in self._transports:
+                assert isinstance(transport, asyncio.WriteTransport)
+                transport.abort()
+            self._transports.clear()
             await asyncio.sleep(0.05)  # let the closed transports release their sockets
 
         try:
@@ -544,12 +562,21 @@ class TcpProxy:
 
     # -- connections --------------------------------------------------------------------------
 
+    def _track(self, writer: asyncio.StreamWriter) -> None:
+        def open_(transport: asyncio.BaseTransport) -> bool:
+            sock = transport.get_extra_info("socket")
+            return sock is not None and sock.fileno() >= 0
+
+        self._transports = {t for t in self._transports if open_(t)}
+        self._transports.add(writer.transport)
+
     async def _serve(
         self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter
     ) -> None:
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
+        self._track(client_writer)
         self.connections += 1
         upstream_writer = None
         try:
@@ -557,6 +584,7 @@ class TcpProxy:
                 upstream_reader, upstream_writer = await asyncio.open_connection(*self.upstream)
             except OSError:
                 return
+            self._track(upstream_writer)
             to_client = _DelayedPipe(client_writer, self.latency_s / 2)
             to_upstream = _DelayedPipe(upstream_writer, self.latency_s / 2)
             stall = asyncio.Event()  # set: the response now in flight stalls after its head
