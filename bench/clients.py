@@ -224,8 +224,13 @@ def _run_fetches(
 
 
 def measure(
-    client: Any, objects: list[tuple[str, int]], args: argparse.Namespace, trainer: Trainer
+    client: Any,
+    objects: list[tuple[str, int]],
+    args: argparse.Namespace,
+    trainer: Trainer,
+    wire: Any,
 ) -> dict[str, Any]:
+    wire.ask("reset")
     steps: list[float] = []
     stop = threading.Event()
     cpu0 = time.process_time()
@@ -238,7 +243,10 @@ def measure(
     if isinstance(result[0], BaseException):
         raise result[0]
     nbytes, seconds = result[0]
+    on_wire = wire.ask("stats")
     return {
+        "requests": on_wire["requests"],
+        "peak_in_flight": on_wire["peak"],
         "MBps": nbytes / seconds / 1e6,
         "seconds": seconds,
         "client_cpu_s_per_GB": cpu / (nbytes / 1e9),
@@ -338,13 +346,17 @@ def main() -> None:
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
         for _ in range(args.repeats):  # interleaved: drift on a shared machine hits all alike
             for name in names:
-                runs[name].append(measure(clients[name], objects, args, trainer))
+                runs[name].append(measure(clients[name], objects, args, trainer, wire))
     for name in names:
         steps = [s for run in runs[name] for s in run["steps"]]
         trainer_figures = _percentiles(steps)
         figures[name] = {
             "MBps": round(statistics.median(r["MBps"] for r in runs[name]), 1),
             "MBps_all": [round(r["MBps"], 1) for r in runs[name]],
+            "requests_per_object": round(
+                statistics.median(r["requests"] for r in runs[name]) / len(objects), 2
+            ),
+            "peak_in_flight": max(r["peak_in_flight"] for r in runs[name]),
             "client_cpu_s_per_GB": round(
                 statistics.median(r["client_cpu_s_per_GB"] for r in runs[name]), 2
             ),

@@ -71,6 +71,9 @@ class _Httpd(http.server.HTTPServer):
     allow_reuse_address = True
 
 
+_EMULATOR_MTIME = 1_700_000_000  # what the GCS emulator's Last-Modified says of every object
+
+
 def _emulator_handler_class() -> type:
     from gcp_storage_emulator import server as gse
     from gcp_storage_emulator.exceptions import NotFound
@@ -84,9 +87,25 @@ def _emulator_handler_class() -> type:
     suffix = re.compile(r"\s*bytes=-(\d+)\s*")
 
     class Handler(gse.RequestHandler):
+        _sent = frozenset[str]()
+
         def do_GET(self) -> None:
             self._translate_suffix_range()
             super().do_GET()
+
+        # GCS sends Last-Modified and ETag with every object download, and some clients
+        # (obstore's) refuse a download without them; the emulator sends neither.
+        def send_header(self, keyword: str, value: str) -> None:
+            self._sent = self._sent | {keyword.lower()}
+            super().send_header(keyword, value)
+
+        def end_headers(self) -> None:
+            if "last-modified" not in self._sent:
+                super().send_header("Last-Modified", self.date_time_string(_EMULATOR_MTIME))
+            if "etag" not in self._sent:
+                super().send_header("ETag", '"asyncflat-emulator"')
+            self._sent = frozenset()
+            super().end_headers()
 
         def _translate_suffix_range(self) -> None:
             match = suffix.fullmatch(self.headers.get("Range") or "")
