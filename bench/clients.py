@@ -13,7 +13,9 @@ This measures both on what decides the choice, with the same objects, concurrenc
   requests), ``--concurrency`` in flight, from an asyncio loop on a background thread (as the
   engine does). Median of ``--repeats`` interleaved runs.
 * ``trainer``: a trainer thread's step times meanwhile. Each step is ``--step-ms`` of GIL-holding
-  Python (a jitted step's dispatch and the host-side bookkeeping of a training loop): median,
+  Python (a jitted step's dispatch and the host-side bookkeeping of a training loop), then
+  ``--idle-ms`` of waiting with the GIL free (the device computing; 0: a trainer that never lets
+  go of the GIL): of the GIL-held part, median,
   p99, p99.9 and max, and the same figures with no fetch running (``quiet``). ``p99_9_x_quiet``
   is the jitter a client adds to the trainer.
 * ``client_cpu_s_per_GB``: CPU the client spent (process CPU minus the trainer's), per GB.
@@ -73,6 +75,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--step-ms", type=float, default=2.0, help="GIL-held trainer step")
+    parser.add_argument(
+        "--idle-ms", type=float, default=8.0, help="GIL-free wait per step (the device's compute)"
+    )
     parser.add_argument("--clients", default="fsspec,obstore")
     return parser.parse_args()
 
@@ -104,12 +109,14 @@ class Trainer:
     def __init__(self, step_ms: float) -> None:
         self.n = _calibrate(step_ms)
 
-    def run(self, stop: threading.Event, steps: list[float]) -> float:
+    def run(self, stop: threading.Event, steps: list[float], idle_s: float = 0.0) -> float:
         cpu0 = time.thread_time()
         while not stop.is_set():
             t0 = time.perf_counter()
             _spin(self.n)
             steps.append(time.perf_counter() - t0)
+            if idle_s:
+                time.sleep(idle_s)  # the device computes; the GIL is free
         return time.thread_time() - cpu0
 
 
@@ -230,14 +237,14 @@ def measure(
     trainer: Trainer,
     wire: Any,
 ) -> dict[str, Any]:
-    wire.ask("reset")
+    requests_before = wire.ask("reset")["requests"]
     steps: list[float] = []
     stop = threading.Event()
     cpu0 = time.process_time()
     worker, result = _run_fetches(client, objects, args.range_kib * 1024, args.concurrency)
     done = threading.Thread(target=lambda: (worker.join(), stop.set()))
     done.start()
-    trainer_cpu = trainer.run(stop, steps)
+    trainer_cpu = trainer.run(stop, steps, args.idle_ms / 1e3)
     done.join()
     cpu = time.process_time() - cpu0 - trainer_cpu
     if isinstance(result[0], BaseException):
@@ -245,7 +252,7 @@ def measure(
     nbytes, seconds = result[0]
     on_wire = wire.ask("stats")
     return {
-        "requests": on_wire["requests"],
+        "requests": on_wire["requests"] - requests_before,
         "peak_in_flight": on_wire["peak"],
         "MBps": nbytes / seconds / 1e6,
         "seconds": seconds,
@@ -307,6 +314,7 @@ def main() -> None:
         "concurrency": args.concurrency,
         "range_kib": args.range_kib,
         "step_ms": args.step_ms,
+        "idle_ms": args.idle_ms,
     }
     trainer = Trainer(args.step_ms)
     with servers(wire_args) as wire:
@@ -341,7 +349,7 @@ def main() -> None:
         quiet: list[float] = []
         stop = threading.Event()
         threading.Timer(3.0, stop.set).start()
-        trainer.run(stop, quiet)
+        trainer.run(stop, quiet, args.idle_ms / 1e3)
         figures["quiet"] = _percentiles(quiet)
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
         for _ in range(args.repeats):  # interleaved: drift on a shared machine hits all alike
