@@ -405,6 +405,9 @@ class ZarrTokenSource:
                 memoryview(frame[lo:hi]),  # type: ignore[arg-type]  # numpy buffers
                 name=self.name,
                 max_object_bytes=cap,
+                # A layout cached from an object since replaced would read the wrong bytes,
+                # silently where it describes an uncompressed frame: the size tells them apart.
+                expect_size=layout.cbytes,
             )
             if inline and hi - lo <= _PREAD_MAX_BYTES:
                 read()  # a row's blocks from the page cache: cheaper than a thread hop

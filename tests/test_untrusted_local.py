@@ -198,17 +198,26 @@ class _Writer:
         return True
 
 
+@pytest.mark.parametrize("stand_in_kind", ["other-tokens", "same-tokens-uncompressed"])
 @pytest.mark.parametrize("path_kind", ["rows", "fill"])
-def test_a_chunk_replaced_and_restored_reads_as_restored(tmp_path: Path, path_kind: str) -> None:
+def test_a_chunk_replaced_and_restored_reads_as_restored(
+    tmp_path: Path, path_kind: str, stand_in_kind: str
+) -> None:
     """The frame layout cached for a chunk read while another object stood in its place (a
-    repair, a rewrite in place) does not fail the reads after the original is back."""
+    repair, a rewrite in place) neither fails nor misreads the reads after the original is
+    back: an uncompressed stand-in's layout would read compressed bytes as tokens, silently."""
     path = tmp_path / "d.zarr"
     encoded = write(path, "blosc")
-    other = tmp_path / "other.zarr"
-    with FlatTokensWriter(other, zarr_format=2, chunk_tokens=CHUNK) as writer:
-        writer.append("train", random_sequences(23, 300))
     original = chunk_path(path, 1).read_bytes()
-    stand_in = chunk_path(other, 1).read_bytes()
+    if stand_in_kind == "other-tokens":
+        other = tmp_path / "other.zarr"
+        with FlatTokensWriter(other, zarr_format=2, chunk_tokens=CHUNK) as writer:
+            writer.append("train", random_sequences(23, 300))
+        stand_in = chunk_path(other, 1).read_bytes()
+    else:
+        from numcodecs import Blosc
+
+        stand_in = bytes(Blosc(cname="lz4", clevel=0).encode(encoded[CHUNK : 2 * CHUNK]))
     assert len(stand_in) != len(original)  # a different layout, not just different tokens
 
     async def read(source: ZarrTokenSource) -> np.ndarray:
@@ -231,5 +240,6 @@ def test_a_chunk_replaced_and_restored_reads_as_restored(tmp_path: Path, path_ki
             await source.aclose()
 
     during, after = asyncio.run(asyncio.wait_for(main(), timeout=20))
-    assert not np.array_equal(during, encoded[CHUNK + 200 : CHUNK + 216])  # the stand-in was read
+    same = np.array_equal(during, encoded[CHUNK + 200 : CHUNK + 216])
+    assert same == (stand_in_kind == "same-tokens-uncompressed")  # the stand-in was read
     np.testing.assert_array_equal(after, encoded[CHUNK + 200 : CHUNK + 216])

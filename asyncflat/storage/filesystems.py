@@ -429,6 +429,7 @@ def pread_into(
     *,
     name: str,
     max_object_bytes: int | None = None,
+    expect_size: int | None = None,
 ) -> None:
     """Bytes ``[lo, lo + len(out))`` of object ``key`` of the local store at ``root``, read
     right here into ``out`` (a writable byte buffer: no copy beyond the kernel's).
@@ -441,6 +442,8 @@ def pread_into(
     least ``hi`` bytes long and, when ``max_object_bytes`` is given (the largest legal encoding
     of its chunk), no larger: a FIFO, a device, a directory or an 8 GiB sparse file is a
     :class:`CorruptChunkError` naming the file, refused before a byte is read (never a hang).
+    ``expect_size``: the object's size as its (cached) header says; another size means the
+    object is not the one the header came from (replaced since) or not a whole frame.
     """
     hi = lo + len(out)
     path = os.path.join(root, key)
@@ -456,6 +459,10 @@ def pread_into(
             raise CorruptChunkError(
                 f"{where}: object has {st.st_size} bytes, more than any legal encoding of its "
                 f"chunk ({max_object_bytes} bytes): refused unread"
+            )
+        if expect_size is not None and st.st_size != expect_size:
+            raise CorruptChunkError(
+                f"{where}: object has {st.st_size} bytes where its Blosc header says {expect_size}"
             )
         if st.st_size < hi:
             raise CorruptChunkError(
