@@ -47,6 +47,7 @@ from .errors import (
     option_secrets,
 )
 from .storage.filesystems import is_remote
+from .storage.obstore_client import without_client
 
 __all__ = [
     "GuardedStore",
@@ -301,7 +302,7 @@ class ObjectOutput(Output):
     ) -> None:
         self.url = url.rstrip("/")
         self.display = display_url(self.url)
-        options = {"skip_instance_cache": True, **(storage_options or {})}
+        options = {"skip_instance_cache": True, **without_client(storage_options)}
         try:
             raw = FsspecStore.from_url(self.url, storage_options=options)
         except (ValueError, ImportError, TypeError) as exc:

@@ -118,7 +118,9 @@ class FlatTokensParams:
     ``filespec`` is a local path (``str`` or ``os.PathLike``, stored as ``str``) or a URL such as
     ``gs://bucket/data.zarr``. ``storage_options`` (asyncflat's addition, keyword, after the
     reference's fields) is passed to the fsspec filesystem for a URL; it usually holds
-    credentials, so ``repr()`` shows its keys only.
+    credentials, so ``repr()`` shows its keys only. Its ``"client"`` key (asyncflat's) chooses
+    who reads ``s3://`` and ``gs://`` URLs: ``"fsspec"`` (the default) or ``"obstore"`` (a Rust
+    client; docs/cloud.md).
     """
 
     filespec: Union[str, os.PathLike[str]]  # noqa: UP007 (a typing construct, see the module top)
@@ -153,6 +155,9 @@ class FlatTokensParams:
                     "FlatTokensParams.storage_options must be a mapping of fsspec options or None, "
                     f"got {type(self.storage_options).__name__}"
                 )
+            from .storage.obstore_client import client_of
+
+            client_of(self.storage_options)  # a misspelt client fails here, not at first read
             # A private copy: the frozen config must not change when the caller's dict does.
             object.__setattr__(self, "storage_options", dict(self.storage_options))
 

@@ -140,7 +140,8 @@ _MIN_SECRET_CHARS = 4
 #: them is still redacted.
 _PUBLIC_OPTION_KEYS = frozenset(
     {"project", "user_project", "endpoint_url", "region", "region_name", "default_location",
-     "location", "consistency", "version_aware", "requester_pays"}
+     "location", "consistency", "version_aware", "requester_pays",
+     "client"}  # asyncflat's own: which client reads (fsspec or obstore)
 )  # fmt: skip
 #: gcsfs ``token`` modes: keywords naming how to authenticate, not credentials.
 _TOKEN_MODES = frozenset({"anon", "google_default", "cache", "cloud", "browser"})

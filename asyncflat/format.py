@@ -272,12 +272,13 @@ async def _open_split(
         raise DatasetFormatError(
             f"{where}/seq_starts: expected at least 1 entry (sequence_count + 1), got 0"
         )
-    ends = await _gather_in_order(
-        *(
-            _guarded(seq_starts.getitem(i), f"{where}/seq_starts", f"entry {i}", read=True)
-            for i in sorted({0, entries - 1})
-        )
-    )
+
+    async def entry(i: int) -> Any:
+        # zarr's coroutine is made inside the task: one made up front and handed to a task
+        # cancelled before it starts (a deadline, a close) would never be awaited.
+        return await _guarded(seq_starts.getitem(i), f"{where}/seq_starts", f"entry {i}", read=True)
+
+    ends = await _gather_in_order(*(entry(i) for i in sorted({0, entries - 1})))
     first, last = ends[0], ends[-1]
     if int(first) != 0:
         raise DatasetFormatError(

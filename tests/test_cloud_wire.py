@@ -80,12 +80,15 @@ def _params(url: str, options: dict[str, Any]) -> FlatTokensParams:
     return FlatTokensParams(url, 1, RBPSB, SPB, 0, True, storage_options=options)
 
 
-def test_a_fill_puts_the_configured_concurrency_on_the_wire(backend: Backend) -> None:
+@pytest.mark.parametrize("client", ["fsspec", "obstore"])
+def test_a_fill_puts_the_configured_concurrency_on_the_wire(backend: Backend, client: str) -> None:
     """aiobotocore's pool (10) would cap S3 at 10 requests in flight: it is sized from
-    ``max_concurrent_reads``, and a fill keeps that many requests on the wire."""
+    ``max_concurrent_reads``, and a fill keeps that many requests on the wire (with either
+    client)."""
     options = EngineOptions(prefetch=False, max_concurrent_reads=CONCURRENCY)
     with backend.proxy(latency_s=0.1) as proxy:
-        params = _params(backend.url("wire/v3.zarr"), backend.options(proxy))
+        storage = {**backend.options(proxy), "client": client}
+        params = _params(backend.url("wire/v3.zarr"), storage)
         with ShufflingLoader("train", params, BATCH, options=options) as loader:
             proxy.reset_counts()
             loader.load(0)  # without prefetch: one fill of 32 chunks, nothing else

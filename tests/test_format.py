@@ -425,3 +425,35 @@ def test_both_arrays_missing_reports_encoded_tokens_first(tmp_path: Path) -> Non
     # The arrays are opened concurrently; the error must not depend on which finished first.
     build(tmp_path / "d", 3, omit=("encoded_tokens", "seq_starts"))
     assert_format_error(tmp_path / "d", f"{NAME}/train/encoded_tokens: missing array")
+
+
+def test_an_open_cancelled_at_any_point_leaves_no_coroutine_unawaited(tmp_path: Path) -> None:
+    """A loader closed (or a deadline hit) while it opens its split cancels the open wherever
+    it is: no zarr coroutine may be left made and never awaited (Python warns when it is
+    collected, during whatever runs then)."""
+    import gc
+    import warnings
+
+    import asyncflat
+
+    path = tmp_path / "d.zarr"
+    asyncflat.write_flat_tokens(path, {"train": [[1, 2, 3], [4, 5]]}, zarr_format=3)
+    store = zarr.storage.LocalStore(str(path), read_only=True)
+
+    async def cancel_after(ticks: int) -> bool:
+        task = asyncio.ensure_future(open_split(store, "train", name=NAME))
+        for _ in range(ticks):
+            await asyncio.sleep(0)
+        finished = task.done()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return finished
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for ticks in range(200):
+            finished = asyncio.run(cancel_after(ticks))
+            gc.collect()
+            if finished:
+                break
+    assert finished, "the open never finished: raise the tick count"

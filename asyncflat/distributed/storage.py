@@ -10,6 +10,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from ..storage.filesystems import is_remote as is_url  # a URL of a non-local filesystem
+from ..storage.obstore_client import without_client
 
 __all__ = ["Location", "is_url"]
 
@@ -24,7 +25,7 @@ class Location:
         if not is_url(root):
             root = os.path.abspath(root.removeprefix("file://"))
         self.root = root.rstrip("/")
-        self.storage_options = dict(storage_options or {})
+        self.storage_options = without_client(storage_options)  # fsspec writes, always
         self._fs: fsspec.AbstractFileSystem | None = None
 
     def __getstate__(self) -> dict[str, Any]:

@@ -102,7 +102,9 @@ def filesystem(
     import fsspec
     from fsspec.core import split_protocol
 
-    opts = dict(storage_options or {})
+    from .obstore_client import without_client
+
+    opts = without_client(storage_options)  # the reading client's choice: fsspec here
     protocol = split_protocol(url)[0] or "file"
     try:
         cls: Any = fsspec.get_filesystem_class(protocol)
@@ -256,8 +258,15 @@ def make_store(
     timeout_s: float | None = None,
     max_connections: int | None = None,
 ) -> Store:
-    """The raw zarr store of ``filespec`` (an fsspec store for a URL, else a LocalStore)."""
+    """The raw zarr store of ``filespec``: for a URL an fsspec store (or obstore's, when
+    ``storage_options`` asks for ``client='obstore'``), else a LocalStore."""
     if is_remote(filespec):
+        from .obstore_client import client_of, make_obstore_store
+
+        if client_of(storage_options) == "obstore":
+            return make_obstore_store(
+                filespec, storage_options, timeout_s=timeout_s, max_connections=max_connections
+            )
         fs, path = filesystem(
             filespec, storage_options, timeout_s=timeout_s, max_connections=max_connections
         )
@@ -329,7 +338,7 @@ class BoundedStore(WrapperStore[Store]):
 
 def bounded(store: Store, timeout_s: float) -> Store:
     """``store`` with each request bounded by ``timeout_s`` (object stores; local disks as is)."""
-    return BoundedStore(store, timeout_s) if isinstance(store, FsspecStore) else store
+    return store if isinstance(store, LocalStore) else BoundedStore(store, timeout_s)
 
 
 def local_root(store: Store) -> str | None:
@@ -460,9 +469,15 @@ def pread_into(
                 f"{where}: object has {st.st_size} bytes, more than any legal encoding of its "
                 f"chunk ({max_object_bytes} bytes): refused unread"
             )
+        if expect_size is not None and st.st_size < expect_size:
+            raise CorruptChunkError(
+                f"{where}: chunk object is truncated: it has {st.st_size} bytes where its Blosc "
+                f"header says {expect_size}"
+            )
         if expect_size is not None and st.st_size != expect_size:
             raise CorruptChunkError(
-                f"{where}: object has {st.st_size} bytes where its Blosc header says {expect_size}"
+                f"{where}: object has {st.st_size} bytes where its Blosc header says "
+                f"{expect_size}: not a whole Blosc frame (or replaced since the header was read)"
             )
         if st.st_size < hi:
             raise CorruptChunkError(

@@ -10,6 +10,7 @@ import asyncio
 import errno
 import logging
 import random
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -79,7 +80,21 @@ def _causes(exc: BaseException) -> list[BaseException]:
     return chain
 
 
+#: obstore reports an HTTP failure as text ("... Server returned non-2xx status code: 503 ...")
+_OBSTORE_STATUS = re.compile(r"status(?: code)?:? (\d{3})\b")
+
+
+def _obstore_status(exc: BaseException) -> int | None:
+    if not type(exc).__module__.startswith("obstore"):
+        return None
+    found = _OBSTORE_STATUS.search(str(exc))
+    return int(found.group(1)) if found else None
+
+
 def _own_status(exc: BaseException) -> int | None:
+    status = _obstore_status(exc)
+    if status is not None:
+        return status
     # aiohttp's .status before .code: its ClientResponseError.code is a deprecated alias that warns.
     for attr in ("status", "status_code", "code"):  # aiohttp .status, gcsfs HttpError.code
         value = getattr(exc, attr, None)
@@ -138,6 +153,11 @@ def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNO:
         return True
     name = type(exc).__name__
+    if type(exc).__module__.startswith("obstore"):
+        # Its specific errors (not found, permission denied, unauthenticated, precondition,
+        # a bad path or configuration) are permanent; without an HTTP status (see above), a
+        # GenericError is the request failing on the way: connect, reset, timeout.
+        return name == "GenericError"
     return any(part in name for part in _TRANSIENT_NAMES)
 
 

@@ -1,0 +1,103 @@
+"""obstore as the reading client (``storage_options={"client": "obstore"}``): its options,
+refusals and errors, without a server. Reading buckets with it (batches, faults, silent stores,
+sessions) is tested in tests/test_cloud.py, whose backends include ``gcs+obstore`` and
+``s3+obstore``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from asyncflat import ConfigError, FlatTokensParams, FlatTokensWriter
+from asyncflat.retry import is_throttle, is_transient
+from asyncflat.storage.filesystems import filesystem, make_store
+from asyncflat.storage.obstore_client import client_of
+
+obstore = pytest.importorskip("obstore")
+
+
+def test_the_client_is_fsspec_unless_asked() -> None:
+    assert client_of(None) == client_of({}) == "fsspec"
+    assert client_of({"client": "obstore"}) == "obstore"
+    with pytest.raises(ConfigError, match=r"storage_options\['client'\] must be one of .*'rust'"):
+        client_of({"client": "rust"})
+    with pytest.raises(ConfigError, match=r"storage_options\['client'\]"):  # at construction
+        FlatTokensParams("s3://b/d.zarr", 1, 2, 4, 0, True, storage_options={"client": "rust"})
+
+
+def test_options_are_translated_or_refused_by_name() -> None:
+    s3 = make_store(
+        "s3://bucket/data.zarr",
+        {"client": "obstore", "endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s"},
+        timeout_s=5,
+        max_connections=16,
+    )
+    assert type(s3).__name__ == "ObjectStore"  # made without a request: nothing is contacted
+    gcs = make_store("gs://bucket/data.zarr", {"client": "obstore", "token": "anon"})
+    assert type(gcs).__name__ == "ObjectStore"
+    with pytest.raises(ConfigError, match=r"\['requester_pays'\] have no obstore equivalent"):
+        make_store("s3://b/d.zarr", {"client": "obstore", "requester_pays": True})
+    with pytest.raises(ConfigError, match="path to a service-account JSON file or 'anon'"):
+        make_store("gs://b/d.zarr", {"client": "obstore", "token": {"type": "x"}})
+    with pytest.raises(ConfigError, match="reads s3:// and gs:// URLs, not memory://"):
+        make_store("memory://b/d.zarr", {"client": "obstore"})
+
+
+def test_writing_goes_through_fsspec_whichever_client_reads(tmp_path: Path) -> None:
+    """One options dict serves the converter and the loader: the filesystem that writes (and
+    lists) is fsspec's, never handed asyncflat's ``client`` key."""
+    import s3fs
+
+    fs, path = filesystem(
+        "s3://b/d.zarr",
+        {"client": "obstore", "endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s"},
+    )
+    assert isinstance(fs, s3fs.S3FileSystem) and path == "b/d.zarr"
+    with pytest.raises(ConfigError, match=r"storage_options\['client'\] must be one of"):
+        filesystem("s3://b/d.zarr", {"client": "rust"})
+    import fsspec
+
+    url = f"memory://obstore-client-test/{tmp_path.name}.zarr"
+    with FlatTokensWriter(url, storage_options={"client": "obstore"}) as writer:
+        writer.append("train", [[1, 2, 3]])
+    assert fsspec.filesystem("memory").exists(f"{url}/train")
+
+
+def test_the_client_choice_is_not_a_secret() -> None:
+    """storage_options values are redacted from errors as possible credentials; the client
+    name is not one (an error saying "*** refused" would hide which client spoke)."""
+    params = FlatTokensParams(
+        "s3://b/d.zarr",
+        1,
+        2,
+        4,
+        0,
+        True,
+        storage_options={"client": "obstore", "secret": "hunter22"},
+    )
+    from asyncflat.errors import option_secrets
+
+    secrets = option_secrets(params.storage_options)
+    assert "hunter22" in secrets and "obstore" not in secrets
+
+
+def test_obstore_errors_are_classified() -> None:
+    from obstore.exceptions import GenericError, NotFoundError, PermissionDeniedError
+
+    def generic(status: str) -> GenericError:
+        return GenericError(
+            "Generic S3 error: Error performing GET http://127.0.0.1/b/k in 1ms - Server "
+            f"returned non-2xx status code: {status}: "
+        )
+
+    assert is_transient(generic("503 Service Unavailable"))
+    assert is_throttle(generic("503 Service Unavailable"))
+    assert is_throttle(generic("429 Too Many Requests"))
+    assert is_transient(generic("500 Internal Server Error"))
+    assert not is_throttle(generic("500 Internal Server Error"))
+    assert not is_transient(generic("400 Bad Request"))
+    # Without a status: the request failed on the way (connect, reset, timeout).
+    assert is_transient(GenericError("Generic GCS error: error sending request: timed out"))
+    assert not is_transient(PermissionDeniedError("403 Forbidden"))
+    assert not is_transient(NotFoundError("no such object"))
