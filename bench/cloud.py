@@ -4,6 +4,7 @@
     python bench/cloud.py --backend gcs            # the GCS emulator instead
     python bench/cloud.py --tokens-mib 8 --skip-reference   # smoke run
     python bench/cloud.py s3://bucket/bench.zarr --storage-options '{"anon": false}'
+    python bench/cloud.py --storage-options '{"client": "obstore"}'   # the loader on obstore
 
 Without a URL it starts the store (moto's S3 server or the GCS emulator, tests/helpers/servers.py)
 and, in front of it, a TCP proxy on 127.0.0.1 that models a cloud VM reading a same-region
@@ -210,7 +211,10 @@ def ensure_uploaded(url: str, options: dict[str, Any], args: argparse.Namespace)
 
 
 def bare_rate(url: str, options: dict[str, Any], keys: list[str], concurrency: int) -> float:
-    """Wire bytes/s of ranged GETs of the whole objects ``keys``, ``concurrency`` in flight."""
+    """Wire bytes/s of ranged GETs of the whole objects ``keys``, ``concurrency`` in flight,
+    through the client the loader uses (``storage_options["client"]``)."""
+    if options.get("client") == "obstore":
+        return _bare_obstore_rate(url, options, keys, concurrency)
 
     async def run(fs: Any, path: str) -> float:
         limit = asyncio.Semaphore(concurrency)
@@ -230,6 +234,30 @@ def bare_rate(url: str, options: dict[str, Any], keys: list[str], concurrency: i
         return sum(got) / (time.perf_counter() - t0)
 
     return float(asyncio.run(_with_fs(url, options, run, connections=concurrency)))
+
+
+def _bare_obstore_rate(
+    url: str, options: dict[str, Any], keys: list[str], concurrency: int
+) -> float:
+    from zarr.core.buffer import default_buffer_prototype
+
+    from asyncflat.storage.filesystems import make_store
+
+    async def run() -> float:
+        store = make_store(url, options, max_connections=concurrency)
+        limit = asyncio.Semaphore(concurrency)
+
+        async def get(key: str) -> int:
+            async with limit:
+                buffer = await store.get(key, default_buffer_prototype())
+                assert buffer is not None, key
+                return len(buffer)
+
+        t0 = time.perf_counter()
+        got = await asyncio.gather(*(get(k) for k in keys))
+        return sum(got) / (time.perf_counter() - t0)
+
+    return float(asyncio.run(run()))
 
 
 def params(args: argparse.Namespace, url: str, options: dict[str, Any]) -> Any:
