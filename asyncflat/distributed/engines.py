@@ -44,12 +44,19 @@ class InProcessEngine:
         pass
 
 
+#: How long a failed map waits for its tasks in flight before raising anyway.
+_DRAIN_TIMEOUT_S = 60.0
+
+
 class RayEngine:
     """Ray core tasks (``ray.remote``) on an existing cluster (``address``) or a local one.
 
     A task whose worker dies is retried by Ray (``max_retries``); an exception raised by the
     task itself (a bad input line) is deterministic and is never retried: it is raised here,
-    as its own type, and the other tasks are cancelled.
+    as its own type, once the other tasks in flight (at most two per CPU) have finished. They
+    are not ``ray.cancel``-ed: a cancel racing a task's completion aborts the driver process in
+    Ray 2.x (its task manager's check "Tried to complete task that was not pending"), which
+    would take the caller's process down instead of raising.
 
     If Ray is already initialised in this process, that connection is used and left open.
     ``max_tasks`` caps the tasks running at once (default: two per CPU of the cluster queued).
@@ -112,8 +119,8 @@ class RayEngine:
                         raise
                     yield position, result
         finally:
-            for ref in pending:
-                ray.cancel(ref, force=False)
+            if pending:  # let them finish (see the class docstring), bounded in time
+                ray.wait(list(pending), num_returns=len(pending), timeout=_DRAIN_TIMEOUT_S)
 
     def close(self) -> None:
         if self._owned:
