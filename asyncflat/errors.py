@@ -147,6 +147,12 @@ _PUBLIC_OPTION_KEYS = frozenset(
 _TOKEN_MODES = frozenset({"anon", "google_default", "cache", "cloud", "browser"})
 
 
+def error_text(exc: BaseException) -> str:
+    """``str(exc)`` without obstore's "Debug source:" dump (a Rust ``Debug`` rendering of the
+    error chain, ~1,300 characters, that repeats what the first line says)."""
+    return str(exc).split("\n\nDebug source:", 1)[0].rstrip()
+
+
 def option_secrets(options: Any) -> tuple[str, ...]:
     """Every string value in ``storage_options`` (nested mappings and sequences included) that
     could be a credential, as given and URL-quoted (a token ends up in query strings), for
@@ -199,7 +205,7 @@ def scrubbed(exc: BaseException, where: str, secrets: Iterable[str] = ()) -> Bas
         text = str(exc)
         return type(exc)(redact(text, secrets)) if redact(text, secrets) != text else exc
     return StorageError(
-        f"{redact(where, secrets)}: {type(exc).__name__}: {redact(str(exc), secrets)}"
+        f"{redact(where, secrets)}: {type(exc).__name__}: {redact(error_text(exc), secrets)}"
     )
 
 

@@ -23,7 +23,7 @@ def test_the_client_is_fsspec_unless_asked() -> None:
     with pytest.raises(ConfigError, match=r"storage_options\['client'\] must be one of .*'rust'"):
         client_of({"client": "rust"})
     with pytest.raises(ConfigError, match=r"storage_options\['client'\]"):  # at construction
-        FlatTokensParams("s3://b/d.zarr", 1, 2, 4, 0, True, storage_options={"client": "rust"})
+        FlatTokensParams("s3://bucket/d.zarr", 1, 2, 4, 0, True, storage_options={"client": "rust"})
 
 
 def test_options_are_translated_or_refused_by_name() -> None:
@@ -37,11 +37,11 @@ def test_options_are_translated_or_refused_by_name() -> None:
     gcs = make_store("gs://bucket/data.zarr", {"client": "obstore", "token": "anon"})
     assert type(gcs).__name__ == "ObjectStore"
     with pytest.raises(ConfigError, match=r"\['requester_pays'\] have no obstore equivalent"):
-        make_store("s3://b/d.zarr", {"client": "obstore", "requester_pays": True})
+        make_store("s3://bucket/d.zarr", {"client": "obstore", "requester_pays": True})
     with pytest.raises(ConfigError, match="path to a service-account JSON file or 'anon'"):
-        make_store("gs://b/d.zarr", {"client": "obstore", "token": {"type": "x"}})
+        make_store("gs://bucket/d.zarr", {"client": "obstore", "token": {"type": "x"}})
     with pytest.raises(ConfigError, match="reads s3:// and gs:// URLs, not memory://"):
-        make_store("memory://b/d.zarr", {"client": "obstore"})
+        make_store("memory://bucket/d.zarr", {"client": "obstore"})
 
 
 def test_writing_goes_through_fsspec_whichever_client_reads(tmp_path: Path) -> None:
@@ -50,12 +50,12 @@ def test_writing_goes_through_fsspec_whichever_client_reads(tmp_path: Path) -> N
     import s3fs
 
     fs, path = filesystem(
-        "s3://b/d.zarr",
+        "s3://bucket/d.zarr",
         {"client": "obstore", "endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s"},
     )
-    assert isinstance(fs, s3fs.S3FileSystem) and path == "b/d.zarr"
+    assert isinstance(fs, s3fs.S3FileSystem) and path == "bucket/d.zarr"
     with pytest.raises(ConfigError, match=r"storage_options\['client'\] must be one of"):
-        filesystem("s3://b/d.zarr", {"client": "rust"})
+        filesystem("s3://bucket/d.zarr", {"client": "rust"})
     import fsspec
 
     url = f"memory://obstore-client-test/{tmp_path.name}.zarr"
@@ -68,7 +68,7 @@ def test_the_client_choice_is_not_a_secret() -> None:
     """storage_options values are redacted from errors as possible credentials; the client
     name is not one (an error saying "*** refused" would hide which client spoke)."""
     params = FlatTokensParams(
-        "s3://b/d.zarr",
+        "s3://bucket/d.zarr",
         1,
         2,
         4,
@@ -101,3 +101,44 @@ def test_obstore_errors_are_classified() -> None:
     assert is_transient(GenericError("Generic GCS error: error sending request: timed out"))
     assert not is_transient(PermissionDeniedError("403 Forbidden"))
     assert not is_transient(NotFoundError("no such object"))
+
+
+@pytest.mark.parametrize(
+    ("url", "options", "words"),
+    [
+        # obstore panics on its first request for these (Rust traces on stderr, a message naming
+        # nothing): refused up front, naming the parameter.
+        ("s3://bucket/d.zarr", {"endpoint_url": "127.0.0.1:9000"}, "['endpoint_url'] must be"),
+        ("gs://bucket/d.zarr", {"endpoint_url": "localhost"}, "['endpoint_url'] must be"),
+        ("s3://b kt/d.zarr", {}, "'b kt' is not a bucket name"),
+        ("s3://bucket/d.zarr", {"anon": "false"}, "['anon'] must be True or False"),
+        ("s3://bucket/d.zarr", {"key": 12345}, "['key'] must be a string"),
+        (
+            "s3://bucket/d.zarr",
+            {"client_kwargs": {"region_name": 1}},
+            "['region_name'] must be a string",
+        ),
+    ],
+)
+def test_malformed_options_are_refused_naming_them(
+    url: str, options: dict[str, object], words: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        make_store(url, {"client": "obstore", **options})
+    assert words in str(info.value), str(info.value)
+
+
+def test_obstore_debug_dumps_stay_out_of_messages() -> None:
+    """obstore appends a ~1,300-character Rust ``Debug`` dump of the error chain to every
+    message; asyncflat's errors keep the first part, which says it all."""
+    from obstore.exceptions import GenericError
+
+    from asyncflat.errors import error_text, scrubbed
+
+    exc = GenericError(
+        "Generic S3 error: Error performing GET http://127.0.0.1:1/b/k in 1ms - connection "
+        'refused\n\nDebug source:\nGeneric {\n    store: "S3",\n' + "    x,\n" * 200 + "}"
+    )
+    assert error_text(exc).endswith("connection refused")
+    message = str(scrubbed(exc, "s3://bucket/d.zarr", ()))
+    assert "Debug source" not in message and "connection refused" in message

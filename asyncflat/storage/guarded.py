@@ -36,6 +36,7 @@ from ..errors import (
     DatasetFormatError,
     StorageError,
     carries_secret,
+    error_text,
     redact,
     scrubbed,
 )
@@ -368,7 +369,7 @@ class GuardedStore(PerKeyWrapperStore):
         except Exception as exc:  # noqa: BLE001 - re-raised, chained unless it holds a secret
             raise StorageError(
                 f"reading {describe()} failed: {type(exc).__name__}: "
-                f"{redact(str(exc), shared.secrets)}"
+                f"{redact(error_text(exc), shared.secrets)}"
             ) from (None if carries_secret(exc, shared.secrets) else exc)
         io.requests += 1
         if buffer is None:

@@ -14,10 +14,12 @@ fsspec (:mod:`asyncflat.storage.retry` reads obstore's errors too).
 from __future__ import annotations
 
 import datetime
+import re
+import urllib.parse
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, redact
 
 if TYPE_CHECKING:
     from zarr.abc.store import Store
@@ -56,23 +58,56 @@ def without_client(storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
     return options
 
 
+#: S3 and GCS bucket names: letters, digits, dots, hyphens, underscores (S3's legacy buckets may
+#: hold capitals), 3-222 characters.
+_BUCKET = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{1,220}[A-Za-z0-9]")
+
+
+def _text_option(options: dict[str, Any], key: str) -> Any:
+    value = options.pop(key)
+    if not isinstance(value, str):
+        raise ConfigError(
+            f"storage_options[{key!r}] must be a string with client 'obstore', "
+            f"got {type(value).__name__}"
+        )
+    if key == "endpoint_url":
+        parts = urllib.parse.urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            # obstore would panic on its first request, naming neither the option nor the value.
+            raise ConfigError(
+                f"storage_options['endpoint_url'] must be an http:// or https:// URL with a "
+                f"host, got {redact(value)!r}"
+            )
+    return value
+
+
 def _translate(protocol: str, options: dict[str, Any]) -> dict[str, Any]:
     """obstore keyword arguments for s3fs/gcsfs-style ``options`` (consumed as they are read)."""
     config: dict[str, Any] = {}
     if protocol == "s3":
         for key, target in _S3_KEYS.items():
             if key in options:
-                config[target] = options.pop(key)
-        if options.pop("anon", False):
+                config[target] = _text_option(options, key)
+        anon = options.pop("anon", False)
+        if not isinstance(anon, bool):
+            raise ConfigError(
+                f"storage_options['anon'] must be True or False, got {type(anon).__name__} {anon!r}"
+            )
+        if anon:
             config["skip_signature"] = True
         region = (options.pop("client_kwargs", None) or {}).get("region_name")
+        if region is not None and not isinstance(region, str):
+            raise ConfigError(
+                "storage_options['client_kwargs']['region_name'] must be a string, got "
+                f"{type(region).__name__}"
+            )
         config["region"] = region or "us-east-1"
         if "endpoint" in config:  # a custom endpoint (MinIO, moto, a proxy): path-style URLs
             config["virtual_hosted_style_request"] = False
     else:
         for key, target in _GCS_KEYS.items():
             if key in options:
-                config[target] = options.pop(key)
+                config[target] = _text_option(options, key)
         token = options.pop("token", None)
         options.pop("project", None)  # reading objects needs none
         if token == "anon":
@@ -111,6 +146,12 @@ def make_obstore_store(
             f"URLs, not {protocol}://"
         )
     bucket, _, prefix = rest.partition("/")
+    if not _BUCKET.fullmatch(bucket):
+        # obstore would panic on its first request (a space, say) instead of naming it.
+        raise ConfigError(
+            f"{redact(filespec)}: {bucket!r} is not a bucket name (letters, digits, dots, "
+            "hyphens and underscores, 3-222 characters)"
+        )
     options = without_client(storage_options)
     config = _translate(protocol, options)
     if options:

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from ..config import RetryPolicy
-from ..errors import StorageError, TransientStorageError
+from ..errors import StorageError, TransientStorageError, error_text
 
 __all__ = ["is_throttle", "is_transient", "retrying"]
 
@@ -200,7 +200,7 @@ async def retrying(
             if number == policy.max_attempts or elapsed + sleep > policy.deadline_s:
                 raise TransientStorageError(
                     f"{describe()}: still failing after {number} attempts over {elapsed:.1f} s: "
-                    f"{type(exc).__name__}: {exc}"
+                    f"{type(exc).__name__}: {error_text(exc)}"
                 ) from exc
             if on_retry is not None:
                 on_retry(exc)
