@@ -2,6 +2,8 @@
 
 * :mod:`.filesystems`: fsspec filesystems and zarr stores, made and closed on the engine's loop,
   with a single retry loop (ours); ``pread`` for small local reads.
+* :mod:`.obstore_client`: obstore (Rust) as the reading client of ``s3://`` and ``gs://`` URLs,
+  when ``storage_options`` asks for it; fsspec-style options translated or refused by name.
 * :mod:`.guarded`: the one gate every object request passes (limits, retries, counters, strict
   checks against missing, truncated or malformed chunk objects).
 * :mod:`.retry`: which failures are transient, and jittered exponential backoff to a deadline.

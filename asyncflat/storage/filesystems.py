@@ -40,6 +40,7 @@ from ..errors import (
     redact,
     scrubbed,
 )
+from .obstore_client import client_of, make_obstore_store, without_client
 
 __all__ = [
     "OWN_RETRIES_OPTION",
@@ -101,8 +102,6 @@ def filesystem(
     """
     import fsspec
     from fsspec.core import split_protocol
-
-    from .obstore_client import without_client
 
     opts = without_client(storage_options)  # the reading client's choice: fsspec here
     protocol = split_protocol(url)[0] or "file"
@@ -261,8 +260,6 @@ def make_store(
     """The raw zarr store of ``filespec``: for a URL an fsspec store (or obstore's, when
     ``storage_options`` asks for ``client='obstore'``), else a LocalStore."""
     if is_remote(filespec):
-        from .obstore_client import client_of, make_obstore_store
-
         if client_of(storage_options) == "obstore":
             return make_obstore_store(
                 filespec, storage_options, timeout_s=timeout_s, max_connections=max_connections

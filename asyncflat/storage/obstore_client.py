@@ -19,7 +19,7 @@ import urllib.parse
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError, redact
+from ..errors import ConfigError, error_text, redact
 
 if TYPE_CHECKING:
     from zarr.abc.store import Store
@@ -179,5 +179,7 @@ def make_obstore_store(
             **config,
         )
     except Exception as exc:  # noqa: BLE001 - obstore's configuration errors
-        raise ConfigError(f"{filespec}: obstore refused these storage_options: {exc}") from None
+        raise ConfigError(
+            f"{redact(filespec)}: obstore refused these storage_options: {error_text(exc)}"
+        ) from None
     return ObjectStore(raw, read_only=True)
