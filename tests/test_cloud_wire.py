@@ -118,6 +118,38 @@ def test_the_pool_size_never_overrides_the_callers(backend: Backend) -> None:
     assert asyncio.run(main()) == (3 if backend.name == "s3" else 400)
 
 
+def test_s3_filesystems_share_botocore_models_not_sessions(s3_server: Any) -> None:
+    """Each loader's s3fs gets a session of its own (its credentials, its loop) over the
+    process's one botocore data loader: the S3 service model is parsed once per process, not
+    once per loader. A session the caller passes in is used as it is."""
+    import aiobotocore.session
+
+    backend = Backend("s3", s3_server)
+
+    async def main() -> tuple[Any, Any, Any, Any]:
+        made = [_filesystem(backend.url(""), backend.options()) for _ in range(2)]
+        own = aiobotocore.session.AioSession()
+        mine, _ = _filesystem(backend.url(""), {**backend.options(), "session": own})
+        try:
+            for fs, _ in made:
+                await fs._ls(BUCKET)  # the client is made from the session, and works
+            await mine._ls(BUCKET)
+            (first, _), (second, _) = made
+            return first.session, second.session, mine.session, own
+        finally:
+            for fs, _ in made:
+                await _close_filesystem(fs)
+            await _close_filesystem(mine)
+
+    first, second, mine, own = asyncio.run(main())
+    assert first is not second  # never one session (credentials, locks) for two loops
+    loader = first.get_component("data_loader")
+    assert second.get_component("data_loader") is loader
+    assert loader.list_available_services("service-2")  # a real botocore loader
+    assert mine is own  # the caller's session, untouched
+    assert own.get_component("data_loader") is not loader
+
+
 def _open_requests(backend: Backend, fmt: str) -> tuple[list[Any], int]:
     with backend.proxy(latency_s=0.2) as proxy:
         params = _params(backend.url(f"wire/{fmt}.zarr"), backend.options(proxy))

@@ -21,6 +21,7 @@ import logging
 import os
 import stat
 import sys
+import threading
 import types
 from collections.abc import Awaitable, Iterable, Mapping
 from typing import Any, TypeVar
@@ -174,7 +175,51 @@ def filesystem(
             None if carries_secret(exc, secrets) else exc
         )
     set_own_retries(fs, own_retries or 1)
+    share_botocore_models(fs)
     return fs, path
+
+
+#: botocore's data loader (the parsed JSON service models and endpoint rules), one per process.
+_BOTOCORE_LOADER: Any = None
+_BOTOCORE_LOADER_LOCK = threading.Lock()
+
+
+def share_botocore_models(fs: Any) -> None:
+    """Give an s3fs filesystem's botocore session the process's one data loader.
+
+    Every loader makes its own filesystem (its HTTP sessions belong to its own event loop), and
+    each new botocore session parses the S3 service model and endpoint rules again: ~90 ms of
+    GIL-held JSON parsing per loader construction, paid again by every evaluation loader,
+    epoch and mixture source. The data loader holds only those parsed files (no credentials,
+    no connections, no loop), so one serves every session; credentials stay per session.
+    A session the caller passed in (``storage_options={"session": ...}``) is left alone, and
+    so is any s3fs whose internals differ from the ones relied on here (a lost speed-up, not
+    an error).
+    """
+    s3fs = sys.modules.get("s3fs")
+    if s3fs is None or not isinstance(fs, s3fs.S3FileSystem):
+        return
+    if getattr(fs, "session", None) is not None or not isinstance(
+        getattr(fs, "kwargs", None), dict
+    ):
+        return
+    try:
+        import aiobotocore.session
+        import botocore.loaders
+
+        global _BOTOCORE_LOADER
+        with _BOTOCORE_LOADER_LOCK:
+            if _BOTOCORE_LOADER is None:
+                _BOTOCORE_LOADER = botocore.loaders.create_loader()
+            loader = _BOTOCORE_LOADER
+        # The session s3fs would make itself (its own kwargs: profile, ...), with the shared
+        # data loader; s3fs still owns it (a refresh makes a fresh one).
+        session = aiobotocore.session.AioSession(**fs.kwargs)
+        session.register_component("data_loader", loader)
+    except Exception:  # an optimisation only: s3fs then makes its own session
+        log.debug("cannot share botocore's data loader with %r", fs, exc_info=True)
+        return
+    fs.session = session
 
 
 def construction_error(exc: BaseException, url: str, secrets: Iterable[str]) -> AsyncflatError:
