@@ -62,10 +62,16 @@ _warm_up_thread: threading.Thread | None = None
 _warm_up_lock = threading.Lock()
 
 
-def permutation(seed: int, n: int) -> np.ndarray:
+def permutation(seed: int, n: int, *, yield_gil: bool = False) -> np.ndarray:
     """A permutation of ``range(n)`` as a ``uint32`` array, fixed forever by ``(seed, n)``.
 
     ``seed`` is any non-negative integer (as accepted by ``np.random.Philox``); ``0 <= n < 2**32``.
+
+    ``yield_gil``: for a background thread. The plain Python path holds the GIL throughout (up
+    to ~28 ms at ``2**16`` items), and a trainer thread wanting it meanwhile waits a whole switch
+    interval (5 ms) or more; with ``yield_gil`` it runs in slices of ``YIELD_SLICE`` swaps with a
+    short sleep between them, so another thread waits at most one slice (tens of microseconds)
+    for it, at about twice the wall time. Same swaps, same result.
     """
     seed = _as_int("seed", seed)
     n = _as_int("n", n)
@@ -74,9 +80,10 @@ def permutation(seed: int, n: int) -> np.ndarray:
     if not 0 <= n < 1 << 32:
         raise ConfigError(f"permutation: n must be in [0, 2**32), got {n}")
     bit_generator = np.random.Philox(seed)
-    if n < _SMALL_N:
-        return _small_permutation(bit_generator, n)
-    if _kernel is None and n <= _NO_WAIT_N:
+    small = n < _SMALL_N or (_kernel is None and n <= _NO_WAIT_N)
+    if small and yield_gil:
+        return _yielding_permutation(bit_generator, n)
+    if small:
         return _small_permutation(bit_generator, n)
     state = bit_generator.state
     # The kernel replays the generator from its key, so it must start where numpy's would.
@@ -138,6 +145,34 @@ def _small_permutation(bit_generator: np.random.Philox, n: int) -> np.ndarray:
         j = swaps[i]
         result[i], result[j] = result[j], result[i]
     return np.array(result, dtype=np.uint32)
+
+
+#: Swaps per slice of :func:`_yielding_permutation` (~30-60 us of Python on these machines) and
+#: the sleep after each: long enough that a thread waiting for the GIL takes it (a zero sleep
+#: releases the GIL, but the releasing thread often takes it back before the waiter wakes).
+YIELD_SLICE = 256
+YIELD_PAUSE_S = 50e-6
+
+
+def _yielding_permutation(bit_generator: np.random.Philox, n: int) -> np.ndarray:
+    """:func:`_small_permutation`, cut into slices with the GIL released between them."""
+    bounds = np.arange(1, n + 1, dtype=np.uint64)
+    swaps = bit_generator.random_raw(n) % bounds  # numpy: short, and not worth slicing
+    result = list(range(n))
+    # Fisher-Yates runs from the top down: slice [lo, hi) swaps i = hi-1 .. lo.
+    for hi in range(n, 0, -YIELD_SLICE):
+        lo = max(hi - YIELD_SLICE, 0)
+        part = swaps[lo:hi].tolist()
+        for i in range(hi - 1, lo - 1, -1):
+            j = part[i - lo]
+            result[i], result[j] = result[j], result[i]
+        time.sleep(YIELD_PAUSE_S)
+    out = np.empty(n, np.uint32)
+    step = YIELD_SLICE * 32  # list -> array in pieces too (one piece of 2**16 holds ~2 ms)
+    for lo in range(0, n, step):
+        out[lo : lo + step] = result[lo : lo + step]
+        time.sleep(YIELD_PAUSE_S)
+    return out
 
 
 def _get_kernel() -> _Kernel:

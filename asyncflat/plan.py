@@ -344,11 +344,14 @@ class ShufflePlan:
         sequential = (minipoch * self.read_blocks_per_shuffle_buffer + j) * self.streams + stream
         return self.block_order[sequential].astype(np.int64)
 
-    def row_permutation(self, stream: int, minipoch: int) -> np.ndarray:
-        """``perm``: buffer row served at each position of buffer (stream, minipoch)."""
+    def row_permutation(self, stream: int, minipoch: int, *, yield_gil: bool = False) -> np.ndarray:
+        """``perm``: buffer row served at each position of buffer (stream, minipoch).
+
+        ``yield_gil``: computed by a background thread (see :func:`~asyncflat.permutation.permutation`).
+        """
         self._check_stream(stream)
         seed = self.epoch_seed + 1 + minipoch * self.streams + stream
-        return permutation(seed, self.rows_in_buffer(minipoch))
+        return permutation(seed, self.rows_in_buffer(minipoch), yield_gil=yield_gil)
 
     def block_deadlines(self, perm: np.ndarray, minipoch: int, from_step: int = 0) -> np.ndarray:
         """For each block slot of a buffer, the first step >= ``from_step`` that reads it.

@@ -432,7 +432,11 @@ def test_a_load_ahead_of_its_blocks_reads_just_its_rows() -> None:
                 break
             await asyncio.sleep(0.01)
         assert source.item_reads == ahead and not source.reads
-        assert {f["minipoch"] for f in engine.stats()["active_fills"]} == {1, 2}  # fills go on
+        # fills go on (the prefetch of 2 starts once its permutation, computed off the loop, lands)
+        await until(
+            lambda: {f["minipoch"] for f in engine.stats()["active_fills"]} == {1, 2},
+            "the prefetch of minipoch 2",
+        )
         for later in range(step + 1, step + 1 + ROWS_AHEAD_STEPS):  # served by the reads ahead
             batch = await asyncio.wait_for(engine.gather(later, ALL), 5)
             np.testing.assert_array_equal(batch, oracle.encoded_batch(later))

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -328,3 +329,61 @@ def test_releases_the_gil() -> None:
     finally:
         sys.setswitchinterval(interval)
     assert max(fractions) > 0.3, fractions
+
+
+@pytest.mark.parametrize("n", [0, 1, 255, 256, 257, 2047, 2048, 4097, 1 << 16])
+def test_yielding_the_gil_changes_nothing_of_the_result(
+    n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(impl, "_kernel", None)  # the Python path, which is the one that yields
+    for seed in (0, 3, 2**64 + 5):
+        expected = (
+            slow_reference(seed, n)
+            if n <= 4097
+            else impl._small_permutation(np.random.Philox(seed), n)
+        )
+        got = permutation(seed, n, yield_gil=True)
+        assert got.dtype == np.uint32
+        np.testing.assert_array_equal(got, expected)
+
+
+def _other_thread_runs_during(compute: Any) -> int:
+    """How often another thread (needing the GIL after each short sleep) ran while ``compute()``
+    ran, with a switch interval so long that only a voluntary release lets it in."""
+    ticks = [0]
+    stop, started = threading.Event(), threading.Event()
+
+    def other() -> None:
+        started.set()
+        while not stop.is_set():
+            ticks[0] += 1
+            time.sleep(1e-4)
+
+    interval = sys.getswitchinterval()
+    worker = threading.Thread(target=other)
+    sys.setswitchinterval(10.0)
+    try:
+        worker.start()
+        started.wait(5)
+        time.sleep(0.01)
+        before = ticks[0]
+        compute()
+        return ticks[0] - before
+    finally:
+        stop.set()
+        sys.setswitchinterval(interval)
+        worker.join()
+
+
+def test_a_yielding_permutation_lets_other_threads_run_meanwhile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The Python path holds the GIL throughout (a trainer thread waits for all of it); with
+    ``yield_gil`` it lets other threads in between slices of swaps."""
+    monkeypatch.setattr(impl, "_kernel", None)
+    n = 1 << 15
+    plain = _other_thread_runs_during(lambda: permutation(5, n))
+    yielding = _other_thread_runs_during(lambda: permutation(5, n, yield_gil=True))
+    slices = n // impl.YIELD_SLICE
+    assert yielding >= slices // 4, (yielding, plain, slices)
+    assert plain < yielding // 4, (yielding, plain, slices)

@@ -44,10 +44,17 @@ def test_a_fill_is_started_once_and_its_units_queued() -> None:
     assert table.allocations == 1
 
 
+async def permutations_computed(table: FillTable) -> None:
+    """Let the permutations under way on the CPU pool finish and land (their callbacks)."""
+    await asyncio.gather(*table.permutations._pending.values())
+    await asyncio.sleep(0)
+
+
 def test_a_third_minipoch_takes_the_buffer_of_one_the_step_does_not_read() -> None:
     async def main() -> None:
         table, _, ended = make_table()
         first = table.ensure(0, 0, 0, keep={0})
+        await permutations_computed(table)
         table.prefetch_after({(0, 0): slice(0, 8)})  # minipoch 1 into the other buffer
         second = table.get(0, 1)
         assert second is not None and second.reason == "prefetch"
@@ -92,3 +99,42 @@ def test_fail_all_then_clear_drops_everything() -> None:
     assert fill.cancelled and isinstance(fill.error, LoaderClosedError)
     table.clear()
     assert list(table) == []
+
+
+def test_a_prefetch_starts_with_its_permutation_computed_off_the_loop() -> None:
+    """A fill's start computes the next minipoch's permutation on the CPU pool (the Python path
+    holds the GIL ~1 ms per 4,096 rows: on the loop it delayed the trainer's next load). The
+    prefetch waits for it, starts when it lands and uses it; a load never waits for it."""
+
+    async def main() -> None:
+        table, _, _ = make_table()
+        plan = table.plan
+        table.ensure(0, 0, 0, keep={0})  # a load's fill: computed at once
+        assert table.permutations.inline == 1 and (0, 1) in table.permutations._pending
+        groups = {(0, 0): slice(0, 8)}
+        table.prefetch_after(groups)  # this step: still computing, so not started ...
+        assert table.get(0, 1) is None and table.prefetches_due(groups)
+        await permutations_computed(table)
+        second = table.get(0, 1)  # ... but as soon as it lands
+        assert second is not None and second.reason == "prefetch"
+        assert (second.perm == plan.row_permutation(0, 1)).all()
+        assert table.permutations.ahead == 1 and table.permutations.inline == 1
+        # the fill of minipoch 1 started the computation of minipoch 2's
+        assert (0, 2) in table.permutations._pending
+        # a load of minipoch 2 does not wait for it: computed at once, the late one dropped
+        third = table.ensure(0, 2, 2 * 4, keep={2})
+        assert (third.perm == plan.row_permutation(0, 2)).all()
+        assert table.permutations.inline == 2
+        await permutations_computed(table)
+        assert (0, 2) not in table.permutations._ready
+
+    asyncio.run(main())
+
+
+def test_without_a_running_loop_a_prefetch_computes_its_permutation_itself() -> None:
+    table, _, _ = make_table()
+    table.ensure(0, 0, 0, keep={0})
+    table.prefetch_after({(0, 0): slice(0, 8)})
+    second = table.get(0, 1)
+    assert second is not None and (second.perm == table.plan.row_permutation(0, 1)).all()
+    assert table.permutations.ahead == 0 and table.permutations.inline == 2

@@ -82,6 +82,7 @@ class Engine:
             source.token_chunk,
             queue=self._scheduler.put,
             ended=self._recorder.fill_ended,
+            on_permutation_ready=self._permutation_ready,
         )
         # A load ahead of its blocks reads just its rows when the source can do that cheaply.
         self._rows = (
@@ -258,6 +259,12 @@ class Engine:
                 raise ValueError("batch_indices must be sorted")
             groups[(stream, minipoch)] = slice(lo, hi)
         return groups
+
+    def _permutation_ready(self, stream: int, minipoch: int) -> None:
+        if self._closed:
+            return
+        with self._lock:
+            self._fills.start_deferred_prefetch(stream, minipoch)
 
     def _start_prefetches(self, groups: Groups) -> None:
         if self._closed:

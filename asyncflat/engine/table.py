@@ -27,6 +27,7 @@ import numpy as np
 from ..errors import LoaderClosedError
 from ..plan import ShufflePlan
 from .fill import BufferPair, Fill, Unit, forget, plan_units
+from .permutations import RowPermutations
 from .stats import FillProgress
 
 __all__ = ["FillTable"]
@@ -48,7 +49,11 @@ class FillTable:
         *,
         queue: Callable[[Unit], None],
         ended: Callable[..., None],
+        on_permutation_ready: Callable[[int, int], None] | None = None,
     ) -> None:
+        """``on_permutation_ready(stream, minipoch)`` runs on the loop when a buffer's
+        permutation computed ahead lands; it must call :meth:`start_deferred_prefetch` (under
+        the lock that guards this table). By default that is called directly."""
         self.plan, self.streams, self._token_chunk = plan, streams, token_chunk
         self._queue, self._ended = queue, ended
         self._fills: dict[int, dict[int, Fill]] = {s: {} for s in streams}
@@ -58,6 +63,12 @@ class FillTable:
         #: every fill not yet collected (dropped ones too: a queued unit or a load's frame may
         #: still hold one), so closing can let go of every view of the buffers
         self._started: weakref.WeakSet[Fill] = weakref.WeakSet()
+        #: each buffer's row permutation, computed off the loop before its prefetch starts
+        self.permutations = RowPermutations(
+            plan, streams, on_permutation_ready or self.start_deferred_prefetch
+        )
+        #: prefetches waiting for their permutation: (stream, minipoch) -> the keep set
+        self._deferred: dict[tuple[int, int], set[int]] = {}
 
     def get(self, stream: int, minipoch: int) -> Fill | None:
         return self._fills[stream].get(minipoch)
@@ -95,10 +106,21 @@ class FillTable:
         fill = self._usable(stream, minipoch)
         if fill is not None:
             return fill
+        if not self.permutations.ready(stream, minipoch):
+            # Its permutation is being computed off the loop: started when it lands.
+            self._deferred[(stream, minipoch)] = keep
+            return None
+        self._deferred.pop((stream, minipoch), None)
         index = self._buffer_for(stream, keep, demand=False)
         if index is None:
             return None
         return self._put(stream, minipoch, index, self.plan.first_step(minipoch), "prefetch")
+
+    def start_deferred_prefetch(self, stream: int, minipoch: int) -> None:
+        """Start the prefetch of (stream, minipoch) that waited for its permutation, if any."""
+        keep = self._deferred.pop((stream, minipoch), None)
+        if keep is not None:
+            self.try_prefetch(stream, minipoch, keep)
 
     def pin(self, keys: list[tuple[int, int]], delta: int) -> None:
         """Add (``delta`` 1) or remove (-1) an iterator's pin on each (stream, minipoch)."""
@@ -196,12 +218,14 @@ class FillTable:
             forget(fill)
         self._fills = {s: {} for s in self.streams}
         self._pins.clear()
+        self._deferred.clear()
+        self.permutations.clear()
         for pair in self._buffers.values():
             pair.drop()
 
     def _start(self, stream: int, minipoch: int, index: int, from_step: int, reason: str) -> Fill:
         plan = self.plan
-        perm = plan.row_permutation(stream, minipoch)
+        perm = self.permutations.take(stream, minipoch)
         blocks = plan.buffer_blocks(stream, minipoch)
         buffer, write_after = self._buffers[stream].take(index)
         now = time.perf_counter()
@@ -228,6 +252,7 @@ class FillTable:
             for slot, *_ in unit.pieces:
                 fill.pending[slot] += 1
             self._queue(unit)
+        self.permutations.prepare(stream, minipoch + 1)  # for the prefetch this fill's start brings
         log.debug(
             "%s fill of stream %d minipoch %d from step %d: %d blocks, %d reads",
             reason,

@@ -1,0 +1,106 @@
+"""Row permutations of the shuffle buffers, computed before the fills that need them.
+
+A fill needs its buffer's row permutation the moment it starts. Buffers of up to ``2**16`` rows
+take the plain Python path of :func:`~asyncflat.permutation.permutation` (no compile), which
+holds the GIL for ~1 ms per 4,096 rows: started on the loop thread at a minipoch boundary, it
+made the trainer's next ``load()`` wait for the GIL (a switch interval, 5 ms, or more). So when
+a fill of minipoch ``m`` starts, the permutation of ``m + 1`` is computed on the CPU pool with
+the GIL yielded every few hundred swaps, and the prefetch of ``m + 1`` starts once it is ready
+(as soon as it lands, or at a later step's check; the prefetch has the whole minipoch to
+finish). A load that needs a
+fill whose permutation is not ready computes it at once, as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+
+import numpy as np
+
+from ..plan import ShufflePlan
+
+__all__ = ["RowPermutations"]
+
+_Key = tuple[int, int]
+
+
+class RowPermutations:
+    """The row permutations computed ahead, per (stream, minipoch); used on the loop thread."""
+
+    def __init__(
+        self,
+        plan: ShufflePlan,
+        streams: tuple[int, ...],
+        on_ready: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self.plan = plan
+        #: called on the loop with (stream, minipoch) when a permutation computed ahead lands
+        self._on_ready = on_ready
+        self._ready: dict[_Key, np.ndarray] = {}
+        self._pending: dict[_Key, asyncio.Future[np.ndarray]] = {}
+        #: permutations of at most two minipochs ahead per stream are kept
+        self._keep = 2 * max(1, len(streams))
+        #: fills whose permutation was computed ahead, and those that computed it themselves
+        self.ahead = 0
+        self.inline = 0
+
+    def take(self, stream: int, minipoch: int) -> np.ndarray:
+        """The permutation of (stream, minipoch): the one computed ahead, else computed now."""
+        key = (stream, minipoch)
+        self._pending.pop(key, None)  # still computing: this fill cannot wait for it
+        perm = self._ready.pop(key, None)
+        if perm is not None:
+            self.ahead += 1
+            return perm
+        self.inline += 1
+        return self.plan.row_permutation(stream, minipoch)
+
+    def ready(self, stream: int, minipoch: int) -> bool:
+        """Whether a prefetch of (stream, minipoch) may start now: its permutation is ready, or
+        cannot be computed ahead (no running loop); else start computing it and say no."""
+        key = (stream, minipoch)
+        if key in self._ready:
+            return True
+        if key in self._pending:
+            return False
+        return not self.prepare(stream, minipoch)
+
+    def prepare(self, stream: int, minipoch: int) -> bool:
+        """Start computing (stream, minipoch)'s permutation on the CPU pool; whether it started
+        (or is already under way or done)."""
+        key = (stream, minipoch)
+        if key in self._ready or key in self._pending:
+            return True
+        if not 0 <= minipoch < self.plan.minipoch_count:
+            return False
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return False
+        compute = functools.partial(self.plan.row_permutation, stream, minipoch, yield_gil=True)
+        try:
+            future = loop.run_in_executor(None, compute)
+        except RuntimeError:  # the CPU pool is shut down: the engine is closing
+            return False
+        self._pending[key] = future
+        future.add_done_callback(functools.partial(self._done, key))
+        return True
+
+    def _done(self, key: _Key, future: asyncio.Future[np.ndarray]) -> None:
+        if self._pending.get(key) is not future:
+            return  # taken meanwhile (computed by its fill), or cleared
+        del self._pending[key]
+        if future.cancelled() or future.exception() is not None:
+            return  # the fill computes it itself, and reports what fails
+        self._ready[key] = future.result()
+        while len(self._ready) > self._keep:  # the oldest first (dicts keep insertion order)
+            self._ready.pop(next(iter(self._ready)))
+        if self._on_ready is not None and key in self._ready:
+            self._on_ready(*key)
+
+    def clear(self) -> None:
+        """Forget every permutation (closing); computations under way finish unused."""
+        self._pending.clear()
+        self._ready.clear()
