@@ -8,6 +8,7 @@ source is the plain loader's ``epoch=e``).
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -182,6 +183,13 @@ def test_each_source_serves_its_own_order_and_wraps_into_its_next_pass(
         assert stats.sources[s].rows == counts
     assert stats.sources[1].passes >= 3  # the small source at 30-60% ran out more than once
     assert sum(x.rows for x in stats.sources) == 60 * BATCH.batch
+    # read by key too, as the engine's figures are, and whole as JSON
+    assert stats["steps_built"] == stats.steps_built == 60
+    assert stats["sources"][1]["passes"] == stats.sources[1].passes
+    assert stats["sources"][0]["engine"]["requests"] == stats.sources[0].engine.requests
+    assert "build_median_s" in stats and stats.get("nothing", 7) == 7
+    as_json = json.loads(json.dumps(stats.as_dict()))
+    assert [src["rows"] for src in as_json["sources"]] == [x.rows for x in stats.sources]
     assert any("starts pass 3" in rec.getMessage() for rec in caplog.records)
 
 

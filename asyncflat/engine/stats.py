@@ -29,6 +29,7 @@ __all__ = [
     "IntervalStats",
     "LatenessMonitor",
     "RateLimitedLog",
+    "Readable",
     "StepLog",
     "StepRate",
 ]
@@ -39,8 +40,9 @@ STEP_HISTORY = 1 << 16
 FILL_HISTORY = 256
 
 
-class _Readable:
-    """Dict-style reading of a frozen dataclass, as the stats dicts of earlier versions."""
+class Readable:
+    """Dict-style reading of a frozen dataclass, as the stats dicts of earlier versions
+    (``stats["requests"]``, ``.get``, ``.keys()``, ``in``), and :meth:`as_dict` for JSON."""
 
     def __getitem__(self, name: str) -> Any:
         if name not in self._field_names():
@@ -69,7 +71,7 @@ class _Readable:
 
 
 def _plain(value: Any) -> Any:
-    if isinstance(value, _Readable):
+    if isinstance(value, Readable):
         return value.as_dict()
     if isinstance(value, tuple):
         return [_plain(v) for v in value]
@@ -77,7 +79,7 @@ def _plain(value: Any) -> Any:
 
 
 @dataclasses.dataclass(frozen=True)
-class FillRecord(_Readable):
+class FillRecord(Readable):
     """One finished, failed or cancelled fill of a (stream, minipoch) buffer."""
 
     stream: int
@@ -104,7 +106,7 @@ class FillRecord(_Readable):
 
 
 @dataclasses.dataclass(frozen=True)
-class ActiveFill(_Readable):
+class ActiveFill(Readable):
     """A fill in progress."""
 
     stream: int
@@ -116,7 +118,7 @@ class ActiveFill(_Readable):
 
 
 @dataclasses.dataclass(frozen=True)
-class EngineStats(_Readable):
+class EngineStats(Readable):
     """A snapshot of the engine's figures (times in seconds, sizes in bytes).
 
     Fields up to ``build_median_s`` are scalars (see :meth:`scalars`); the records after them
@@ -174,7 +176,7 @@ class EngineStats(_Readable):
 
 
 @dataclasses.dataclass(frozen=True)
-class IntervalStats(_Readable):
+class IntervalStats(Readable):
     """What happened since the previous :meth:`Engine.interval_stats` call (or the start)."""
 
     seconds: float

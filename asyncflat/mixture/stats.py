@@ -8,13 +8,14 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..engine import EngineStats
+from ..engine.stats import Readable
 from .passes import SourceState
 
 __all__ = ["MixtureSourceStats", "MixtureStats", "mixture_stats"]
 
 
 @dataclasses.dataclass(frozen=True)
-class MixtureSourceStats:
+class MixtureSourceStats(Readable):
     """One source's figures on this host: ``passes`` started (1 until it runs out once),
     ``rows`` loaded from it (a step loaded twice counts twice), the ``step_count`` of one pass,
     its ``buffer_bytes`` (one pass, 2 per stream) and its newest pass's ``engine`` figures
@@ -29,9 +30,11 @@ class MixtureSourceStats:
 
 
 @dataclasses.dataclass(frozen=True)
-class MixtureStats:
+class MixtureStats(Readable):
     """Per-source figures, the steps whose rows this host gathered (``steps_built``: loads and
-    steps an iterator built ahead; a step built twice counts twice) and its jax build times."""
+    steps an iterator built ahead; a step built twice counts twice) and its jax build times.
+    Read by attribute or by key, as the engine's figures are (``stats["sources"][0]["rows"]``);
+    :meth:`as_dict` gives it all, JSON-ready."""
 
     sources: tuple[MixtureSourceStats, ...]
     steps_built: int
