@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import gc
-import os
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -22,6 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import random_sequences
+from helpers.resources import open_fds
 from helpers.servers import ProxiedRequest, TcpProxy
 from reference_impl import ReferenceLoader, load_split_arrays
 
@@ -440,26 +440,22 @@ def _open_http_sessions() -> int:
     return sum(isinstance(o, aiohttp.ClientSession) and not o.closed for o in gc.get_objects())
 
 
-def _open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
 @pytest.mark.cloud
 def test_close_releases_http_sessions(backend: Backend) -> None:
     params = _params(backend.url("data/v3.zarr"), backend.options())
     if backend.client == "obstore":
         # No aiohttp session at all; the Rust client's connections go with the loader.
-        sessions, fds = _open_http_sessions(), _open_fds()
+        sessions, fds = _open_http_sessions(), open_fds()
         loader = ShufflingLoader("train", params, BATCH)
         loader.load(0)
-        assert _open_fds() > fds, "the loader opened no connection"
+        assert open_fds() > fds, "the loader opened no connection"
         loader.close()
         del loader
         gc.collect()
         deadline = time.monotonic() + 10
-        while _open_fds() > fds and time.monotonic() < deadline:
+        while open_fds() > fds and time.monotonic() < deadline:
             time.sleep(0.05)  # the server side of a closed connection closes on its thread
-        assert _open_fds() <= fds
+        assert open_fds() <= fds
         assert _open_http_sessions() == sessions
         return
     before = _open_http_sessions()

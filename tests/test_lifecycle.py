@@ -30,6 +30,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import random_sequences
+from helpers.resources import open_fds
 from reference_impl import ReferenceLoader, load_split_arrays
 
 import asyncflat
@@ -80,10 +81,6 @@ def oracle(
 
 def library_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("asyncflat")]
-
-
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
 
 
 def wait_until(predicate: Any, timeout: float) -> bool:

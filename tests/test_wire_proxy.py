@@ -14,13 +14,10 @@ import time
 import warnings
 
 import pytest
+from helpers.resources import open_fds
 from helpers.servers import TcpProxy
 
 pytestmark = pytest.mark.timeout(30)
-
-
-def _open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/self/fd")
@@ -43,7 +40,7 @@ def test_a_stopped_proxy_closes_every_connection_even_a_stuck_one() -> None:
 
     acceptor = threading.Thread(target=accept)
     acceptor.start()
-    before = _open_fds()
+    before = open_fds()
     clients = []
     try:
         proxy = TcpProxy(f"http://127.0.0.1:{upstream.getsockname()[1]}").start()
@@ -73,4 +70,4 @@ def test_a_stopped_proxy_closes_every_connection_even_a_stuck_one() -> None:
         acceptor.join()
         for conn in accepted:
             conn.close()
-    assert _open_fds() <= before, "the proxy left sockets open"
+    assert open_fds() <= before, "the proxy left sockets open"
