@@ -133,8 +133,11 @@ def test_the_heap_is_trimmed_once_per_finished_fill(
     with ShufflingLoader("train", params, TokenBatchParams(len=16, batch=4), SINGLE) as loader:
         for step in range(loader.step_count):
             loader.load(step)
-        fills = loader.stats().fills_completed
         deadline = time.monotonic() + 10
+        # A load served by row reads returns while its fill streams on: count once all are done.
+        while loader.stats().active_fills and time.monotonic() < deadline:
+            time.sleep(0.01)
+        fills = loader.stats().fills_completed
         while len(trimmed) < fills and time.monotonic() < deadline:  # the pool runs them
             time.sleep(0.01)
     assert asyncflat.engine.units.trim_later is asyncflat._heap.trim_later
