@@ -138,34 +138,3 @@ def test_without_a_running_loop_a_prefetch_computes_its_permutation_itself() -> 
     second = table.get(0, 1)
     assert second is not None and (second.perm == table.plan.row_permutation(0, 1)).all()
     assert table.permutations.ahead == 0 and table.permutations.inline == 2
-
-
-def test_no_permutation_starts_while_a_load_is_served() -> None:
-    """A load waiting on the loop (start, resume, late fill) comes first: the permutations its
-    fills ask for are started once it is served, and the prefetch follows them."""
-
-    async def main() -> None:
-        table, _, _ = make_table()
-        permutations = table.permutations
-        with permutations.held():
-            table.ensure(0, 0, 0, keep={0})  # the load's fill asks for minipoch 1's
-            table.prefetch_after({(0, 0): slice(0, 8)})
-            assert not permutations._pending and (0, 1) in permutations._wanted
-            assert table.get(0, 1) is None  # its prefetch waits too
-            await asyncio.sleep(0.05)
-            assert not permutations._pending  # nothing ran meanwhile
-        assert (0, 1) in permutations._pending and not permutations._wanted
-        await permutations_computed(table)
-        second = table.get(0, 1)
-        assert second is not None and second.reason == "prefetch"
-        assert (second.perm == table.plan.row_permutation(0, 1)).all()
-        # a load that needs a wanted permutation computes it itself
-        with permutations.held():
-            third = table.ensure(0, 2, 2 * 4, keep={2})
-            assert (0, 3) in permutations._wanted
-            fourth = table.ensure(0, 3, 3 * 4, keep={3})
-            assert (0, 3) not in permutations._wanted
-        assert (third.perm == table.plan.row_permutation(0, 2)).all()
-        assert (fourth.perm == table.plan.row_permutation(0, 3)).all()
-
-    asyncio.run(main())

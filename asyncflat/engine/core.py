@@ -119,35 +119,27 @@ class Engine:
             self._check_open()  # closed while this gather queued behind another
             loc = self.plan.locate(step, batch_indices)
             groups = self._groups(loc)
-            # Later prefetches' permutations wait until this load is served: its rows first.
-            with self._fills.permutations.held():
-                out = await self._serve(step, batch_indices, loc, groups)
-        self._record_step(step, time.perf_counter() - t0)
-        return out
-
-    async def _serve(
-        self, step: int, batch_indices: np.ndarray, loc: Any, groups: Groups
-    ) -> np.ndarray:
-        fills: list[Fill] = []
-        with self._lock:
-            for stream, minipoch in groups:
-                keep = {m for s, m in groups if s == stream}
-                fill = self._fills.ensure(stream, minipoch, step, keep=keep)
-                fill.owners += 1  # never dropped nor cancelled while this load reads it
-                fills.append(fill)
-            if self.options.prefetch:
-                self._fills.prefetch_after(groups)
-        self._units.waiting_step = step
-        try:
-            out = np.empty((len(loc.batch_index), self.plan.seq_len), np.uint32)
-            for fill, rows in zip(fills, groups.values()):
-                buffer_rows = fill.perm[loc.position[rows]]
-                await self._waiter.serve(fill, step, batch_indices, buffer_rows, out[rows])
-        finally:
-            self._units.waiting_step = None
+            fills: list[Fill] = []
             with self._lock:
-                for fill in fills:
-                    fill.owners -= 1
+                for stream, minipoch in groups:
+                    keep = {m for s, m in groups if s == stream}
+                    fill = self._fills.ensure(stream, minipoch, step, keep=keep)
+                    fill.owners += 1  # never dropped nor cancelled while this load reads it
+                    fills.append(fill)
+                if self.options.prefetch:
+                    self._fills.prefetch_after(groups)
+            self._units.waiting_step = step
+            try:
+                out = np.empty((len(loc.batch_index), self.plan.seq_len), np.uint32)
+                for fill, rows in zip(fills, groups.values()):
+                    buffer_rows = fill.perm[loc.position[rows]]
+                    await self._waiter.serve(fill, step, batch_indices, buffer_rows, out[rows])
+            finally:
+                self._units.waiting_step = None
+                with self._lock:
+                    for fill in fills:
+                        fill.owners -= 1
+        self._record_step(step, time.perf_counter() - t0)
         return out
 
     def try_gather(self, step: int, batch_indices: np.ndarray) -> np.ndarray | None:

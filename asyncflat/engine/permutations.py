@@ -7,18 +7,15 @@ made the trainer's next ``load()`` wait for the GIL (a switch interval, 5 ms, or
 a fill of minipoch ``m`` starts, the permutation of ``m + 1`` is computed on the CPU pool with
 the GIL yielded every few hundred swaps, and the prefetch of ``m + 1`` starts once it is ready
 (as soon as it lands, or at a later step's check; the prefetch has the whole minipoch to
-finish). A load that needs a fill whose permutation is not ready computes it at once, as
-before. While a load waits on the loop (a start, a resume, a late fill), no permutation is
-started: its rows come first (a yielding permutation holds the GIL about half the time), and
-the ones asked for meanwhile start once it is served (:meth:`RowPermutations.held`).
+finish). A load that needs a
+fill whose permutation is not ready computes it at once, as before.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 
@@ -45,31 +42,14 @@ class RowPermutations:
         self._pending: dict[_Key, asyncio.Future[np.ndarray]] = {}
         #: permutations of at most two minipochs ahead per stream are kept
         self._keep = 2 * max(1, len(streams))
-        #: loads being served right now, and the permutations asked for meanwhile
-        self._holds = 0
-        self._wanted: dict[_Key, None] = {}
         #: fills whose permutation was computed ahead, and those that computed it themselves
         self.ahead = 0
         self.inline = 0
-
-    @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
-        """While a load is served: permutations asked for wait, and start when it is done."""
-        self._holds += 1
-        try:
-            yield
-        finally:
-            self._holds -= 1
-            if not self._holds:
-                wanted, self._wanted = self._wanted, {}
-                for stream, minipoch in wanted:
-                    self.prepare(stream, minipoch)
 
     def take(self, stream: int, minipoch: int) -> np.ndarray:
         """The permutation of (stream, minipoch): the one computed ahead, else computed now."""
         key = (stream, minipoch)
         self._pending.pop(key, None)  # still computing: this fill cannot wait for it
-        self._wanted.pop(key, None)
         perm = self._ready.pop(key, None)
         if perm is not None:
             self.ahead += 1
@@ -83,7 +63,7 @@ class RowPermutations:
         key = (stream, minipoch)
         if key in self._ready:
             return True
-        if key in self._pending or key in self._wanted:
+        if key in self._pending:
             return False
         return not self.prepare(stream, minipoch)
 
@@ -91,7 +71,7 @@ class RowPermutations:
         """Start computing (stream, minipoch)'s permutation on the CPU pool; whether it started
         (or is already under way or done)."""
         key = (stream, minipoch)
-        if key in self._ready or key in self._pending or key in self._wanted:
+        if key in self._ready or key in self._pending:
             return True
         if not 0 <= minipoch < self.plan.minipoch_count:
             return False
@@ -99,9 +79,6 @@ class RowPermutations:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return False
-        if self._holds:
-            self._wanted[key] = None  # started once the load being served is done
-            return True
         compute = functools.partial(self.plan.row_permutation, stream, minipoch, yield_gil=True)
         try:
             future = loop.run_in_executor(None, compute)
@@ -126,5 +103,4 @@ class RowPermutations:
     def clear(self) -> None:
         """Forget every permutation (closing); computations under way finish unused."""
         self._pending.clear()
-        self._wanted.clear()
         self._ready.clear()
