@@ -7,8 +7,8 @@ made the trainer's next ``load()`` wait for the GIL (a switch interval, 5 ms, or
 a fill of minipoch ``m`` starts, the permutation of ``m + 1`` is computed on the CPU pool with
 the GIL yielded every few hundred swaps, and the prefetch of ``m + 1`` starts once it is ready
 (as soon as it lands, or at a later step's check; the prefetch has the whole minipoch to
-finish). A load that needs a
-fill whose permutation is not ready computes it at once, as before.
+finish). A load that needs a fill whose permutation is not ready computes it at once, as
+before.
 """
 
 from __future__ import annotations
