@@ -50,6 +50,7 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -347,6 +348,37 @@ def machine() -> dict[str, Any]:
     return {"cpu": cpu, "cores": os.cpu_count(), "load_avg": os.getloadavg(), **versions}
 
 
+def _rss(r: dict[str, Any], buffer_mib: float) -> str:
+    text = f"{r['rss_mib']:.0f} ({r['rss_mib'] / buffer_mib:.2f}x"
+    return text + (f"; {r['rss_file_mib']:.0f} file-backed)" if r["rss_file_mib"] >= 1 else ")")
+
+
+#: the table's columns after the loader's name: the figures each needs, and how it is written
+#: (a phase not run leaves its columns as "-")
+COLUMNS: list[tuple[tuple[str, ...], Callable[[dict[str, Any], float], str]]] = [
+    (("tokens_per_s",), lambda r, _: f"{r['tokens_per_s'] / 1e6:.0f}M"),
+    (("first_ms",), lambda r, _: f"{r['first_ms']:.0f}"),
+    (
+        ("median_ms", "p999_ms", "max_ms", "max_step"),
+        lambda r, _: (
+            f"{r['median_ms']:.2f} / {r['p999_ms']:.2f} / {r['max_ms']:.1f} ({r['max_step']})"
+        ),
+    ),
+    (
+        ("ordinary_p999_ms", "ordinary_max_ms"),
+        lambda r, _: f"{r['ordinary_p999_ms']:.2f} / {r['ordinary_max_ms']:.1f}",
+    ),
+    (("boundary_ms",), lambda r, _: f"{r['boundary_ms']:.1f}"),
+    (
+        ("restart_s", "restart_parts_s"),
+        lambda r, _: (
+            f"{r['restart_s']:.2f} = " + " + ".join(f"{p:.2f}" for p in r["restart_parts_s"])
+        ),
+    ),
+    (("rss_mib", "rss_file_mib"), _rss),
+]
+
+
 def table(size: str, results: dict[str, dict[str, Any]], buffer_mib: float) -> str:
     head = (
         "| loader | tokens/s (epoch) | first step (ms) | later steps: median / p99.9 / max "
@@ -356,17 +388,10 @@ def table(size: str, results: dict[str, dict[str, Any]], buffer_mib: float) -> s
     )
     lines = [head]
     for name, r in results.items():
-        lines.append(
-            f"| {name} | {r['tokens_per_s'] / 1e6:.0f}M | {r['first_ms']:.0f} | "
-            f"{r['median_ms']:.2f} / {r['p999_ms']:.2f} / {r['max_ms']:.1f} ({r['max_step']}) | "
-            f"{r['ordinary_p999_ms']:.2f} / {r['ordinary_max_ms']:.1f} | "
-            f"{r['boundary_ms']:.1f} | "
-            f"{r['restart_s']:.2f} = "
-            + " + ".join(f"{p:.2f}" for p in r["restart_parts_s"])
-            + f" | {r['rss_mib']:.0f} ({r['rss_mib'] / buffer_mib:.2f}x"
-            + (f"; {r['rss_file_mib']:.0f} file-backed)" if r["rss_file_mib"] >= 1 else ")")
-            + " |"
-        )
+        cells = [name]
+        for keys, render in COLUMNS:
+            cells.append(render(r, buffer_mib) if all(k in r for k in keys) else "-")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -414,13 +439,15 @@ def parent(args: argparse.Namespace) -> None:
     if args.check:
         check_same_batches(args)
     results: dict[str, dict[str, Any]] = {name: {} for name in loaders}
-    for phase in ("epoch", "steps"):
+    for phase in [p for p in ("epoch", "steps") if p in args.phases]:
         for name in loaders:
             figures = run_child(args, name, phase)
             results[name].update({k: v for k, v in figures.items() if k not in ("loader", "phase")})
             print(f"  {name} {phase}: {figures}", file=sys.stderr)
     restarts: dict[str, list[dict[str, Any]]] = {name: [] for name in loaders}
-    for _ in range(args.restarts):  # interleaved, so drift on a shared machine hits all alike
+    for _ in range(
+        args.restarts if "restart" in args.phases else 0
+    ):  # interleaved, so drift on a shared machine hits all alike
         for name in loaders:
             restarts[name].append(run_child(args, name, "restart"))
     for name in loaders:
@@ -466,6 +493,12 @@ def main() -> None:
     parser.add_argument("--layout", choices=("aligned", "seqax"), default="aligned")
     parser.add_argument("--step-ms", type=float, default=5.0)
     parser.add_argument("--restarts", type=int, default=3)
+    parser.add_argument(
+        "--phases",
+        type=lambda s: s.split(","),
+        default=["epoch", "steps", "restart"],
+        help="the phases to run, comma-separated (epoch, steps, restart)",
+    )
     parser.add_argument(
         "--no-check",
         dest="check",

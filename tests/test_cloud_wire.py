@@ -150,6 +150,35 @@ def test_s3_filesystems_share_botocore_models_not_sessions(s3_server: Any) -> No
     assert own.get_component("data_loader") is not loader
 
 
+def test_s3_filesystems_share_botocore_models_per_data_path(
+    s3_server: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session that searches a custom data path (``AWS_DATA_PATH``: a user's own service
+    models) gets a shared data loader of that path, never the default one."""
+    backend = Backend("s3", s3_server)
+
+    async def main() -> tuple[Any, Any]:
+        plain, _ = _filesystem(backend.url(""), backend.options())
+        monkeypatch.setenv("AWS_DATA_PATH", str(tmp_path))
+        custom, _ = _filesystem(backend.url(""), backend.options())
+        again, _ = _filesystem(backend.url(""), backend.options())
+        try:
+            assert again.session.get_component("data_loader") is custom.session.get_component(
+                "data_loader"
+            )
+            return plain.session.get_component("data_loader"), custom.session.get_component(
+                "data_loader"
+            )
+        finally:
+            for fs in (plain, custom, again):
+                await _close_filesystem(fs)
+
+    default, custom = asyncio.run(main())
+    assert custom is not default
+    assert str(tmp_path) in custom.search_paths
+    assert str(tmp_path) not in default.search_paths
+
+
 def _open_requests(backend: Backend, fmt: str) -> tuple[list[Any], int]:
     with backend.proxy(latency_s=0.2) as proxy:
         params = _params(backend.url(f"wire/{fmt}.zarr"), backend.options(proxy))

@@ -138,3 +138,133 @@ def test_without_a_running_loop_a_prefetch_computes_its_permutation_itself() -> 
     second = table.get(0, 1)
     assert second is not None and (second.perm == table.plan.row_permutation(0, 1)).all()
     assert table.permutations.ahead == 0 and table.permutations.inline == 2
+
+
+def test_a_deferred_prefetch_is_dropped_when_the_trainer_jumps_away() -> None:
+    """A prefetch waiting for its permutation belongs to the step that asked for it: after a
+    jump to another minipoch it never starts, so it cannot evict the fill the trainer reads."""
+
+    async def main() -> None:
+        table, _, ended = make_table()
+        table.ensure(0, 0, 0, keep={0})
+        table.prefetch_after({(0, 0): slice(0, 8)})  # minipoch 1: deferred, computing
+        assert table.get(0, 1) is None and (0, 1) in table.permutations._pending
+        fifth = table.ensure(0, 5, 5 * 4, keep={5})  # the jump, before it lands
+        table.prefetch_after({(0, 5): slice(0, 8)})
+        await permutations_computed(table)
+        await permutations_computed(table)  # minipoch 6's, started by the fill of 5
+        assert table.get(0, 1) is None  # never started
+        assert table.get(0, 5) is fifth and not fifth.cancelled
+        assert all(fill is not fifth for fill, _ in ended)
+        assert {f.minipoch for f in table} == {5, 6}  # 6 took the buffer nobody needs
+
+    asyncio.run(main())
+
+
+def test_a_load_that_starts_a_deferred_minipoch_ends_the_deferral() -> None:
+    """A load that starts minipoch m itself (before m's permutation landed) ends m's deferred
+    prefetch: it neither lingers until a later computation of m lands, nor starts then."""
+
+    async def main() -> None:
+        table, _, ended = make_table()
+        table.ensure(0, 3, 3 * 4, keep={3})
+        table.prefetch_after({(0, 3): slice(0, 8)})  # 4: deferred
+        table.ensure(0, 4, 4 * 4, keep={4})  # the trainer reaches 4 first
+        table.prefetch_after({(0, 4): slice(0, 8)})  # 5: deferred
+        second = table.ensure(0, 2, 2 * 4, keep={2})  # and goes back to 2
+        table.prefetch_after({(0, 2): slice(0, 8)})  # 3 is there: nothing is due
+        assert not table._deferred
+        for _ in range(3):
+            await permutations_computed(table)
+        assert {f.minipoch for f in table} == {2, 3} and not second.cancelled
+        assert all(fill is not second for fill, _ in ended)
+
+    asyncio.run(main())
+
+
+def test_without_prefetch_no_permutation_is_computed_ahead() -> None:
+    async def main() -> None:
+        params = FlatTokensParams("fake://", 1, 4, 8, seed=2, sequence_packing=True)
+        plan = ShufflePlan.create(
+            params,
+            TokenBatchParams(len=SEQ_LEN, batch=8),
+            token_count=640 * SEQ_LEN,
+            sequence_count=640,
+        )
+        table = FillTable(
+            plan, (0,), SEQ_LEN * 8, queue=lambda u: None, ended=lambda f, **h: None, prefetch=False
+        )
+        table.ensure(0, 0, 0, keep={0})
+        assert not table.permutations._pending and not table.permutations._ready
+
+    asyncio.run(main())
+
+
+def test_a_failed_permutation_nobody_takes_is_not_reported_unretrieved(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A computation ahead that fails after its fill computed the permutation itself is
+    dropped quietly (the fill's own computation reports what fails), never logged by asyncio
+    as an exception nobody retrieved."""
+    import gc
+    import threading
+
+    release = threading.Event()
+
+    async def main() -> None:
+        table, _, _ = make_table()
+        real = ShufflePlan.row_permutation
+
+        def failing(plan: Any, stream: int, minipoch: int, *, yield_gil: bool = False) -> Any:
+            if yield_gil:
+                release.wait(5)
+                raise MemoryError("injected")
+            return real(plan, stream, minipoch)
+
+        monkeypatch.setattr(ShufflePlan, "row_permutation", failing)
+        table.ensure(0, 0, 0, keep={0})
+        future = table.permutations._pending[(0, 1)]
+        table.ensure(0, 1, 4, keep={1})  # computes its own: the pending one is dropped
+        release.set()
+        with pytest.raises(MemoryError):
+            await future
+        table.clear()
+
+    with caplog.at_level("ERROR", logger="asyncio"):
+        asyncio.run(main())
+        gc.collect()
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
+
+
+def test_permutations_ahead_run_on_the_loops_background_thread_not_its_cpu_pool(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The loop's CPU pool decodes what a waiting load needs; a permutation computed ahead
+    (tens of ms at 2**16 rows, one per stream) must never queue there before them."""
+    import threading
+
+    from asyncflat._loop import LoopThread
+
+    names: list[str] = []
+
+    async def main() -> None:
+        table, _, _ = make_table()
+        real = ShufflePlan.row_permutation
+
+        def recording(plan: Any, stream: int, minipoch: int, *, yield_gil: bool = False) -> Any:
+            if yield_gil:
+                names.append(threading.current_thread().name)
+            return real(plan, stream, minipoch, yield_gil=yield_gil)
+
+        monkeypatch.setattr(ShufflePlan, "row_permutation", recording)
+        table.ensure(0, 0, 0, keep={0})
+        await permutations_computed(table)
+        assert table.permutations._ready
+
+    runner = LoopThread(name="asyncflat-test")
+    try:
+        runner.run(main())
+    finally:
+        runner.close()
+    assert len(names) == 1 and names[0].startswith("asyncflat-test-loop-")
+    assert "-background" in names[0]

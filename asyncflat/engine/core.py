@@ -83,6 +83,7 @@ class Engine:
             queue=self._scheduler.put,
             ended=self._recorder.fill_ended,
             on_permutation_ready=self._permutation_ready,
+            prefetch=options.prefetch,
         )
         # A load ahead of its blocks reads just its rows when the source can do that cheaply.
         self._rows = (

@@ -4,8 +4,9 @@ A fill needs its buffer's row permutation the moment it starts. Buffers of up to
 take the plain Python path of :func:`~asyncflat.permutation.permutation` (no compile), which
 holds the GIL for ~1 ms per 4,096 rows: started on the loop thread at a minipoch boundary, it
 made the trainer's next ``load()`` wait for the GIL (a switch interval, 5 ms, or more). So when
-a fill of minipoch ``m`` starts, the permutation of ``m + 1`` is computed on the CPU pool with
-the GIL yielded every few hundred swaps, and the prefetch of ``m + 1`` starts once it is ready
+a fill of minipoch ``m`` starts, the permutation of ``m + 1`` is computed on the loop's one
+background thread (not the CPU pool, whose threads a waiting load's decodes need) with the GIL
+yielded every few hundred swaps, and the prefetch of ``m + 1`` starts once it is ready
 (as soon as it lands, or at a later step's check; the prefetch has the whole minipoch to
 finish). A load that needs a fill whose permutation is not ready computes it at once, as
 before.
@@ -19,6 +20,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from .._loop import background_executor
 from ..plan import ShufflePlan
 
 __all__ = ["RowPermutations"]
@@ -81,7 +83,8 @@ class RowPermutations:
             return False
         compute = functools.partial(self.plan.row_permutation, stream, minipoch, yield_gil=True)
         try:
-            future = loop.run_in_executor(None, compute)
+            # Not on the CPU pool: a waiting load's decodes must never queue behind these.
+            future = loop.run_in_executor(background_executor(), compute)
         except RuntimeError:  # the CPU pool is shut down: the engine is closing
             return False
         self._pending[key] = future
@@ -89,10 +92,12 @@ class RowPermutations:
         return True
 
     def _done(self, key: _Key, future: asyncio.Future[np.ndarray]) -> None:
+        # Retrieved first, so asyncio never logs a failure nobody asked for as unretrieved.
+        failed = future.cancelled() or future.exception() is not None
         if self._pending.get(key) is not future:
             return  # taken meanwhile (computed by its fill), or cleared
         del self._pending[key]
-        if future.cancelled() or future.exception() is not None:
+        if failed:
             return  # the fill computes it itself, and reports what fails
         self._ready[key] = future.result()
         while len(self._ready) > self._keep:  # the oldest first (dicts keep insertion order)

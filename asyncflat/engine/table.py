@@ -50,11 +50,14 @@ class FillTable:
         queue: Callable[[Unit], None],
         ended: Callable[..., None],
         on_permutation_ready: Callable[[int, int], None] | None = None,
+        prefetch: bool = True,
     ) -> None:
         """``on_permutation_ready(stream, minipoch)`` runs on the loop when a buffer's
         permutation computed ahead lands; it must call :meth:`start_deferred_prefetch` (under
-        the lock that guards this table). By default that is called directly."""
+        the lock that guards this table). By default that is called directly. Without
+        ``prefetch`` no permutation is computed ahead (no fill would use it)."""
         self.plan, self.streams, self._token_chunk = plan, streams, token_chunk
+        self._prefetch = prefetch
         self._queue, self._ended = queue, ended
         self._fills: dict[int, dict[int, Fill]] = {s: {} for s in streams}
         self._buffers = {s: BufferPair(plan.seqs_per_buffer, plan.seq_len) for s in streams}
@@ -164,6 +167,7 @@ class FillTable:
         return victim.buffer_index
 
     def _put(self, stream: int, minipoch: int, index: int, from_step: int, reason: str) -> Fill:
+        self._deferred.pop((stream, minipoch), None)  # started now, whoever asked first
         fill = self._start(stream, minipoch, index, from_step, reason)
         self._fills[stream][minipoch] = fill
         return fill
@@ -203,7 +207,15 @@ class FillTable:
         return due
 
     def prefetch_after(self, groups: Groups) -> None:
-        for stream, nxt, needed in self.prefetches_due(groups):
+        """Start the prefetches ``groups`` (a step's reads) make due; a deferred prefetch of a
+        stream this step reads that it no longer makes due is dropped (the trainer jumped, or
+        a load started that minipoch meanwhile): started late, it would evict a fill in use."""
+        due = self.prefetches_due(groups)
+        wanted = {(stream, nxt) for stream, nxt, _ in due}
+        read = {stream for stream, _ in groups}
+        for key in [k for k in self._deferred if k[0] in read and k not in wanted]:
+            del self._deferred[key]
+        for stream, nxt, needed in due:
             self.try_prefetch(stream, nxt, needed)
 
     def fail_all(self) -> None:
@@ -252,7 +264,8 @@ class FillTable:
             for slot, *_ in unit.pieces:
                 fill.pending[slot] += 1
             self._queue(unit)
-        self.permutations.prepare(stream, minipoch + 1)  # for the prefetch this fill's start brings
+        if self._prefetch:  # for the prefetch this fill's start brings
+            self.permutations.prepare(stream, minipoch + 1)
         log.debug(
             "%s fill of stream %d minipoch %d from step %d: %d blocks, %d reads",
             reason,

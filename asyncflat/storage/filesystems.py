@@ -179,22 +179,23 @@ def filesystem(
     return fs, path
 
 
-#: botocore's data loader (the parsed JSON service models and endpoint rules), one per process.
-_BOTOCORE_LOADER: Any = None
+#: botocore's data loaders (the parsed JSON service models and endpoint rules), one per process
+#: and data path (``AWS_DATA_PATH`` or a profile's ``data_path``: where custom models live).
+_BOTOCORE_LOADERS: dict[Any, Any] = {}
 _BOTOCORE_LOADER_LOCK = threading.Lock()
 
 
 def share_botocore_models(fs: Any) -> None:
-    """Give an s3fs filesystem's botocore session the process's one data loader.
+    """Give an s3fs filesystem's botocore session the process's data loader for its data path.
 
     Every loader makes its own filesystem (its HTTP sessions belong to its own event loop), and
     each new botocore session parses the S3 service model and endpoint rules again: ~90 ms of
     GIL-held JSON parsing per loader construction, paid again by every evaluation loader,
     epoch and mixture source. The data loader holds only those parsed files (no credentials,
-    no connections, no loop), so one serves every session; credentials stay per session.
-    A session the caller passed in (``storage_options={"session": ...}``) is left alone, and
-    so is any s3fs whose internals differ from the ones relied on here (a lost speed-up, not
-    an error).
+    no connections, no loop), so one serves every session that searches the same data path;
+    credentials stay per session. A session the caller passed in
+    (``storage_options={"session": ...}``) is left alone, and so is any s3fs whose internals
+    differ from the ones relied on here (a lost speed-up, not an error).
     """
     s3fs = sys.modules.get("s3fs")
     if s3fs is None or not isinstance(fs, s3fs.S3FileSystem):
@@ -207,14 +208,16 @@ def share_botocore_models(fs: Any) -> None:
         import aiobotocore.session
         import botocore.loaders
 
-        global _BOTOCORE_LOADER
-        with _BOTOCORE_LOADER_LOCK:
-            if _BOTOCORE_LOADER is None:
-                _BOTOCORE_LOADER = botocore.loaders.create_loader()
-            loader = _BOTOCORE_LOADER
         # The session s3fs would make itself (its own kwargs: profile, ...), with the shared
-        # data loader; s3fs still owns it (a refresh makes a fresh one).
+        # data loader of the data path that session would search; s3fs still owns it (a
+        # refresh makes a fresh one).
         session = aiobotocore.session.AioSession(**fs.kwargs)
+        data_path = session.get_config_variable("data_path")
+        key = data_path if isinstance(data_path, (str, type(None))) else repr(data_path)
+        with _BOTOCORE_LOADER_LOCK:
+            loader = _BOTOCORE_LOADERS.get(key)
+            if loader is None:
+                loader = _BOTOCORE_LOADERS[key] = botocore.loaders.create_loader(data_path)
         session.register_component("data_loader", loader)
     except Exception:  # an optimisation only: s3fs then makes its own session
         log.debug("cannot share botocore's data loader with %r", fs, exc_info=True)
