@@ -82,10 +82,8 @@ def permutation(seed: int, n: int, *, yield_gil: bool = False) -> np.ndarray:
         raise ConfigError(f"permutation: n must be in [0, 2**32), got {n}")
     bit_generator = np.random.Philox(seed)
     small = n < _SMALL_N or (_kernel is None and n <= _NO_WAIT_N)
-    if small and yield_gil:
-        return _yielding_permutation(bit_generator, n)
     if small:
-        return _small_permutation(bit_generator, n)
+        return _small_permutation(bit_generator, n, yield_gil=yield_gil)
     state = bit_generator.state
     # The kernel replays the generator from its key, so it must start where numpy's would.
     if state["state"]["counter"].any() or state["buffer_pos"] != 4:
@@ -138,36 +136,31 @@ def _as_int(name: str, value: Any) -> int:
         ) from None
 
 
-def _small_permutation(bit_generator: np.random.Philox, n: int) -> np.ndarray:
-    bounds = np.arange(1, n + 1, dtype=np.uint64)
-    swaps = (bit_generator.random_raw(n) % bounds).tolist()
-    result = list(range(n))
-    for i in reversed(range(n)):
-        j = swaps[i]
-        result[i], result[j] = result[j], result[i]
-    return np.array(result, dtype=np.uint32)
-
-
-#: Swaps per slice of :func:`_yielding_permutation` (~30-60 us of Python on these machines) and
-#: the sleep after each: long enough that a thread waiting for the GIL takes it (a zero sleep
+#: Swaps per slice of a yielding permutation (~30-60 us of Python on these machines) and the
+#: sleep after each: long enough that a thread waiting for the GIL takes it (a zero sleep
 #: releases the GIL, but the releasing thread often takes it back before the waiter wakes).
 YIELD_SLICE = 256
 YIELD_PAUSE_S = 50e-6
 
 
-def _yielding_permutation(bit_generator: np.random.Philox, n: int) -> np.ndarray:
-    """:func:`_small_permutation`, cut into slices with the GIL released between them."""
+def _small_permutation(
+    bit_generator: np.random.Philox, n: int, *, yield_gil: bool = False
+) -> np.ndarray:
+    """The literal Fisher-Yates in Python; with ``yield_gil``, cut into slices of
+    ``YIELD_SLICE`` swaps with the GIL released between them (the same result)."""
     bounds = np.arange(1, n + 1, dtype=np.uint64)
     swaps = bit_generator.random_raw(n) % bounds  # numpy: short, and not worth slicing
     result = list(range(n))
+    piece = YIELD_SLICE if yield_gil else max(n, 1)
     # Fisher-Yates runs from the top down: slice [lo, hi) swaps i = hi-1 .. lo.
-    for hi in range(n, 0, -YIELD_SLICE):
-        lo = max(hi - YIELD_SLICE, 0)
-        part = swaps[lo:hi].tolist()
-        for i in range(hi - 1, lo - 1, -1):
-            j = part[i - lo]
+    for hi in range(n, 0, -piece):
+        lo = max(hi - piece, 0)
+        for i, j in zip(range(hi - 1, lo - 1, -1), reversed(swaps[lo:hi].tolist())):
             result[i], result[j] = result[j], result[i]
-        time.sleep(YIELD_PAUSE_S)
+        if yield_gil:
+            time.sleep(YIELD_PAUSE_S)
+    if not yield_gil:
+        return np.array(result, dtype=np.uint32)
     out = np.empty(n, np.uint32)
     step = YIELD_SLICE * 32  # list -> array in pieces too (one piece of 2**16 holds ~2 ms)
     for lo in range(0, n, step):

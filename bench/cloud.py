@@ -1,6 +1,6 @@
 """Cloud benchmark: asyncflat against a bare client and the reference loader, over a modelled wire.
 
-    python bench/cloud.py                          # moto S3 behind the wire model, ~1 min
+    python bench/cloud.py                          # moto S3 behind the wire model, ~2 min
     python bench/cloud.py --backend gcs            # the GCS emulator instead
     python bench/cloud.py --tokens-mib 8 --skip-reference   # smoke run
     python bench/cloud.py s3://bucket/bench.zarr --storage-options '{"anon": false}'
@@ -62,11 +62,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--latency-ms", type=float, default=25.0, help="time to first byte")
     parser.add_argument("--connection-MBps", type=float, default=64.0)
     parser.add_argument("--total-MBps", type=float, default=150.0)
-    parser.add_argument("--tokens-mib", type=float, default=48.0, help="dataset (uint32 tokens)")
+    # The defaults are issue 21's setup: 183 MiB of tokens, a 48 MiB buffer of 128 KiB chunks.
+    parser.add_argument("--tokens-mib", type=float, default=183.0, help="dataset (uint32 tokens)")
     parser.add_argument("--zarr-format", type=int, choices=[2, 3], default=2)
     parser.add_argument("--len", type=int, default=2048)
     parser.add_argument("--spb", type=int, default=16, help="sequences per read block (= chunk)")
-    parser.add_argument("--rbpsb", type=int, default=96, help="read blocks per shuffle buffer")
+    parser.add_argument("--rbpsb", type=int, default=384, help="read blocks per shuffle buffer")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=16, help="max_concurrent_reads")
     parser.add_argument("--repeats", type=int, default=2)
