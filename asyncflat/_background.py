@@ -118,6 +118,11 @@ class BackgroundBuilder(Generic[T]):
         except Exception:  # noqa: BLE001 (the consumer sees it when it takes the step)
             return None
 
+    @property
+    def alive(self) -> bool:
+        """Whether its thread still runs (a build in progress after a stop included)."""
+        return self._thread.is_alive()
+
     def signal_stop(self) -> None:
         """Start no further build (one in progress finishes). Returns at once."""
         with self._cond:
@@ -153,6 +158,8 @@ class Prefetchers(Generic[T]):
         self._closed_error = closed_error
         self._lock = threading.Lock()
         self._live: set[BackgroundBuilder[T]] = set()
+        #: stopped without a join (their build in progress ends on its own): joined by close()
+        self._retired: set[BackgroundBuilder[T]] = set()
         self._closed = False
 
     def start(
@@ -161,6 +168,7 @@ class Prefetchers(Generic[T]):
         with self._lock:
             if self._closed:
                 raise self._closed_error()
+            self._retired = {b for b in self._retired if b.alive}
             builder = BackgroundBuilder(
                 build, start, stop, depth, name=f"{self._name}-{next(_prefetch_ids)}"
             )
@@ -174,6 +182,15 @@ class Prefetchers(Generic[T]):
             self._live.discard(builder)
         if join:
             builder.stop()
+
+    def retire(self, builder: BackgroundBuilder[T]) -> None:
+        """Stop ``builder`` without waiting (from a thread that must not wait for its build in
+        progress); :meth:`close` still returns it, so closing joins it."""
+        builder.signal_stop()
+        with self._lock:
+            self._live.discard(builder)
+            if not self._closed:
+                self._retired.add(builder)
 
     def lookup(self, step: int) -> T | None:
         """``step``'s item if a live builder has built it (or is building it), else None."""
@@ -191,6 +208,8 @@ class Prefetchers(Generic[T]):
         with self._lock:
             self._closed = True
             live, self._live = list(self._live), set()
+            live += self._retired
+            self._retired = set()
         for builder in live:
             builder.signal_stop()
         return live

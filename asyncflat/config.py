@@ -225,6 +225,10 @@ class EngineOptions:
     * ``max_buffer_bytes``: refuse, at construction, a configuration whose shuffle buffers on this
       host would need more memory than this (None: no budget).
     * ``prefetch_to_device``: how many upcoming steps ``iter()`` keeps built as jax arrays.
+    * ``load_ahead``: once two ``load(step)`` calls in a row were consecutive, keep the next
+      ``prefetch_to_device`` steps built on a background thread too (as ``iter()`` does); the
+      ``load()`` of the next step then takes its batch instead of building it. False: every
+      ``load()`` builds its batch itself.
     * ``engine_niceness``: how much lower than the trainer's the scheduling priority of the
       engine's threads is (Linux ``nice``; 0 keeps it equal). Fills then take only the CPU the
       trainer leaves, and a load that waits for data leaves the trainer idle anyway.
@@ -237,6 +241,7 @@ class EngineOptions:
     max_buffer_bytes: Optional[int] = None  # noqa: UP045
     max_inflight_bytes: Optional[int] = None  # noqa: UP045
     prefetch_to_device: int = 1
+    load_ahead: bool = True
     engine_niceness: int = 10
     retry: RetryPolicy = dataclasses.field(default_factory=RetryPolicy)
 
@@ -250,6 +255,7 @@ class EngineOptions:
         if self.max_inflight_bytes is not None:
             _int_field(self, "max_inflight_bytes", minimum=1)
         _int_field(self, "prefetch_to_device", minimum=0)
+        _bool_field(self, "load_ahead")
         _int_field(self, "engine_niceness", minimum=0)
         if not isinstance(self.retry, RetryPolicy):
             raise ConfigError(

@@ -27,6 +27,7 @@ from jax.sharding import Sharding
 
 from ._background import BackgroundBuilder, Prefetchers
 from ._engine_open import open_engine
+from ._load_ahead import LoadAhead
 from ._loader_iter import BatchIterator, _Pin
 from ._loop import LoopThread
 from ._typecheck import checked
@@ -153,6 +154,12 @@ class ShufflingLoader:
             raise
         self._runner.keep(self._engine)  # its tasks never die with a dropped loader's cycle
         self.plan: ShufflePlan = self._engine.plan
+        self._load_ahead = LoadAhead(
+            self._prefetchers,
+            self._load_now,
+            self.plan.step_count,
+            options.prefetch_to_device if options.load_ahead else 0,
+        )
 
     # -- construction -------------------------------------------------------------------------
 
@@ -182,13 +189,17 @@ class ShufflingLoader:
         """The batch of ``step`` (a Python or numpy integer in [0, step_count), in any order).
 
         A step that a live iterator has already prefetched (or is building) is not built again:
-        the iterator's arrays are returned, so both see the identical batch.
+        the iterator's arrays are returned, so both see the identical batch. Consecutive loads
+        get their next batches built ahead (``EngineOptions.load_ahead``).
         """
         step = step_argument(step)
         self._check_open()
-        batch = self._prefetchers.lookup(step)
+        batch = self._load_ahead.take(step)
+        if batch is None:
+            batch = self._prefetchers.lookup(step)
         if batch is None:
             batch = self._load_now(step)
+        self._load_ahead.loaded(step)
         self._count_delivered()
         return batch
 

@@ -450,7 +450,7 @@ def parent(args: argparse.Namespace) -> None:
     ):  # interleaved, so drift on a shared machine hits all alike
         for name in loaders:
             restarts[name].append(run_child(args, name, "restart"))
-    for name in loaders:
+    for name in [n for n in loaders if restarts[n]]:
         runs = sorted(restarts[name], key=lambda r: r["restart_s"])
         median = runs[(len(runs) - 1) // 2]
         results[name]["restart_s"] = median["restart_s"]

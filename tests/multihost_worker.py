@@ -91,7 +91,11 @@ def run_case(case: dict, results: dict[str, np.ndarray]) -> dict:
         SPEC["dataset"], case["streams"], case["rbpsb"], case["spb"], case["seed"], case["packing"]
     )
     batch_params = asyncflat.TokenBatchParams(len=case["len"], batch=case["batch"])
-    options = asyncflat.EngineOptions(prefetch_to_device=case.get("prefetch_to_device", 1))
+    # No load-ahead: the byte counts below are those of exactly these steps' fills (a build of
+    # the step after the last could start one more); iter() below still builds ahead.
+    options = asyncflat.EngineOptions(
+        prefetch_to_device=case.get("prefetch_to_device", 1), load_ahead=False
+    )
     steps = list(range(case["start"], case["start"] + case["count"]))
     with asyncflat.ShufflingLoader(
         "train", params, batch_params, make_sharding(case["sharding"]), options=options

@@ -27,6 +27,7 @@ import numpy as np
 from jax.sharding import Sharding
 
 from .._background import BackgroundBuilder, Prefetchers
+from .._load_ahead import LoadAhead
 from .._loop import LoopThread
 from .._typecheck import checked
 from ..batch import BatchBuilder, BatchType, TokenBatch, default_sharding
@@ -128,6 +129,13 @@ class MixtureLoader:
             self.close()
             raise
         log_sources(self._sources, params.sources, self.step_count)
+        options = self.options
+        self._load_ahead = LoadAhead(
+            self._prefetchers,
+            self._load_now,
+            self.step_count,
+            options.prefetch_to_device if options.load_ahead else 0,
+        )
 
     # -- construction -------------------------------------------------------------------------
 
@@ -207,11 +215,17 @@ class MixtureLoader:
         return max(e.source.max_token_id for s in self._sources for e in list(s.engines.values()))
 
     def load(self, step: int) -> Any:
-        """The batch of ``step`` (in [0, step_count), in any order); a pure function of it."""
+        """The batch of ``step`` (in [0, step_count), in any order); a pure function of it.
+        Consecutive loads get their next batches built ahead (``EngineOptions.load_ahead``)."""
         step = step_argument(step)
         self._check_open()
-        batch = self._prefetchers.lookup(step)
-        return batch if batch is not None else self._load_now(step)
+        batch = self._load_ahead.take(step)
+        if batch is None:
+            batch = self._prefetchers.lookup(step)
+        if batch is None:
+            batch = self._load_now(step)
+        self._load_ahead.loaded(step)
+        return batch
 
     def _load_now(self, step: int) -> Any:
         rows = self._rows(step)

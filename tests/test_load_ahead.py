@@ -1,0 +1,226 @@
+"""Consecutive ``load(step)`` calls get their next batches built ahead on a background thread.
+
+* after two consecutive loads a builder runs; the next loads take its batches, which equal
+  the reference's, and are built on its thread, not the trainer's;
+* a jump retires it (batches still right), and two consecutive loads start a new one;
+* ``load_ahead=False`` or ``prefetch_to_device=0`` never start one;
+* a background build's error is raised by the ``load()`` of its step; the next load retries;
+* several threads loading the same steps get the right batches, none waits forever;
+* a dropped loader is still collected (the builder holds it weakly) and its threads stop;
+  ``close()`` after jumps leaves no thread.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+import weakref
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+from conftest import oracle, random_sequences
+
+import asyncflat
+from asyncflat import EngineOptions, FlatTokensParams, ShufflingLoader, TokenBatchParams
+
+pytestmark = pytest.mark.timeout(180)
+
+SINGLE = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+BATCH = TokenBatchParams(len=16, batch=8)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = str(tmp_path_factory.mktemp("load-ahead") / "data.zarr")
+    seqs = random_sequences(11, 400, max_len=80)
+    asyncflat.write_flat_tokens(path, {"train": seqs, "validation": seqs[:50]}, chunk_tokens=1024)
+    return path
+
+
+def params(path: str) -> FlatTokensParams:
+    return FlatTokensParams(path, 2, 2, 4, 3, True)
+
+
+def expected(path: str, step: int) -> tuple[np.ndarray, np.ndarray]:
+    batch = oracle(path, params(path), BATCH).batch(step)
+    return np.asarray(batch[0]), np.asarray(batch[1])
+
+
+def check(path: str, batch: Any, step: int) -> None:
+    targets, starts = expected(path, step)
+    np.testing.assert_array_equal(np.asarray(batch.targets), targets, err_msg=f"step {step}")
+    np.testing.assert_array_equal(np.asarray(batch.is_seq_start), starts, err_msg=f"step {step}")
+
+
+def builder_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("asyncflat-device-")]
+
+
+def library_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("asyncflat")]
+
+
+def wait_until(predicate: Any, timeout: float = 10) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return bool(predicate())
+
+
+def recording(loader: ShufflingLoader) -> list[tuple[int, str]]:
+    """Record (step, thread name) of every batch the loader builds."""
+    built: list[tuple[int, str]] = []
+    real = loader._load_now
+
+    def load_now(step: int) -> Any:
+        built.append((step, threading.current_thread().name))
+        return real(step)
+
+    loader._load_now = load_now  # type: ignore[method-assign]
+    return built
+
+
+def test_consecutive_loads_take_batches_built_on_a_background_thread(dataset: str) -> None:
+    with ShufflingLoader("train", params(dataset), BATCH, SINGLE) as loader:
+        built = recording(loader)
+        me = threading.current_thread().name
+        for step in range(12):
+            check(dataset, loader.load(step), step)
+        assert loader._load_ahead.started == 1
+        mine = [s for s, name in built if name == me]
+        assert mine == [0, 1]  # the two that showed the pattern; the rest were built ahead
+        ahead = sorted(s for s, name in built if name.startswith("asyncflat-device-prefetch-"))
+        assert ahead[:10] == list(range(2, 12))
+        assert loader.stats().steps_loaded == 12  # what the trainer got, not what was built
+
+
+def test_a_jump_retires_the_builder_and_consecutive_loads_start_a_new_one(dataset: str) -> None:
+    with ShufflingLoader("train", params(dataset), BATCH, SINGLE) as loader:
+        built = recording(loader)
+        for step in (0, 1, 2, 3, 9, 10, 11, 4):
+            check(dataset, loader.load(step), step)
+        me = threading.current_thread().name
+        # 0, 1 by the trainer; 2, 3 ahead; 9 and 10 by the trainer (the jump); 11 ahead; 4 by
+        # the trainer again
+        assert [s for s, name in built if name == me] == [0, 1, 9, 10, 4]
+        assert loader._load_ahead.started == 2
+        assert wait_until(lambda: len(builder_threads()) == 0)  # 4 was a jump: retired
+    assert library_threads() == []
+
+
+@pytest.mark.parametrize(
+    "options", [EngineOptions(load_ahead=False), EngineOptions(prefetch_to_device=0)]
+)
+def test_load_ahead_can_be_turned_off(dataset: str, options: EngineOptions) -> None:
+    with ShufflingLoader("train", params(dataset), BATCH, SINGLE, options=options) as loader:
+        built = recording(loader)
+        for step in range(5):
+            check(dataset, loader.load(step), step)
+        assert loader._load_ahead.started == 0 and not builder_threads()
+        assert [s for s, _ in built] == list(range(5))
+
+
+def test_a_failed_background_build_raises_from_the_load_of_its_step(dataset: str) -> None:
+    """As iter() does: the error of building that step (building it again would make the
+    trainer wait out a deadline twice); the next load of the step builds it afresh."""
+    with ShufflingLoader("train", params(dataset), BATCH, SINGLE) as loader:
+        real = loader._load_now
+        failed = []
+
+        def load_now(step: int) -> Any:
+            if step == 3 and threading.current_thread().name.startswith("asyncflat-device-"):
+                failed.append(step)
+                raise OSError("injected: a background build failed")
+            return real(step)
+
+        loader._load_now = load_now  # type: ignore[method-assign]
+        for step in range(3):
+            check(dataset, loader.load(step), step)
+        with pytest.raises(OSError, match="a background build failed"):
+            loader.load(3)
+        assert failed == [3]
+        for step in range(3, 6):
+            check(dataset, loader.load(step), step)
+        assert loader._load_ahead.started == 2  # the failure ended the first builder
+
+
+def test_a_load_that_fails_raises_its_own_error(dataset: str) -> None:
+    with ShufflingLoader("train", params(dataset), BATCH, SINGLE) as loader:
+        real = loader._load_now
+
+        def load_now(step: int) -> Any:
+            if step == 3:
+                raise OSError("injected: step 3 cannot be built")
+            return real(step)
+
+        loader._load_now = load_now  # type: ignore[method-assign]
+        for step in range(3):
+            loader.load(step)
+        with pytest.raises(OSError, match="step 3 cannot be built"):
+            loader.load(3)
+        check(dataset, loader.load(4), 4)
+
+
+def test_threads_loading_the_same_steps_get_the_right_batches(dataset: str) -> None:
+    with ShufflingLoader(
+        "train", params(dataset), BATCH, SINGLE, options=EngineOptions(prefetch_to_device=2)
+    ) as loader:
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                for step in range(16):
+                    check(dataset, loader.load(step), step)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert not any(thread.is_alive() for thread in threads), "a load never returned"
+        assert not errors, errors
+
+
+def test_a_dropped_loader_with_a_builder_is_collected_and_its_threads_stop(
+    dataset: str,
+) -> None:
+    loader = ShufflingLoader("train", params(dataset), BATCH, SINGLE)
+    for step in range(4):
+        loader.load(step)
+    assert builder_threads()
+    ref = weakref.ref(loader)
+    del loader
+    gc.collect()
+    assert ref() is None  # the builder's thread does not keep it alive
+    assert wait_until(lambda: not library_threads()), library_threads()
+
+
+def test_a_mixture_loader_builds_consecutive_loads_ahead_too(dataset: str) -> None:
+    from asyncflat import MixtureParams, MixtureSource
+
+    mixture = MixtureParams(
+        (MixtureSource(params(dataset), 0.5), MixtureSource(params(dataset), 0.5)),
+        seed=1,
+        block_rows=2,
+        steps=10,
+    )
+    plain = EngineOptions(load_ahead=False)
+    with ShufflingLoader("train", mixture, BATCH, SINGLE, options=plain) as loader:
+        want = [np.asarray(loader.load(step).targets) for step in range(10)]
+        assert loader._load_ahead.started == 0
+    with ShufflingLoader("train", mixture, BATCH, SINGLE) as loader:
+        built = recording(loader)
+        got = [np.asarray(loader.load(step).targets) for step in range(10)]
+        assert loader._load_ahead.started == 1
+        me = threading.current_thread().name
+        assert [s for s, name in built if name == me] == [0, 1]
+    for step, (a, b) in enumerate(zip(want, got)):
+        np.testing.assert_array_equal(a, b, err_msg=f"step {step}")
+    assert library_threads() == []
