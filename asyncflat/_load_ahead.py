@@ -13,6 +13,12 @@ one. A build that failed in the background raises its error from the ``load()`` 
 as ``iter()`` does (the failed fill is dropped, so the next load of the step starts afresh);
 ``EngineOptions.load_timeout_s`` counts from the build's start.
 
+Only a step whose rows are all in finished buffers is built ahead (the engine's fast path, no
+round trip to its loop). A step of a fill still streaming (start-up, a resume, a late fill) is
+left to its own ``load()``: asked for early, its rows would be read one by one where, a train
+step later, most of them are in finished blocks (built ahead at start-up, loads 16-23 of a
+256 MiB buffer took 10-27 ms against ~2 ms).
+
 The builder holds the loader weakly: a dropped loader is still collected (and closed).
 """
 
@@ -27,14 +33,18 @@ from typing import Any
 from ._background import BackgroundBuilder, BackgroundStopped, Prefetchers
 from .errors import LoaderClosedError
 
-__all__ = ["LoadAhead"]
+__all__ = ["NOT_READY", "LoadAhead"]
+
+
+#: What a build ahead gives for a step whose rows are not all in finished buffers yet.
+NOT_READY: Any = object()
 
 
 def _build_weakly(loader: weakref.ref[Any], step: int) -> Any:
     owner = loader()
     if owner is None:
         raise LoaderClosedError("the loader was collected")
-    return owner._load_now(step)
+    return owner._load_now(step, ready_only=True)
 
 
 class LoadAhead:
@@ -47,7 +57,9 @@ class LoadAhead:
         stop_step: int,
         depth: int,
     ) -> None:
-        """``build`` is a bound method of the loader (held weakly); ``depth`` 0 turns it off."""
+        """``build`` is the loader's ``_load_now(step, ready_only=...)`` (held weakly): with
+        ``ready_only`` it returns :data:`NOT_READY` for a step it cannot serve from finished
+        buffers; ``depth`` 0 turns load-ahead off."""
         self._prefetchers = prefetchers
         owner = getattr(build, "__self__", None)
         self._build = (
@@ -89,7 +101,7 @@ class LoadAhead:
         with self._lock:
             if self._builder is builder:
                 self._next = step + 1
-        return batch
+        return None if batch is NOT_READY else batch
 
     def loaded(self, step: int) -> None:
         """``load(step)`` returned: start the builder after two consecutive loads, retire it

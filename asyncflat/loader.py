@@ -27,7 +27,7 @@ from jax.sharding import Sharding
 
 from ._background import BackgroundBuilder, Prefetchers
 from ._engine_open import open_engine
-from ._load_ahead import LoadAhead
+from ._load_ahead import NOT_READY, LoadAhead
 from ._loader_iter import BatchIterator, _Pin
 from ._loop import LoopThread
 from ._typecheck import checked
@@ -196,8 +196,8 @@ class ShufflingLoader:
         self._check_open()
         batch = self._load_ahead.take(step)
         if batch is None:
-            batch = self._prefetchers.lookup(step)
-        if batch is None:
+            batch = self._prefetchers.lookup(step)  # the load-ahead's too: NOT_READY there
+        if batch is None or batch is NOT_READY:
             batch = self._load_now(step)
         self._load_ahead.loaded(step)
         self._count_delivered()
@@ -321,19 +321,22 @@ class ShufflingLoader:
         with self._lock:
             self._delivered += 1
 
-    def _rows(self, step: int) -> np.ndarray:
+    def _rows(self, step: int, *, ready_only: bool = False) -> np.ndarray | None:
         self._check_open()
         self.plan.check_step(step)
         rows = self._engine.try_gather(step, self._host_rows)  # steady state: no loop round trip
-        if rows is not None:
+        if rows is not None or ready_only:
             return rows
         return self._runner.run(
             self._engine.gather(step, self._host_rows), timeout=self.options.load_timeout_s
         )
 
-    def _load_now(self, step: int) -> Any:
-        """Build the batch of ``step`` now (the ``build`` that device prefetch runs ahead)."""
-        rows = self._rows(step)
+    def _load_now(self, step: int, *, ready_only: bool = False) -> Any:
+        """Build the batch of ``step`` now (the ``build`` that device prefetch runs ahead);
+        with ``ready_only``, only from finished buffers, else :data:`NOT_READY` (load-ahead)."""
+        rows = self._rows(step, ready_only=ready_only)
+        if rows is None:
+            return NOT_READY
         t0 = time.perf_counter()
         batch = self._builder.build(rows)
         n = next(self._builds)

@@ -25,6 +25,7 @@ from conftest import oracle, random_sequences
 
 import asyncflat
 from asyncflat import EngineOptions, FlatTokensParams, ShufflingLoader, TokenBatchParams
+from asyncflat._load_ahead import NOT_READY
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -47,6 +48,19 @@ def params(path: str) -> FlatTokensParams:
 def expected(path: str, step: int) -> tuple[np.ndarray, np.ndarray]:
     batch = oracle(path, params(path), BATCH).batch(step)
     return np.asarray(batch[0]), np.asarray(batch[1])
+
+
+#: A train step: long enough for the tiny fills here to finish, so that the builder (which
+#: builds only steps whose rows are all in finished buffers) finds every next step ready.
+STEP_S = 0.03
+
+
+def train(loader: Any, steps: Any, path: str | None = None) -> None:
+    for step in steps:
+        batch = loader.load(step)
+        if path is not None:
+            check(path, batch, step)
+        time.sleep(STEP_S)
 
 
 def check(path: str, batch: Any, step: int) -> None:
@@ -72,14 +86,16 @@ def wait_until(predicate: Any, timeout: float = 10) -> bool:
     return bool(predicate())
 
 
-def recording(loader: ShufflingLoader) -> list[tuple[int, str]]:
+def recording(loader: Any) -> list[tuple[int, str]]:
     """Record (step, thread name) of every batch the loader builds."""
     built: list[tuple[int, str]] = []
     real = loader._load_now
 
-    def load_now(step: int) -> Any:
-        built.append((step, threading.current_thread().name))
-        return real(step)
+    def load_now(step: int, **kw: Any) -> Any:
+        batch = real(step, **kw)
+        if batch is not NOT_READY:
+            built.append((step, threading.current_thread().name))
+        return batch
 
     loader._load_now = load_now  # type: ignore[method-assign]
     return built
@@ -89,8 +105,7 @@ def test_consecutive_loads_take_batches_built_on_a_background_thread(dataset: st
     with ShufflingLoader("train", params(dataset), BATCH, SINGLE) as loader:
         built = recording(loader)
         me = threading.current_thread().name
-        for step in range(12):
-            check(dataset, loader.load(step), step)
+        train(loader, range(12), dataset)
         assert loader._load_ahead.started == 1
         mine = [s for s, name in built if name == me]
         assert mine == [0, 1]  # the two that showed the pattern; the rest were built ahead
@@ -102,8 +117,7 @@ def test_consecutive_loads_take_batches_built_on_a_background_thread(dataset: st
 def test_a_jump_retires_the_builder_and_consecutive_loads_start_a_new_one(dataset: str) -> None:
     with ShufflingLoader("train", params(dataset), BATCH, SINGLE) as loader:
         built = recording(loader)
-        for step in (0, 1, 2, 3, 9, 10, 11, 4):
-            check(dataset, loader.load(step), step)
+        train(loader, (0, 1, 2, 3, 9, 10, 11, 4), dataset)
         me = threading.current_thread().name
         # 0, 1 by the trainer; 2, 3 ahead; 9 and 10 by the trainer (the jump); 11 ahead; 4 by
         # the trainer again
@@ -132,15 +146,14 @@ def test_a_failed_background_build_raises_from_the_load_of_its_step(dataset: str
         real = loader._load_now
         failed = []
 
-        def load_now(step: int) -> Any:
+        def load_now(step: int, **kw: Any) -> Any:
             if step == 3 and threading.current_thread().name.startswith("asyncflat-device-"):
                 failed.append(step)
                 raise OSError("injected: a background build failed")
-            return real(step)
+            return real(step, **kw)
 
         loader._load_now = load_now  # type: ignore[method-assign]
-        for step in range(3):
-            check(dataset, loader.load(step), step)
+        train(loader, range(3), dataset)
         with pytest.raises(OSError, match="a background build failed"):
             loader.load(3)
         assert failed == [3]
@@ -153,10 +166,10 @@ def test_a_load_that_fails_raises_its_own_error(dataset: str) -> None:
     with ShufflingLoader("train", params(dataset), BATCH, SINGLE) as loader:
         real = loader._load_now
 
-        def load_now(step: int) -> Any:
+        def load_now(step: int, **kw: Any) -> Any:
             if step == 3:
                 raise OSError("injected: step 3 cannot be built")
-            return real(step)
+            return real(step, **kw)
 
         loader._load_now = load_now  # type: ignore[method-assign]
         for step in range(3):
@@ -217,7 +230,10 @@ def test_a_mixture_loader_builds_consecutive_loads_ahead_too(dataset: str) -> No
         assert loader._load_ahead.started == 0
     with ShufflingLoader("train", mixture, BATCH, SINGLE) as loader:
         built = recording(loader)
-        got = [np.asarray(loader.load(step).targets) for step in range(10)]
+        got = []
+        for step in range(10):
+            got.append(np.asarray(loader.load(step).targets))
+            time.sleep(STEP_S)
         assert loader._load_ahead.started == 1
         me = threading.current_thread().name
         assert [s for s, name in built if name == me] == [0, 1]

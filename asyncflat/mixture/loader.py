@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import Sharding
 
 from .._background import BackgroundBuilder, Prefetchers
-from .._load_ahead import LoadAhead
+from .._load_ahead import NOT_READY, LoadAhead
 from .._loop import LoopThread
 from .._typecheck import checked
 from ..batch import BatchBuilder, BatchType, TokenBatch, default_sharding
@@ -179,10 +179,12 @@ class MixtureLoader:
                 f"(valid steps are 0..{self.step_count - 1})"
             )
 
-    def _rows(self, step: int) -> np.ndarray:
+    def _rows(self, step: int, *, ready_only: bool = False) -> np.ndarray | None:
         self._check_step(step)
         groups = self.groups(step)
         results = self._passes.try_gather(groups)
+        if results is None and ready_only:
+            return None
         if results is None:
             results = self._runner.run(
                 self._passes.gather(groups), timeout=self.options.load_timeout_s
@@ -221,14 +223,16 @@ class MixtureLoader:
         self._check_open()
         batch = self._load_ahead.take(step)
         if batch is None:
-            batch = self._prefetchers.lookup(step)
-        if batch is None:
+            batch = self._prefetchers.lookup(step)  # the load-ahead's too: NOT_READY there
+        if batch is None or batch is NOT_READY:
             batch = self._load_now(step)
         self._load_ahead.loaded(step)
         return batch
 
-    def _load_now(self, step: int) -> Any:
-        rows = self._rows(step)
+    def _load_now(self, step: int, *, ready_only: bool = False) -> Any:
+        rows = self._rows(step, ready_only=ready_only)
+        if rows is None:
+            return NOT_READY  # (load-ahead: not every row is in a finished buffer yet)
         t0 = time.perf_counter()
         batch = self._builder.build(rows)
         self._build_s.append(time.perf_counter() - t0)
