@@ -192,13 +192,16 @@ class Prefetchers(Generic[T]):
             if not self._closed:
                 self._retired.add(builder)
 
-    def lookup(self, step: int) -> T | None:
-        """``step``'s item if a live builder has built it (or is building it), else None."""
+    def lookup(self, step: int, *, skip: object = None) -> T | None:
+        """``step``'s item if a live builder has built it (or is building it), else None.
+
+        An item that is ``skip`` (a builder's "not built" marker) does not hide another
+        builder's real item of the same step."""
         with self._lock:
             live = list(self._live)
         for builder in live:
             item = builder.lookup(step)
-            if item is not None:
+            if item is not None and item is not skip:
                 return item
         return None
 

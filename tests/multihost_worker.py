@@ -18,6 +18,7 @@ compares them with the oracle (tests/reference_impl.py) and with the other runs.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
@@ -114,15 +115,18 @@ def run_case(case: dict, results: dict[str, np.ndarray]) -> dict:
         record["step_count"] = loader.step_count
 
         served: list[tuple[int, asyncflat.TokenBatch]] = []
+        progress(f"case {name}: iterating")
         iterator = loader.iter(case["start"])
         for step, batch in iterator:
             served.append((step, batch))
             if len(served) == len(steps):
                 break
         iterator.close()
+        progress(f"case {name}: out of order")
         for step in case["out_of_order"]:
             served.append((step, loader.load(step)))
 
+        progress(f"case {name}: gathering")
         save_served(name, case, served, results)
         record["served"] = len(served)
     # No asyncflat thread may outlive close().
@@ -177,8 +181,27 @@ def run_mixture(case: dict, results: dict[str, np.ndarray]) -> dict:
     return record
 
 
+class _DropSplitLoss(logging.Filter):
+    """Drop the loader's expected "tokens are never served" warning: it would fill the log tail
+    the parent shows on a failure."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "are never served" not in record.getMessage()
+
+
+def progress(message: str) -> None:
+    """One line per phase, so a failing run's log says where each process was."""
+    print(
+        f"[{time.strftime('%H:%M:%S')} process {PROCESS_ID}] {message}", file=sys.stderr, flush=True
+    )
+
+
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_DropSplitLoss())
+    # A hung run shows every thread's stack in the log before the parent's deadline kills it.
+    faulthandler.dump_traceback_later(SPEC["dump_stacks_after_s"], exit=False)
     t0 = time.perf_counter()
     if SPEC["num_processes"] > 1:
         jax.distributed.initialize(
@@ -194,10 +217,14 @@ def main() -> None:
     init_s = time.perf_counter() - t0
     results: dict[str, np.ndarray] = {}
     stats = {"init_s": init_s, "process_index": jax.process_index(), "cases": {}}
+    progress(f"initialized in {init_s:.1f} s")
     for case in SPEC["cases"]:
+        progress(f"case {case['name']}")
         stats["cases"][case["name"]] = run_case(case, results)
     for case in SPEC.get("mixtures", []):
+        progress(f"mixture {case['name']}")
         stats["cases"][case["name"]] = run_mixture(case, results)
+    progress("saving results")
     stats["total_s"] = time.perf_counter() - t0
     out = SPEC["out"]
     np.savez(os.path.join(out, f"result-{PROCESS_ID}.npz"), **results)
@@ -206,6 +233,8 @@ def main() -> None:
     if SPEC["num_processes"] > 1:
         multihost_utils.sync_global_devices("asyncflat-multihost-worker-done")
         jax.distributed.shutdown()
+    faulthandler.cancel_dump_traceback_later()
+    progress("done")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
-from asyncflat._background import BackgroundBuilder, BackgroundStopped
+from asyncflat._background import BackgroundBuilder, BackgroundStopped, Prefetchers
 
 WAIT_S = 10.0
 
@@ -135,3 +135,24 @@ def test_the_thread_ends_at_stop_step() -> None:
 def test_depth_must_be_positive() -> None:
     with pytest.raises(ValueError, match="depth must be >= 1"):
         BackgroundBuilder(Recorder(), 0, 1, 0, name="bg-zero")
+
+
+def test_a_registry_lookup_skips_a_builders_not_built_marker() -> None:
+    """A load-ahead builder that holds "not built" for a step must not hide an iterator's real
+    item of that step: the load returns the iterator's, not a rebuild."""
+    marker = object()
+    registry: Prefetchers[object] = Prefetchers("bg-registry", lambda: RuntimeError("closed"))
+    not_built = registry.start(lambda step: marker, 0, 10, 2)
+    _wait_until(lambda: not_built.lookup(1) is marker, "the marker builder's two steps")
+    assert registry.lookup(1) is marker  # without skip the marker is what a lookup finds
+    built = Recorder()
+    real = registry.start(built, 0, 10, 2)
+    try:
+        _wait_until(lambda: len(built.calls) == 2, "the real builder's two steps")
+        for _ in range(5):  # whatever order the registry holds its builders in
+            assert registry.lookup(1, skip=marker) == "item 1"
+        assert registry.lookup(7, skip=marker) is None  # neither has started step 7
+    finally:
+        for builder in registry.close():
+            builder.stop()
+    assert not real.alive and not not_built.alive

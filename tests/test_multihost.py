@@ -115,7 +115,7 @@ def _run_workers(jobs: list[tuple[Path, int, Path]], timeout_s: float) -> None:
 
     def logs() -> str:
         return "\n".join(
-            f"--- {log.name} ---\n{log.read_text(errors='replace')[-4000:]}" for _, log in procs
+            f"--- {log.name} ---\n{log.read_text(errors='replace')[-12000:]}" for _, log in procs
         )
 
     try:
@@ -201,6 +201,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             local_devices=devices,
             port=_free_port(),
             init_timeout_s=INIT_TIMEOUT_S,
+            dump_stacks_after_s=RUN_TIMEOUT_S - 15,
             out=str(out),
             cases=CASES,
             mixtures=MIXTURES,

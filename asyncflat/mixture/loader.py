@@ -223,8 +223,9 @@ class MixtureLoader:
         self._check_open()
         batch = self._load_ahead.take(step)
         if batch is None:
-            batch = self._prefetchers.lookup(step)  # the load-ahead's too: NOT_READY there
-        if batch is None or batch is NOT_READY:
+            # an iterator's, or the load-ahead's (its NOT_READY does not hide an iterator's)
+            batch = self._prefetchers.lookup(step, skip=NOT_READY)
+        if batch is None:
             batch = self._load_now(step)
         self._load_ahead.loaded(step)
         return batch
