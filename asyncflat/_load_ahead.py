@@ -75,6 +75,19 @@ class LoadAhead:
         #: builders started (figures for tests and stats)
         self.started = 0
 
+    def load(self, step: int, build: Callable[[int], Any]) -> Any:
+        """The batch of ``load(step)``: the builder's if it expects ``step``, else an
+        iterator's (a builder's :data:`NOT_READY` for the step does not hide it), else
+        ``build(step)`` on this thread; then the builder follows the step (:meth:`loaded`).
+        ``build`` is passed per call, not kept: the builder holds the loader weakly."""
+        batch = self.take(step)
+        if batch is None:
+            batch = self._prefetchers.lookup(step, skip=NOT_READY)
+        if batch is None:
+            batch = build(step)
+        self.loaded(step)
+        return batch
+
     def take(self, step: int) -> Any | None:
         """The batch of ``step`` if the builder expects it (waiting for it), else None."""
         with self._lock:

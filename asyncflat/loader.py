@@ -194,13 +194,7 @@ class ShufflingLoader:
         """
         step = step_argument(step)
         self._check_open()
-        batch = self._load_ahead.take(step)
-        if batch is None:
-            # an iterator's, or the load-ahead's (its NOT_READY does not hide an iterator's)
-            batch = self._prefetchers.lookup(step, skip=NOT_READY)
-        if batch is None:
-            batch = self._load_now(step)
-        self._load_ahead.loaded(step)
+        batch = self._load_ahead.load(step, self._load_now)
         self._count_delivered()
         return batch
 

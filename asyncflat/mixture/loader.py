@@ -221,13 +221,7 @@ class MixtureLoader:
         Consecutive loads get their next batches built ahead (``EngineOptions.load_ahead``)."""
         step = step_argument(step)
         self._check_open()
-        batch = self._load_ahead.take(step)
-        if batch is None:
-            # an iterator's, or the load-ahead's (its NOT_READY does not hide an iterator's)
-            batch = self._prefetchers.lookup(step, skip=NOT_READY)
-        if batch is None:
-            batch = self._load_now(step)
-        self._load_ahead.loaded(step)
+        batch = self._load_ahead.load(step, self._load_now)
         return batch
 
     def _load_now(self, step: int, *, ready_only: bool = False) -> Any:
