@@ -282,7 +282,7 @@ def main() -> None:
     parser.add_argument("--rbpsb", type=int, default=64, help="read blocks per shuffle buffer")
     parser.add_argument("--steps", type=int, default=None, help="at most this many (one epoch)")
     parser.add_argument("--dim", type=int, default=1024, help="the train step's model width")
-    parser.add_argument("--layers", type=int, default=4, help="the train step's dense layers")
+    parser.add_argument("--layers", type=int, default=1, help="the train step's dense layers")
     parser.add_argument("--vocab", type=int, default=50_000)
     parser.add_argument("--loaders", default=",".join(LOADERS))
     parser.add_argument("--child", choices=LOADERS, help=argparse.SUPPRESS)
