@@ -233,8 +233,13 @@ def main() -> None:
     if SPEC["num_processes"] > 1:
         multihost_utils.sync_global_devices("asyncflat-multihost-worker-done")
         jax.distributed.shutdown()
+    # Everything this worker checks is saved. The interpreter's exit (jax's teardown, gloo's
+    # threads, atexit hooks) once hung for minutes after this point in a CI run: if it hangs
+    # again, every thread's stack goes to the log and the worker exits with status 1, which
+    # the parent reports apart from the results (EXIT_GRACE_S in tests/test_multihost.py).
     faulthandler.cancel_dump_traceback_later()
     progress("done")
+    faulthandler.dump_traceback_later(SPEC["exit_grace_s"], exit=True)
 
 
 if __name__ == "__main__":
