@@ -179,6 +179,8 @@ def _run_workers(jobs: list[tuple[Path, int, Path]], timeout_s: float) -> list[s
         for p, _ in procs:
             if p.poll() is None:
                 p.kill()
+        for p, _ in procs:
+            p.wait(10)
 
 
 class Run:
