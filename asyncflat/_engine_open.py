@@ -16,6 +16,7 @@ from .permutation import warm_up as warm_up_permutation
 from .plan import ShufflePlan
 from .sizing import dropped_warning, format_bytes
 from .source import StoreWrapper, TokenSource, ZarrTokenSource
+from .storage.local_files import is_url
 
 __all__ = ["open_engine"]
 
@@ -36,6 +37,8 @@ async def open_engine(
 ) -> Engine:
     """Open ``params``' split (unless ``source`` is given), plan epoch ``epoch`` and build the
     engine of the streams ``host_rows`` belong to (on the running loop, which then owns it)."""
+    if source is None and store_wrapper is None and not params.storage_options:
+        source = await _open_plain_local(os.fspath(params.filespec), split, options)
     if source is None:
         source = await ZarrTokenSource.open(
             os.fspath(params.filespec),  # a str once the config is built
@@ -81,3 +84,15 @@ async def open_engine(
         format_bytes(plan.token_count * 4),
     )
     return Engine(plan, source, streams, options)
+
+
+async def _open_plain_local(
+    filespec: str, split: str, options: EngineOptions
+) -> TokenSource | None:
+    """A plain local split opened without zarr (its import alone would cost a restart 0.1-0.3 s),
+    or None: a URL, or a layout the zarr-free reader does not know (zarr opens those)."""
+    if is_url(filespec):
+        return None
+    from .local_source import LocalTokenSource
+
+    return await LocalTokenSource.open_plain(filespec, split, retry=options.retry)

@@ -19,6 +19,7 @@ Worked example: sequences ``[5, 6]`` and ``[7]`` encode to ``encoded_tokens = [1
 
 :func:`open_split` runs on the library's own event loop, so it uses only
 ``zarr.api.asynchronous``: zarr's sync API would block that loop while it waits on zarr's.
+zarr is imported there, not with this module: encoding and decoding never need it.
 """
 
 from __future__ import annotations
@@ -28,12 +29,9 @@ import contextlib
 import dataclasses
 import operator
 from collections.abc import Awaitable, Iterable
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import numpy as np
-import zarr
-import zarr.api.asynchronous as zarr_async
-from zarr.abc.store import Store
 
 from .errors import (
     AsyncflatError,
@@ -45,7 +43,12 @@ from .errors import (
     install_log_redaction,
     redact,
 )
-from .storage.guarded import GuardedStore, guard_store
+
+if TYPE_CHECKING:
+    import zarr
+    from zarr.abc.store import Store
+
+    from .storage.guarded import GuardedStore
 
 __all__ = [
     "SPLITS",
@@ -199,6 +202,8 @@ async def open_split(store: Store, split: str, *, name: str) -> SplitArrays:
     itself fails with an I/O error; the message names the store, the split or array, and what
     was expected versus found.
     """
+    from .storage.guarded import GuardedStore, guard_store  # zarr: imported when used
+
     install_log_redaction()
     name = redact(name)
     if split not in SPLITS:
@@ -228,6 +233,9 @@ def metadata_keys(split: str) -> list[str]:
 async def _open_split(
     store: GuardedStore, split: str, name: str, where: str, fetched: dict[str, Any]
 ) -> SplitArrays:
+    import zarr
+    import zarr.api.asynchronous as zarr_async
+
     # The format is known from the first round trip: no probe of .zmetadata, no second guess.
     zarr_format: Literal[2, 3] | None = None
     with contextlib.suppress(Exception):  # a failed read is reported by zarr's own below
@@ -334,6 +342,8 @@ async def _gather_in_order(*awaitables: Awaitable[Any]) -> list[Any]:
 async def _open_array(
     group: zarr.AsyncGroup, where: str, key: str, dtype: np.dtype
 ) -> zarr.AsyncArray[Any]:
+    import zarr
+
     arr = await _guarded(group.getitem(key), f"{where}/{key}", "array")
     if not isinstance(arr, zarr.AsyncArray):
         raise DatasetFormatError(f"{where}/{key}: expected a zarr array, found a group")

@@ -24,11 +24,9 @@ import asyncio
 import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
-from zarr.abc.store import RangeByteRequest, Store
-from zarr.core.buffer import default_buffer_prototype
 
 from ._single_flight import SingleFlight
 from .config import RetryPolicy, redact_url
@@ -41,29 +39,18 @@ from .errors import (
     option_secrets,
     scrubbed,
 )
-from .format import SplitArrays, open_split
 from .storage import blosc as _blosc
 from .storage.chunks import Frame, blosc_frame_prefixes, raw_codec, without_crc32c
-from .storage.filesystems import (
-    OWN_RETRIES_OPTION,
-    bounded,
-    close_filesystem,
-    close_store,
-    construction_error,
-    filesystem,
-    is_url,
-    local_root,
-    make_store,
-    pread,
-    pread_into,
-)
-from .storage.guarded import (
-    GuardedStore,
-    IOCounters,
-    PerKeyWrapperStore,
-    describe_range,
-)
+from .storage.counters import IOCounters
 from .storage.limiter import AdaptiveLimiter, pool_size
+from .storage.local_files import is_url, pread, pread_into
+
+if TYPE_CHECKING:
+    from zarr.abc.store import Store
+
+    from .format import SplitArrays
+    from .storage.filesystems import OWN_RETRIES_OPTION
+    from .storage.guarded import GuardedStore, PerKeyWrapperStore, describe_range
 
 __all__ = [
     "OWN_RETRIES_OPTION",
@@ -82,15 +69,31 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: A function the caller may use to wrap the raw store (fault injection, logging).
-StoreWrapper = Callable[[Store], Store]
+StoreWrapper = Callable[["Store"], "Store"]
 
-# Old private names, kept for code that imported them from here.
-_filesystem = filesystem
-_close_filesystem = close_filesystem
-_make_store = make_store
-_close_store = close_store
-_raw_codec = raw_codec
-_blosc_frame_prefixes = blosc_frame_prefixes
+_raw_codec = raw_codec  # an old private name, kept for code that imported it from here
+# Names of the zarr and fsspec layers, kept importable from here but resolved on first use:
+# this module must not import zarr (0.3 s) for a plain local dataset, which never uses it.
+_LAZY = {
+    "OWN_RETRIES_OPTION": ("storage.filesystems", "OWN_RETRIES_OPTION"),
+    "PerKeyWrapperStore": ("storage.guarded", "PerKeyWrapperStore"),
+    "describe_range": ("storage.guarded", "describe_range"),
+    "_filesystem": ("storage.filesystems", "filesystem"),
+    "_close_filesystem": ("storage.filesystems", "close_filesystem"),
+    "_make_store": ("storage.filesystems", "make_store"),
+    "_close_store": ("storage.filesystems", "close_store"),
+    "_blosc_frame_prefixes": ("storage.chunks", "blosc_frame_prefixes"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    import importlib
+
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attribute = _LAZY[name]
+    return getattr(importlib.import_module(f"{__package__}.{module}"), attribute)
+
 
 #: Largest range a row read of a local store reads directly on the loop thread (see pread).
 _PREAD_MAX_BYTES = 1 << 20
@@ -165,17 +168,51 @@ class ZarrTokenSource:
         self._arrays = arrays
         self._store = store  # the raw store (before any wrapper), closed by aclose()
         self._guard = guard
+        remote = False
+        if store is not None:
+            from .storage.filesystems import local_root
+
+            remote = local_root(store) is None
+        codec, checksum = raw_codec(arrays.encoded_tokens)
+        self._setup(
+            arrays.name,
+            arrays.token_count,
+            arrays.sequence_count,
+            arrays.max_token_id,
+            arrays.token_chunk,
+            io,
+            codec=codec,
+            checksum=checksum,
+            remote=remote,
+            local=local,
+        )
+
+    def _setup(
+        self,
+        name: str,
+        token_count: int,
+        sequence_count: int,
+        max_token_id: int,
+        token_chunk: int,
+        io: IOCounters,
+        *,
+        codec: str | None,
+        checksum: bool,
+        remote: bool,
+        local: str | None,
+    ) -> None:
+        """What every reader of chunk objects holds, however the split was opened."""
         self._local_root = local  # set for plain local stores: small reads pread
         self.io = io
-        self.name = arrays.name
-        self.token_count = arrays.token_count
-        self.sequence_count = arrays.sequence_count
-        self.max_token_id = arrays.max_token_id
-        self.token_chunk = arrays.token_chunk
-        self.remote = store is not None and local_root(store) is None
+        self.name = name
+        self.token_count = token_count
+        self.sequence_count = sequence_count
+        self.max_token_id = max_token_id
+        self.token_chunk = token_chunk
+        self.remote = remote
         #: "blosc" or "raw" when chunk objects can be decoded here, else None (zarr decodes);
         #: checksummed: each object ends with zarr's crc32c of the rest, verified here too.
-        self._codec, self._checksum = raw_codec(arrays.encoded_tokens)
+        self._codec, self._checksum = codec, checksum
         self._chunk_nbytes = self.token_chunk * 4
         # Rows of a checksummed chunk, or of a small Blosc chunk behind a network, are read with
         # their whole object (see read_items): no cheaper than the fill's unit for that chunk,
@@ -207,6 +244,16 @@ class ZarrTokenSource:
         Bounded in time as a whole by ``retry.deadline_s`` (each request also by
         ``retry.attempt_timeout_s``): a silent store fails construction, it does not hang it.
         """
+        from .format import open_split
+        from .storage.filesystems import (
+            bounded,
+            close_store,
+            construction_error,
+            local_root,
+            make_store,
+        )
+        from .storage.guarded import GuardedStore
+
         retry = retry or RetryPolicy()
         secrets = option_secrets(storage_options)
         install_log_redaction(secrets)
@@ -368,15 +415,12 @@ class ZarrTokenSource:
     async def _read_range(self, key: str, lo: int, hi: int) -> bytes:
         if self._local_root is not None and hi - lo <= _PREAD_MAX_BYTES:
             # Row reads of a plain local store: a few KiB from the page cache, read right here.
-            cap = self._guard.max_object_bytes(key) if self._guard is not None else None
+            cap = self._max_object_bytes(key)
             data = pread(self._local_root, key, lo, hi, name=self.name, max_object_bytes=cap)
             self.io.requests += 1
             self.io.bytes_read += len(data)
             return data
-        store = self._arrays.encoded_tokens.store_path.store
-        buffer = await store.get(key, default_buffer_prototype(), RangeByteRequest(lo, hi))
-        assert buffer is not None  # the guarded store raises for a missing chunk
-        return buffer.to_bytes()
+        return (await self._fetch(key, (lo, hi))).tobytes()
 
     async def _blocks_frame(
         self, key: str, layout: _blosc.FrameLayout, lo: int, hi: int, *, inline: bool
@@ -389,7 +433,7 @@ class ZarrTokenSource:
 
         Raises :class:`~asyncflat.storage.blosc.BloscError` when the frame's header claims more
         bytes than any legal encoding of the chunk (nothing is mapped for it)."""
-        cap = self._guard.max_object_bytes(key) if self._guard is not None else None
+        cap = self._max_object_bytes(key)
         if cap is not None and layout.cbytes > cap:
             raise _blosc.BloscError(
                 f"the header claims {layout.cbytes} bytes, more than any legal encoding of the "
@@ -416,10 +460,7 @@ class ZarrTokenSource:
             self.io.requests += 1
             self.io.bytes_read += hi - lo
             return frame
-        store = self._arrays.encoded_tokens.store_path.store
-        buffer = await store.get(key, default_buffer_prototype(), RangeByteRequest(lo, hi))
-        assert buffer is not None  # the guarded store raises for a missing chunk
-        data = buffer.as_numpy_array().view(np.uint8).reshape(-1)[: hi - lo]
+        data = (await self._fetch(key, (lo, hi)))[: hi - lo]
         frame[lo : lo + len(data)] = data  # a short object fails its decode: CorruptChunkError
         return frame
 
@@ -514,25 +555,38 @@ class ZarrTokenSource:
         Blosc chunks are fetched whole (the frame is needed to decode any part of it). An
         uncompressed chunk is fetched as just the byte range of ``items`` (chunk-relative).
         """
-        array = self._arrays.encoded_tokens
         key = self._chunk_key(chunk_id)
         first, request = 0, None
         if self._codec == "raw" and items is not None and not self._checksum:
-            first, request = items[0], RangeByteRequest(items[0] * 4, items[1] * 4)
+            first, request = items[0], (items[0] * 4, items[1] * 4)
         try:
-            buffer = await array.store_path.store.get(key, default_buffer_prototype(), request)
+            data = await self._fetch(key, request)
         except AsyncflatError as exc:  # name the token range, as _read does
             lo = chunk_id * self.token_chunk
             hi = min(lo + self.token_chunk, self.token_count)
             raise type(exc)(f"{self.name} encoded_tokens[{lo}:{hi}]: {exc}") from exc
-        assert buffer is not None  # the guarded store raises for a missing chunk
-        data = buffer.as_numpy_array().view(np.uint8)
         if self._checksum:
             where = f"{self.name} encoded_tokens: chunk object {key}"
             data = await asyncio.get_running_loop().run_in_executor(
                 None, without_crc32c, data, where
             )
         return Frame(data, first, key, blosc=self._codec == "blosc", nbytes=self._chunk_nbytes)
+
+    async def _fetch(self, key: str, byte_range: tuple[int, int] | None = None) -> np.ndarray:
+        """The bytes (uint8) of object ``key``, or of its ``[lo, hi)``, through the guarded
+        store (which refuses a missing, truncated or malformed object)."""
+        from zarr.abc.store import RangeByteRequest
+        from zarr.core.buffer import default_buffer_prototype
+
+        request = None if byte_range is None else RangeByteRequest(*byte_range)
+        store = self._arrays.encoded_tokens.store_path.store
+        buffer = await store.get(key, default_buffer_prototype(), request)
+        assert buffer is not None  # the guarded store raises for a missing chunk
+        return buffer.as_numpy_array().view(np.uint8).reshape(-1)
+
+    def _max_object_bytes(self, key: str) -> int | None:
+        """The largest legal encoding of chunk object ``key`` (None: not known)."""
+        return self._guard.max_object_bytes(key) if self._guard is not None else None
 
     def _decode(self, frame: Frame, first_item: int, out: np.ndarray) -> None:
         try:
@@ -563,5 +617,7 @@ class ZarrTokenSource:
         await self._chunks.aclose()
         store, self._store = self._store, None
         if store is not None:
+            from .storage.filesystems import close_store
+
             await close_store(store)
         self._arrays.encoded_tokens.store_path.store.close()

@@ -14,7 +14,7 @@ from typing import Protocol
 import numpy as np
 
 from ..sizing import format_bytes
-from ..storage.guarded import IOCounters
+from ..storage.counters import IOCounters
 from .fill import Fill
 from .stats import (
     ActiveFill,

@@ -1,7 +1,10 @@
 """The storage layers under the reader, one job per module.
 
 * :mod:`.filesystems`: fsspec filesystems and zarr stores, made and closed on the engine's loop,
-  with a single retry loop (ours); ``pread`` for small local reads.
+  with a single retry loop (ours).
+* :mod:`.local_files`: a local store's files, opened and read safely without zarr.
+* :mod:`.local_split`: a plain local split's metadata, parsed without zarr (fast start-up).
+* :mod:`.counters`: counters of a source's store traffic.
 * :mod:`.obstore_client`: obstore (Rust) as the reading client of ``s3://`` and ``gs://`` URLs,
   when ``storage_options`` asks for it; fsspec-style options translated or refused by name.
 * :mod:`.guarded`: the one gate every object request passes (limits, retries, counters, strict
@@ -15,8 +18,15 @@
 The reader (:mod:`asyncflat.source`) sits on top of these; the engine never sees them.
 """
 
-from .guarded import GuardedStore, IOCounters, PerKeyWrapperStore, describe_range
-from .limiter import AdaptiveLimiter
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .counters import IOCounters
+    from .guarded import GuardedStore, PerKeyWrapperStore, describe_range
+    from .limiter import AdaptiveLimiter
 
 __all__ = [
     "AdaptiveLimiter",
@@ -25,3 +35,20 @@ __all__ = [
     "PerKeyWrapperStore",
     "describe_range",
 ]
+
+# Names resolved on first use: importing a storage module must not import zarr (0.3 s) unless
+# the code that runs needs it (a plain local dataset never does).
+_HOMES = {
+    "AdaptiveLimiter": ".limiter",
+    "GuardedStore": ".guarded",
+    "IOCounters": ".counters",
+    "PerKeyWrapperStore": ".guarded",
+    "describe_range": ".guarded",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(home, __name__), name)

@@ -15,8 +15,11 @@ object is an error, never an out-of-bounds read.
 from __future__ import annotations
 
 import ctypes
+import importlib.machinery
+import importlib.util
 import logging
 import mmap
+import os
 
 import numpy as np
 
@@ -39,11 +42,25 @@ class BloscError(ValueError):
     """A Blosc frame that does not match its bytes or does not decode."""
 
 
+def _extension_path() -> str:
+    """The file of numcodecs' Blosc extension, found without importing numcodecs (its package
+    imports every codec and reads entry points: tens of milliseconds at start-up)."""
+    spec = importlib.util.find_spec("numcodecs")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("numcodecs is not installed")
+    for folder in spec.submodule_search_locations:
+        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+            path = os.path.join(folder, "blosc" + suffix)
+            if os.path.isfile(path):
+                return path
+    raise ImportError("numcodecs has no Blosc extension module")
+
+
 def _bind() -> tuple | None:
     try:
-        import numcodecs.blosc
-
-        lib = ctypes.CDLL(numcodecs.blosc.__file__)
+        # c-blosc's context functions used here keep no global state: the library needs no
+        # blosc_init(), which numcodecs' module runs when it is imported (later, by zarr).
+        lib = ctypes.CDLL(_extension_path())
         getitem = lib.blosc_getitem
         decompress = lib.blosc_decompress_ctx
         validate = lib.blosc_cbuffer_validate

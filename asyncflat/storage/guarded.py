@@ -41,9 +41,10 @@ from ..errors import (
     scrubbed,
 )
 from .blosc import frame_problem
-from .filesystems import file_kind
+from .counters import IOCounters
 from .gate import METADATA_MAX_BYTES, ChunkGate, ChunkRejected, UnsupportedCodec, gate_for
 from .limiter import AdaptiveLimiter
+from .local_files import file_kind
 from .retry import is_throttle, retrying
 
 __all__ = [
@@ -60,25 +61,6 @@ METADATA_SUFFIXES = ("zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata")
 #: once, not once per inner chunk. The dataset is read-only, so they cannot go stale.
 _SUFFIX_CACHE_MAX_BYTES = 1 << 16
 _SUFFIX_CACHE_ENTRIES = 4096
-
-
-@dataclasses.dataclass
-class IOCounters:
-    """Raw store traffic, for read-amplification figures and the retry count."""
-
-    requests: int = 0
-    bytes_read: int = 0
-    retries: int = 0
-    in_flight: int = 0
-    peak_in_flight: int = 0
-    #: Responses by which the store asked to slow down (429, 503, S3 SlowDown).
-    throttled: int = 0
-    #: The adaptive in-flight limit now (the configured maximum when never throttled).
-    concurrency_limit: int = 0
-    #: Shard-index reads answered from the cache instead of the store.
-    cached_reads: int = 0
-    #: Bytes decoded from stored chunks (whole chunks through zarr, items on the direct path).
-    bytes_decoded: int = 0
 
 
 def describe_range(byte_range: ByteRequest | None) -> str:
