@@ -15,7 +15,9 @@
 URL). It opens the store *on the engine's loop* (aiohttp sessions are bound to the loop that made
 them) and every object request passes through the guarded store (:mod:`asyncflat.storage`).
 The storage layers below it live in :mod:`asyncflat.storage`; their old names stay importable
-from here.
+from here (resolved on first use: this module does not import zarr, so that
+:class:`~asyncflat.local_source.LocalTokenSource`, the same reader over a plain local split
+opened without zarr, costs a restart no zarr import).
 """
 
 from __future__ import annotations

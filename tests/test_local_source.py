@@ -1,0 +1,249 @@
+"""A plain local split is opened and read without zarr, and serves exactly the oracle's batches.
+
+The zarr-free path (``asyncflat/local_source.py``) exists for start-up time: a restart's first
+batch must not pay zarr's import. These tests check that it is taken where it should be (and
+zarr is then never imported), that it serves the reference loader's batches on every layout it
+accepts, that anything else falls back to zarr's reader with zarr's errors, and that hostile
+objects are refused by it as by the guarded store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zarr
+from conftest import oracle, random_sequences
+from zarr.codecs import BloscCodec, ZstdCodec
+
+import asyncflat
+from asyncflat import (
+    CorruptChunkError,
+    DatasetFormatError,
+    FlatTokensParams,
+    ShufflingLoader,
+    TokenBatchParams,
+)
+from asyncflat.local_source import LocalTokenSource
+from asyncflat.source import ZarrTokenSource
+from asyncflat.storage.local_split import parse_local_split
+
+BATCH = TokenBatchParams(len=32, batch=8)
+
+
+def params(path: Path, packing: bool = True) -> FlatTokensParams:
+    return FlatTokensParams(str(path), 1, 4, 16, seed=3, sequence_packing=packing)
+
+
+@pytest.fixture(scope="module")
+def sequences() -> list[np.ndarray]:
+    return random_sequences(11, 600, max_len=90)
+
+
+def written(tmp: Path, sequences: list[np.ndarray], **options: Any) -> Path:
+    path = tmp / f"ds-{len(os.listdir(tmp))}.zarr"
+    asyncflat.write_flat_tokens(path, {"train": sequences}, chunk_tokens=4096, **options)
+    return path
+
+
+def zarr_written(tmp: Path, source: Path, name: str, **array: Any) -> Path:
+    """The split of ``source`` rewritten by zarr itself with other array options."""
+    group: Any = zarr.open_group(str(source), mode="r")["train"]
+    tokens, starts = group["encoded_tokens"][:], group["seq_starts"][:]
+    path = tmp / name
+    root = zarr.open_group(str(path), mode="w", zarr_format=array.pop("zarr_format", 3))
+    out = root.create_group("train")
+    out.create_array("encoded_tokens", data=tokens, config={"write_empty_chunks": True}, **array)
+    # uncompressed (zarr's default in format 3 is zstd, which only zarr's reader decodes)
+    out.create_array("seq_starts", data=starts, chunks=(1024,), compressors=None)
+    out.attrs["max_token_id"] = int(group.attrs["max_token_id"])
+    return path
+
+
+def source_of(loader: ShufflingLoader) -> Any:
+    return loader._engine.source
+
+
+def assert_serves_oracle(path: Path, packing: bool, steps: list[int]) -> type:
+    p = params(path, packing)
+    reference = oracle(path, p, BATCH)
+    with ShufflingLoader("train", p, BATCH) as loader:
+        kind = type(source_of(loader))
+        for step in steps:
+            batch = loader.load(step)
+            targets, is_seq_start = reference.batch(step)
+            np.testing.assert_array_equal(np.asarray(batch.targets), targets)
+            np.testing.assert_array_equal(np.asarray(batch.is_seq_start), is_seq_start)
+    return kind
+
+
+# -- which path, and what it serves -------------------------------------------------------------
+
+
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "v3-blosc": {},
+    "v3-blosc-crc32c": {"checksum": True},
+    "v2-seqax": {"zarr_format": 2},  # seqax's layout: seq_starts behind a delta filter
+}
+
+
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "unpacked"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_plain_local_split_is_read_without_zarr_and_serves_the_oracle(
+    tmp_path: Path, sequences: list[np.ndarray], layout: str, packing: bool
+) -> None:
+    path = written(tmp_path, sequences, **LAYOUTS[layout])
+    assert parse_local_split(str(path), "train", "x") is not None
+    steps = [0, 1, 7, params(path).read_blocks_per_shuffle_buffer * 2 + 1]
+    assert assert_serves_oracle(path, packing, steps) is LocalTokenSource
+
+
+@pytest.mark.parametrize(
+    "name,array",
+    [
+        ("v3-none", dict(chunks=(1000,), compressors=None)),
+        ("v2-none", dict(zarr_format=2, chunks=(1000,), compressors=None)),
+        ("v3-blosc-typesize8", dict(chunks=(1500,), compressors=BloscCodec(typesize=8))),
+    ],
+)
+def test_other_plain_codecs_take_the_zarr_free_path_too(
+    tmp_path: Path, sequences: list[np.ndarray], name: str, array: dict[str, Any]
+) -> None:
+    path = zarr_written(tmp_path, written(tmp_path, sequences), f"{name}.zarr", **array)
+    assert parse_local_split(str(path), "train", "x") is not None
+    for packing in (True, False):
+        assert assert_serves_oracle(path, packing, [0, 5, 9]) is LocalTokenSource
+
+
+@pytest.mark.parametrize(
+    "name,array",
+    [
+        ("v3-zstd", dict(chunks=(1000,), compressors=ZstdCodec())),
+        ("v3-sharded", dict(chunks=(500,), shards=(2000,), compressors=BloscCodec())),
+    ],
+)
+def test_other_layouts_are_read_through_zarr(
+    tmp_path: Path, sequences: list[np.ndarray], name: str, array: dict[str, Any]
+) -> None:
+    path = zarr_written(tmp_path, written(tmp_path, sequences), f"{name}.zarr", **array)
+    assert parse_local_split(str(path), "train", "x") is None
+    assert assert_serves_oracle(path, True, [0, 5]) is ZarrTokenSource
+
+
+def test_a_restart_imports_no_zarr(tmp_path: Path, sequences: list[np.ndarray]) -> None:
+    """A fresh process's loader, to its first batch of a mid-epoch step, imports neither zarr
+    nor fsspec nor numcodecs (their imports alone cost a restart 0.1-0.3 s)."""
+    path = written(tmp_path, sequences, zarr_format=2)
+    step = 9
+    script = textwrap.dedent(
+        f"""
+        import json, sys
+        import numpy as np
+        import asyncflat
+        p = asyncflat.FlatTokensParams({str(path)!r}, 1, 4, 16, seed=3, sequence_packing=True)
+        b = asyncflat.TokenBatchParams(len={BATCH.len}, batch={BATCH.batch})
+        with asyncflat.ShufflingLoader("train", p, b) as loader:
+            batch = loader.load({step})
+            kind = type(loader._engine.source).__name__
+        print(json.dumps({{
+            "imported": [m for m in ("zarr", "fsspec", "numcodecs") if m in sys.modules],
+            "source": kind,
+            "targets": np.asarray(batch.targets).tolist(),
+        }}))
+        """
+    )
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["imported"] == [] and result["source"] == "LocalTokenSource"
+    expected = oracle(path, params(path), BATCH).batch(step)[0]
+    np.testing.assert_array_equal(np.array(result["targets"], np.uint32), expected)
+
+
+# -- what falls back, and with which errors ------------------------------------------------------
+
+
+def test_an_invalid_split_is_reported_by_zarrs_open(
+    tmp_path: Path, sequences: list[np.ndarray]
+) -> None:
+    path = written(tmp_path, sequences)
+    meta = path / "train" / "zarr.json"
+    doc = json.loads(meta.read_text())
+    doc["attributes"]["max_token_id"] = "many"
+    meta.write_text(json.dumps(doc))
+    assert parse_local_split(str(path), "train", "x") is None
+    with pytest.raises(DatasetFormatError, match="max_token_id must be an integer"):
+        ShufflingLoader("train", params(path), BATCH)
+
+
+def test_a_bad_end_entry_is_reported_by_zarrs_open(
+    tmp_path: Path, sequences: list[np.ndarray]
+) -> None:
+    path = written(tmp_path, sequences)
+    starts: Any = zarr.open_array(str(path / "train" / "seq_starts"), mode="r+")
+    starts[-1] = int(starts[-1]) + 5
+    with pytest.raises(DatasetFormatError, match=r"seq_starts\[-1\] == len\(encoded_tokens\)"):
+        ShufflingLoader("train", params(path), BATCH)
+
+
+# -- hostile objects meet the zarr-free reader ---------------------------------------------------
+
+
+def first_token_chunk(path: Path) -> Path:
+    return path / "train" / "encoded_tokens" / "c" / "0"
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing", "oversized", "fifo", "outside"])
+def test_hostile_chunk_objects_are_refused_naming_the_file(
+    tmp_path: Path, sequences: list[np.ndarray], damage: str
+) -> None:
+    path = written(tmp_path, sequences)
+    chunk = first_token_chunk(path)
+    data = chunk.read_bytes()
+    chunk.unlink()
+    if damage == "truncated":
+        chunk.write_bytes(data[: len(data) // 2])
+    elif damage == "oversized":
+        chunk.write_bytes(data + bytes(4 * 4096 + 64))
+    elif damage == "fifo":
+        os.mkfifo(chunk)
+    elif damage == "outside":
+        outside = tmp_path / "elsewhere"
+        outside.write_bytes(data)
+        chunk.symlink_to(outside)
+    loader = ShufflingLoader("train", params(path), BATCH)
+    try:
+        assert isinstance(source_of(loader), LocalTokenSource)
+        with pytest.raises(CorruptChunkError) as raised:
+            for step in range(loader.plan.step_count):
+                loader.load(step)
+        assert "encoded_tokens" in str(raised.value) and "c/0" in str(raised.value)
+    finally:
+        loader.close()
+
+
+def test_a_damaged_seq_starts_chunk_is_refused_when_read(
+    tmp_path: Path, sequences: list[np.ndarray]
+) -> None:
+    """Unpacked rows read ``seq_starts`` through the zarr-free reader: a chunk whose Blosc
+    header lies about its size is refused before any decoder sees it."""
+    path = written(tmp_path, sequences)
+    with ShufflingLoader("train", params(path, packing=False), BATCH) as loader:
+        source = source_of(loader)
+        assert isinstance(source, LocalTokenSource)
+        chunk = path / "train" / "seq_starts" / "c" / "0"
+        frame = bytearray(chunk.read_bytes())
+        frame[4:8] = (1 << 30).to_bytes(4, "little")  # decodes to 1 GiB, it says
+        chunk.write_bytes(bytes(frame))
+        with pytest.raises(CorruptChunkError, match="refused before decoding"):
+            loader._runner.run(source.read_seq_starts(0, 10))
