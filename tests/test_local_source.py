@@ -60,9 +60,17 @@ def zarr_written(tmp: Path, source: Path, name: str, **array: Any) -> Path:
     path = tmp / name
     root = zarr.open_group(str(path), mode="w", zarr_format=array.pop("zarr_format", 3))
     out = root.create_group("train")
-    out.create_array("encoded_tokens", data=tokens, config={"write_empty_chunks": True}, **array)
+    # shape and dtype, then the data: zarr 3.0 (the floor) has no ``data=``
+    config = {"write_empty_chunks": True}
+    made = out.create_array(
+        "encoded_tokens", shape=tokens.shape, dtype=tokens.dtype, config=config, **array
+    )
+    made[:] = tokens
     # uncompressed (zarr's default in format 3 is zstd, which only zarr's reader decodes)
-    out.create_array("seq_starts", data=starts, chunks=(1024,), compressors=None)
+    made = out.create_array(
+        "seq_starts", shape=starts.shape, dtype=starts.dtype, chunks=(1024,), compressors=None
+    )
+    made[:] = starts
     out.attrs["max_token_id"] = int(group.attrs["max_token_id"])
     return path
 

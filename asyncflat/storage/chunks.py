@@ -114,18 +114,28 @@ def raw_codec(array: Any) -> tuple[str | None, bool]:
 def without_crc32c(data: np.ndarray, where: str) -> np.ndarray:
     """``data`` without its crc32c trailer, once the checksum matches, else CorruptChunkError
     naming ``where`` (the chunk object). CPU-bound: run it off the loop."""
-    import google_crc32c
-
     if data.nbytes < 4:
         raise CorruptChunkError(f"{where} is too short for its crc32c")
     stored = int(data[-4:].view("<u4")[0])
     body = np.ascontiguousarray(data[:-4])
     view = body.view()
     view.flags.writeable = False  # google_crc32c takes read-only buffers only
-    computed = google_crc32c.value(view)
+    computed = _crc32c(view)
     if computed != stored:
         raise CorruptChunkError(
             f"{where} fails its crc32c checksum "
             f"(stored {stored:#010x}, computed {computed:#010x}): the object is damaged"
         )
     return body
+
+
+def _crc32c(data: memoryview | np.ndarray) -> int:
+    """CRC-32C of ``data`` with whichever implementation zarr installed: ``google-crc32c``
+    (zarr >= 3.1) or ``crc32c`` (zarr 3.0)."""
+    try:
+        import google_crc32c
+    except ImportError:
+        import crc32c
+
+        return int(crc32c.crc32c(data))
+    return int(google_crc32c.value(data))
