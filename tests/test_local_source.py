@@ -79,9 +79,11 @@ def source_of(loader: ShufflingLoader) -> Any:
     return loader._engine.source
 
 
-def assert_serves_oracle(path: Path, packing: bool, steps: list[int]) -> type:
+def assert_serves_oracle(
+    path: Path, packing: bool, steps: list[int], reference: Any = None
+) -> type:
     p = params(path, packing)
-    reference = oracle(path, p, BATCH)
+    reference = reference or oracle(path, p, BATCH)
     with ShufflingLoader("train", p, BATCH) as loader:
         kind = type(source_of(loader))
         for step in steps:
@@ -192,6 +194,38 @@ def test_an_invalid_split_is_reported_by_zarrs_open(
     assert parse_local_split(str(path), "train", "x") is None
     with pytest.raises(DatasetFormatError, match="max_token_id must be an integer"):
         ShufflingLoader("train", params(path), BATCH)
+
+
+@pytest.mark.parametrize("where", ["train/encoded_tokens", "train/seq_starts", "train"])
+@pytest.mark.parametrize(
+    "extension,ignorable",
+    [
+        ({"must_understand": False, "note": "x"}, True),
+        ({"must_understand": True}, False),
+        ({"note": "x"}, False),  # must_understand defaults to true
+        (5, False),
+    ],
+    ids=["optional", "required", "unmarked", "not-an-object"],
+)
+def test_zarr3_extensions_are_honoured_as_zarrs_open_does(
+    tmp_path: Path, sequences: list[np.ndarray], where: str, extension: Any, ignorable: bool
+) -> None:
+    """An unknown field of a zarr 3 document may be skipped only when it says it may: one the
+    reader must understand sends the split to zarr's open (which refuses it), never served.
+    (zarr 3.1 itself refuses any extra field of a group: the oracle reads the store as written.)"""
+    path = written(tmp_path, sequences)
+    reference = oracle(path, params(path), BATCH)
+    meta = path / where / "zarr.json"
+    doc = json.loads(meta.read_text())
+    doc["an_extension"] = extension
+    meta.write_text(json.dumps(doc))
+    if ignorable:
+        assert parse_local_split(str(path), "train", "x") is not None
+        assert assert_serves_oracle(path, True, [0, 5], reference) is LocalTokenSource
+    else:
+        assert parse_local_split(str(path), "train", "x") is None
+        with pytest.raises(DatasetFormatError, match="an_extension"):
+            ShufflingLoader("train", params(path), BATCH)
 
 
 def test_a_bad_end_entry_is_reported_by_zarrs_open(

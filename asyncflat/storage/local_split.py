@@ -24,6 +24,25 @@ from .local_files import read_object
 
 __all__ = ["LocalArray", "LocalSplit", "parse_local_split"]
 
+#: The fields of zarr 3's array and group documents. Any other field is an extension, which a
+#: reader must refuse unless it is marked ``"must_understand": false`` (zarr's open does).
+_V3_ARRAY_FIELDS = frozenset(
+    {
+        "zarr_format",
+        "node_type",
+        "shape",
+        "data_type",
+        "chunk_grid",
+        "chunk_key_encoding",
+        "fill_value",
+        "codecs",
+        "attributes",
+        "dimension_names",
+        "storage_transformers",
+    }
+)
+_V3_GROUP_FIELDS = frozenset({"zarr_format", "node_type", "attributes", "consolidated_metadata"})
+
 #: Each array's dtype as zarr 2 and zarr 3 spell it, and its item size.
 _DTYPES = {"encoded_tokens": ("<u4", "uint32", 4), "seq_starts": ("<u8", "uint64", 8)}
 
@@ -90,6 +109,8 @@ def _parse(root: str, split: str, name: str) -> LocalSplit | None:
         group = _document(root, f"{split}/zarr.json", name)
         if group is None or group.get("node_type") != "group" or group.get("zarr_format") != 3:
             return None
+        if not _extensions_ignorable(group, _V3_GROUP_FIELDS):
+            return None
         attributes = group.get("attributes", {})
     elif _document(root, ".zgroup", name) is not None:
         zarr_format = 2
@@ -125,6 +146,16 @@ def _chunking_ok(array: LocalArray) -> bool:
     """The rule zarr's open applies too (see :data:`~asyncflat.format.MANY_CHUNKS`)."""
     count = -(-array.length // array.chunk)
     return not (count > MANY_CHUNKS and array.chunk < MIN_CHUNK_ELEMENTS)
+
+
+def _extensions_ignorable(doc: dict[str, Any], fields: frozenset[str]) -> bool:
+    """Whether every field of a zarr 3 document beyond ``fields`` may be ignored: an extension
+    this reader does not know is safe to skip only when it says ``"must_understand": false``."""
+    return all(
+        isinstance(value, dict) and value.get("must_understand") is False
+        for key, value in doc.items()
+        if key not in fields
+    )
 
 
 def _one_dimension(shape: Any, chunks: Any) -> tuple[int, int] | None:
@@ -185,6 +216,8 @@ def _v2_array(doc: dict[str, Any], path: str, array: str) -> LocalArray | None:
 
 def _v3_array(doc: dict[str, Any], path: str, array: str) -> LocalArray | None:
     if doc.get("zarr_format") != 3 or doc.get("node_type") != "array":
+        return None
+    if not _extensions_ignorable(doc, _V3_ARRAY_FIELDS):
         return None
     if doc.get("storage_transformers") or doc.get("data_type") != _DTYPES[array][1]:
         return None
