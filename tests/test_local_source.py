@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from zarr.codecs import BloscCodec, ZstdCodec
 
 import asyncflat
 from asyncflat import (
+    AsyncflatError,
     CorruptChunkError,
     DatasetFormatError,
     FlatTokensParams,
@@ -226,6 +228,150 @@ def test_zarr3_extensions_are_honoured_as_zarrs_open_does(
         assert parse_local_split(str(path), "train", "x") is None
         with pytest.raises(DatasetFormatError, match="an_extension"):
             ShufflingLoader("train", params(path), BATCH)
+
+
+def _edit(path: Path, key: str, change: Any) -> None:
+    doc = json.loads((path / key).read_text())
+    change(doc)
+    (path / key).write_text(json.dumps(doc))
+
+
+def _blosc(doc: dict[str, Any]) -> dict[str, Any]:
+    return next(c for c in doc["codecs"] if c["name"] == "blosc")["configuration"]
+
+
+T3, G3, T2 = "train/encoded_tokens/zarr.json", "train/zarr.json", "train/encoded_tokens/.zarray"
+#: Metadata zarr's open refuses (each once served by the zarr-free reader): (format, edit).
+REFUSED_BY_ZARR: dict[str, tuple[int, Any]] = {
+    "v3-root-is-an-array": (
+        3,
+        lambda p: _edit(p, "zarr.json", lambda d: d.update(node_type="array")),
+    ),
+    "v3-root-says-format-2": (
+        3,
+        lambda p: _edit(p, "zarr.json", lambda d: d.update(zarr_format=2)),
+    ),
+    "v3-root-extension": (3, lambda p: _edit(p, "zarr.json", lambda d: d.update(ext={"x": 1}))),
+    "v3-blosc-cname": (3, lambda p: _edit(p, T3, lambda d: _blosc(d).update(cname="bogus"))),
+    "v3-blosc-shuffle": (3, lambda p: _edit(p, T3, lambda d: _blosc(d).update(shuffle="bogus"))),
+    "v3-blosc-typesize-0": (3, lambda p: _edit(p, T3, lambda d: _blosc(d).update(typesize=0))),
+    "v3-blosc-unknown-key": (3, lambda p: _edit(p, T3, lambda d: _blosc(d).update(foo=1))),
+    "v3-bytes-unknown-key": (
+        3,
+        lambda p: _edit(
+            p, T3, lambda d: d["codecs"][0].setdefault("configuration", {}).update(foo=1)
+        ),
+    ),
+    "v3-grid-unknown-key": (
+        3,
+        lambda p: _edit(p, T3, lambda d: d["chunk_grid"]["configuration"].update(foo=1)),
+    ),
+    "v3-key-encoding-unknown-key": (
+        3,
+        lambda p: _edit(p, T3, lambda d: d["chunk_key_encoding"]["configuration"].update(foo=1)),
+    ),
+    "v3-key-encoding-null-configuration": (
+        3,
+        lambda p: _edit(p, T3, lambda d: d["chunk_key_encoding"].update(configuration=None)),
+    ),
+    "v3-key-encoding-null-separator": (
+        3,
+        lambda p: _edit(
+            p, T3, lambda d: d["chunk_key_encoding"].update(configuration={"separator": None})
+        ),
+    ),
+    "v3-fill-missing": (3, lambda p: _edit(p, T3, lambda d: d.pop("fill_value"))),
+    "v3-fill-string": (3, lambda p: _edit(p, T3, lambda d: d.update(fill_value="hello"))),
+    "v3-fill-negative": (3, lambda p: _edit(p, T3, lambda d: d.update(fill_value=-1))),
+    "v3-dimension-names-2": (
+        3,
+        lambda p: _edit(p, T3, lambda d: d.update(dimension_names=["x", "y"])),
+    ),
+    "v3-dimension-names-int": (3, lambda p: _edit(p, T3, lambda d: d.update(dimension_names=5))),
+    "v3-consolidated-not-an-object": (
+        3,
+        lambda p: _edit(p, G3, lambda d: d.update(consolidated_metadata=5)),
+    ),
+    "v2-fill-missing": (2, lambda p: _edit(p, T2, lambda d: d.pop("fill_value"))),
+    "v2-fill-string": (2, lambda p: _edit(p, T2, lambda d: d.update(fill_value="hello"))),
+    "v2-order-missing": (2, lambda p: _edit(p, T2, lambda d: d.pop("order"))),
+    "v2-separator": (2, lambda p: _edit(p, T2, lambda d: d.update(dimension_separator="x"))),
+    "v2-blosc-unknown-key": (2, lambda p: _edit(p, T2, lambda d: d["compressor"].update(foo=1))),
+    "v2-root-zgroup-empty": (2, lambda p: (p / ".zgroup").write_text("{}")),
+    "v2-root-zgroup-format-3": (2, lambda p: (p / ".zgroup").write_text('{"zarr_format": 3}')),
+    "v2-split-zgroup-format-3": (
+        2,
+        lambda p: (p / "train/.zgroup").write_text('{"zarr_format": 3}'),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED_BY_ZARR))
+def test_metadata_zarr_refuses_is_never_served_without_zarr(
+    tmp_path: Path, sequences: list[np.ndarray], case: str
+) -> None:
+    """Whatever zarr's open refuses goes to zarr's open, on the plain path as through a URL."""
+    zarr_format, damage = REFUSED_BY_ZARR[case]
+    path = written(tmp_path, sequences, zarr_format=zarr_format)
+    damage(path)
+    assert parse_local_split(str(path), "train", "x") is None
+    errors = []
+    for where in (str(path), f"file://{path}"):  # plain, and zarr's path by construction
+        with pytest.raises(AsyncflatError) as raised:
+            with ShufflingLoader(
+                "train", FlatTokensParams(where, 1, 4, 16, seed=3, sequence_packing=True), BATCH
+            ) as ld:
+                ld.load(0)
+        errors.append(type(raised.value))
+    assert errors[0] is errors[1]
+
+
+def test_split_consolidated_metadata_is_left_to_zarr(
+    tmp_path: Path, sequences: list[np.ndarray]
+) -> None:
+    """``zarr.consolidate_metadata`` on a split writes its arrays' documents into the split's;
+    zarr's open may read those, stale or not: the zarr-free reader, which would read the arrays'
+    own, leaves the split to zarr so a store serves the same batches however it is named."""
+    path = written(tmp_path, sequences)
+    with warnings.catch_warnings():  # "not part of the zarr 3 specification"
+        warnings.simplefilter("ignore")
+        zarr.consolidate_metadata(str(path), path="train")
+    assert json.loads((path / G3).read_text()).get("consolidated_metadata")
+    assert parse_local_split(str(path), "train", "x") is None
+    plain = assert_serves_oracle(path, True, [0, 3])
+    assert plain is ZarrTokenSource
+
+
+def test_a_huge_seq_starts_chunk_is_refused_without_allocating_it(
+    tmp_path: Path, sequences: list[np.ndarray]
+) -> None:
+    """seqax's delta filter makes the size check of a ``seq_starts`` chunk inexact; a document
+    claiming 2^40-item chunks once made the reader allocate 8 TiB (MemoryError) before reading
+    the object. Now such a split goes to zarr, whose read of it fails as a library error."""
+    path = written(tmp_path, sequences, zarr_format=2)
+    _edit(path, "train/seq_starts/.zarray", lambda d: d.update(chunks=[2**40]))
+    assert parse_local_split(str(path), "train", "x") is None
+    with pytest.raises(AsyncflatError, match="seq_starts"):
+        ShufflingLoader("train", params(path), BATCH)
+
+
+@pytest.mark.parametrize("typesize", [3, 5])
+def test_blosc_frames_whose_typesize_does_not_divide_the_chunk_are_read(
+    tmp_path: Path, sequences: list[np.ndarray], typesize: int
+) -> None:
+    """A frame's last bytes short of a whole item of its typesize come only out of a decode of
+    the whole frame: a ranged read reaching them must fetch every block (it once failed with
+    "Blosc returned -1" on zarr-written stores, plain path and zarr's alike)."""
+    source = written(tmp_path, sequences)
+    codec = BloscCodec(typesize=typesize, shuffle="shuffle", blocksize=1000)
+    path = zarr_written(tmp_path, source, f"ts{typesize}.zarr", chunks=(4096,), compressors=codec)
+    reference = oracle(path, params(path), BATCH)
+    for where in (str(path), f"file://{path}"):
+        p = FlatTokensParams(where, 1, 4, 16, seed=3, sequence_packing=True)
+        with ShufflingLoader("train", p, BATCH) as loader:
+            for step in range(loader.step_count):
+                targets, _ = reference.batch(step)
+                np.testing.assert_array_equal(np.asarray(loader.load(step).targets), targets)
 
 
 def test_a_bad_end_entry_is_reported_by_zarrs_open(

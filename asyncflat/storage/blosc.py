@@ -250,6 +250,10 @@ class FrameLayout:
         if self.memcpyed:
             return _HEADER + lo, _HEADER + hi
         assert self._offsets is not None and self._ends is not None, "read offsets_range first"
+        if hi > self.nbytes - self.nbytes % self.typesize:
+            # The frame's trailing bytes, short of a whole item of its typesize, come out of a
+            # decode of the whole frame only (decode_into): every block is needed.
+            return int(self._offsets.min()), int(self._ends.max())
         first, last = lo // self.blocksize, (hi - 1) // self.blocksize
         start = int(self._offsets[first : last + 1].min())
         end = int(self._ends[first : last + 1].max())

@@ -43,6 +43,15 @@ _V3_ARRAY_FIELDS = frozenset(
 )
 _V3_GROUP_FIELDS = frozenset({"zarr_format", "node_type", "attributes", "consolidated_metadata"})
 
+#: c-blosc's largest buffer (BLOSC_MAX_BUFFERSIZE): a bigger chunk is no plain one (zarr's open
+#: then reports it), and its buffers are never allocated here.
+_MAX_CHUNK_BYTES = 2**31 - 16
+#: What zarr 3's Blosc codec accepts (zarr.codecs.blosc); numcodecs' keywords for zarr 2.
+_V3_BLOSC_FIELDS = frozenset({"typesize", "cname", "clevel", "shuffle", "blocksize"})
+_V3_BLOSC_CNAMES = frozenset({"lz4", "lz4hc", "blosclz", "snappy", "zlib", "zstd"})
+_V3_BLOSC_SHUFFLES = frozenset({"noshuffle", "shuffle", "bitshuffle"})
+_V2_BLOSC_FIELDS = frozenset({"id", "cname", "clevel", "shuffle", "blocksize", "typesize"})
+
 #: Each array's dtype as zarr 2 and zarr 3 spell it, and its item size.
 _DTYPES = {"encoded_tokens": ("<u4", "uint32", 4), "seq_starts": ("<u8", "uint64", 8)}
 
@@ -104,18 +113,20 @@ def _document(root: str, key: str, name: str) -> dict[str, Any] | None:
 
 
 def _parse(root: str, split: str, name: str) -> LocalSplit | None:
-    if _document(root, "zarr.json", name) is not None:
+    top = _document(root, "zarr.json", name)
+    if top is not None:
         zarr_format = 3
         group = _document(root, f"{split}/zarr.json", name)
-        if group is None or group.get("node_type") != "group" or group.get("zarr_format") != 3:
-            return None
-        if not _extensions_ignorable(group, _V3_GROUP_FIELDS):
+        if not (_v3_group(top) and group is not None and _v3_group(group)):
             return None
         attributes = group.get("attributes", {})
-    elif _document(root, ".zgroup", name) is not None:
+    elif (top := _document(root, ".zgroup", name)) is not None:
         zarr_format = 2
-        if _document(root, f"{split}/.zgroup", name) is None:
+        group = _document(root, f"{split}/.zgroup", name)
+        if not (_v2_group(top) and group is not None and _v2_group(group)):
             return None
+        if os.path.lexists(os.path.join(root, split, ".zarray")):
+            return None  # both an array and a group: zarr decides what it is
         attributes = _document(root, f"{split}/.zattrs", name)
     else:
         return None
@@ -143,9 +154,58 @@ def _parse(root: str, split: str, name: str) -> LocalSplit | None:
 
 
 def _chunking_ok(array: LocalArray) -> bool:
-    """The rule zarr's open applies too (see :data:`~asyncflat.format.MANY_CHUNKS`)."""
+    """The rule zarr's open applies too (see :data:`~asyncflat.format.MANY_CHUNKS`), and no
+    chunk bigger than a Blosc buffer (a chunk's buffer is allocated before its object is read)."""
     count = -(-array.length // array.chunk)
+    if array.chunk_nbytes > _MAX_CHUNK_BYTES:
+        return False
     return not (count > MANY_CHUNKS and array.chunk < MIN_CHUNK_ELEMENTS)
+
+
+def _v3_group(doc: dict[str, Any]) -> bool:
+    """A zarr 3 group document this reader may trust: no consolidated metadata (zarr's open may
+    read the arrays' documents from there, which can disagree with theirs: zarr decides)."""
+    return (
+        doc.get("zarr_format") == 3
+        and doc.get("node_type") == "group"
+        and doc.get("consolidated_metadata") is None
+        and isinstance(doc.get("attributes", {}), dict)
+        and _extensions_ignorable(doc, _V3_GROUP_FIELDS)
+    )
+
+
+def _v2_group(doc: dict[str, Any]) -> bool:
+    return doc == {"zarr_format": 2}
+
+
+def _int(value: Any, low: int, high: int | None = None) -> bool:
+    """``value`` is a JSON integer (not a bool) in ``[low, high]``."""
+    return type(value) is int and value >= low and (high is None or value <= high)
+
+
+def _fill_value_ok(value: Any, itemsize: int) -> bool:
+    """An integer fill value the dtype holds (never used: missing chunks are refused)."""
+    return _int(value, 0, 2 ** (8 * itemsize) - 1)
+
+
+def _configuration(codec: dict[str, Any], fields: frozenset[str]) -> dict[str, Any] | None:
+    """A zarr 3 named object's configuration (absent: empty), None unless a dict of ``fields``."""
+    if not set(codec) <= {"name", "configuration"}:
+        return None
+    config = codec.get("configuration", {})
+    if not isinstance(config, dict) or not set(config) <= fields:
+        return None
+    return config
+
+
+def _v3_blosc_ok(config: dict[str, Any]) -> bool:
+    return (
+        config.get("cname", "zstd") in _V3_BLOSC_CNAMES
+        and config.get("shuffle", "noshuffle") in _V3_BLOSC_SHUFFLES
+        and _int(config.get("typesize", 1), 1)
+        and _int(config.get("clevel", 5), 0, 9)
+        and _int(config.get("blocksize", 0), 0)
+    )
 
 
 def _extensions_ignorable(doc: dict[str, Any], fields: frozenset[str]) -> bool:
@@ -189,10 +249,13 @@ def _array(
 
 
 def _v2_array(doc: dict[str, Any], path: str, array: str) -> LocalArray | None:
-    if doc.get("zarr_format") != 2 or doc.get("order", "C") != "C":
+    if doc.get("zarr_format") != 2 or doc.get("order") != "C":
         return None
     dtype = _DTYPES[array][0]
-    if doc.get("dtype") != dtype:
+    if doc.get("dtype") != dtype or doc.get("dimension_separator", ".") not in (".", "/", None):
+        return None
+    fill_value = doc.get("fill_value", ...)  # required; null or a value of the dtype
+    if fill_value is not None and not _fill_value_ok(fill_value, _DTYPES[array][2]):
         return None
     dims = _one_dimension(doc.get("shape"), doc.get("chunks"))
     if dims is None:
@@ -207,7 +270,11 @@ def _v2_array(doc: dict[str, Any], path: str, array: str) -> LocalArray | None:
     compressor = doc.get("compressor")
     if compressor is None:
         codec = "raw"
-    elif isinstance(compressor, dict) and compressor.get("id") == "blosc":
+    elif (
+        isinstance(compressor, dict)
+        and compressor.get("id") == "blosc"
+        and set(compressor) <= _V2_BLOSC_FIELDS
+    ):
         codec = "blosc"
     else:
         return None
@@ -221,19 +288,34 @@ def _v3_array(doc: dict[str, Any], path: str, array: str) -> LocalArray | None:
         return None
     if doc.get("storage_transformers") or doc.get("data_type") != _DTYPES[array][1]:
         return None
+    if not _fill_value_ok(doc.get("fill_value"), _DTYPES[array][2]):
+        return None
+    names = doc.get("dimension_names")
+    if names is not None and not (
+        isinstance(names, list)
+        and len(names) == 1
+        and (names[0] is None or isinstance(names[0], str))
+    ):
+        return None
     grid = doc.get("chunk_grid")
     if not isinstance(grid, dict) or grid.get("name") != "regular":
         return None
-    dims = _one_dimension(doc.get("shape"), (grid.get("configuration") or {}).get("chunk_shape"))
+    grid_config = _configuration(grid, frozenset({"chunk_shape"}))
+    if grid_config is None:
+        return None
+    dims = _one_dimension(doc.get("shape"), grid_config.get("chunk_shape"))
     if dims is None:
         return None
     encoding = doc.get("chunk_key_encoding")
     if not isinstance(encoding, dict):
         return None
-    separator = (encoding.get("configuration") or {}).get("separator")
-    if encoding.get("name") == "default" and separator in ("/", ".", None):
-        infix = f"c{separator or '/'}"
-    elif encoding.get("name") == "v2" and separator in ("/", ".", None):
+    encoding_config = _configuration(encoding, frozenset({"separator"}))
+    if encoding_config is None:
+        return None
+    separator = encoding_config.get("separator", ...)  # absent: the encoding's default
+    if encoding.get("name") == "default" and separator in ("/", ".", ...):
+        infix = "c." if separator == "." else "c/"
+    elif encoding.get("name") == "v2" and separator in ("/", ".", ...):
         infix = ""  # one dimension: the key is the index alone
     else:
         return None
@@ -241,16 +323,21 @@ def _v3_array(doc: dict[str, Any], path: str, array: str) -> LocalArray | None:
     if not isinstance(codecs, list) or not codecs or not all(isinstance(c, dict) for c in codecs):
         return None
     names = [c.get("name") for c in codecs]
-    if names[0] != "bytes":
+    configs = [
+        _configuration(
+            c, {"bytes": frozenset({"endian"}), "blosc": _V3_BLOSC_FIELDS}.get(n, frozenset())
+        )
+        for c, n in zip(codecs, names)
+    ]
+    if names[0] != "bytes" or any(config is None for config in configs):
         return None
-    endian = (codecs[0].get("configuration") or {}).get("endian", "little")
-    if endian != "little":
+    if configs[0].get("endian", "little") != "little":  # type: ignore[union-attr]
         return None
     checksum = names[-1] == "crc32c"
     rest = names[1 : len(names) - checksum]
     if rest == []:
         codec = "raw"
-    elif rest == ["blosc"]:
+    elif rest == ["blosc"] and _v3_blosc_ok(configs[1]):  # type: ignore[arg-type]
         codec = "blosc"
     else:
         return None
