@@ -446,21 +446,30 @@ def test_a_load_ahead_of_its_blocks_reads_just_its_rows() -> None:
     run(main)
 
 
-def test_on_a_local_store_only_the_loads_own_rows_are_read() -> None:
-    # Locally a row read is Python work on the engine's loop (the GIL) while the fill decodes
-    # without it: no rows are read ahead, each load ahead of its blocks reads its own.
-    source = FakeSource(*make_data(rows=4096), chunk=SEQ_LEN * 16, latency_s=30, partial_reads=True)
+def test_on_a_local_store_only_the_first_load_of_a_fill_reads_rows() -> None:
+    # Locally a row read decodes a whole Blosc block for one row, on the cores the fill decodes
+    # on: the first load of a fill not started yet (a start, a resume) reads its own rows, none
+    # ahead; once the fill runs, a load waits for its blocks, the fill made urgent.
+    source = FakeSource(
+        *make_data(rows=4096), chunk=SEQ_LEN * 16, latency_s=0.3, partial_reads=True
+    )
     engine = make(source, streams=1, rbpsb=32, spb=16, batch=8)
     oracle = oracle_for(engine, source)
     step = engine.plan.first_step(1) + 5
 
     async def main() -> None:
-        for n, later in enumerate(range(step, step + 3), 1):
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        batch = await asyncio.wait_for(engine.gather(step, ALL), 5)
+        assert loop.time() - t0 < 0.25  # its rows, not the fill's 0.3 s chunks
+        np.testing.assert_array_equal(batch, oracle.encoded_batch(step))
+        assert source.item_reads == 8 and not source.reads  # the fill waited for them
+        for later in range(step + 1, step + 3):
             batch = await asyncio.wait_for(engine.gather(later, ALL), 5)
             np.testing.assert_array_equal(batch, oracle.encoded_batch(later))
-            await asyncio.sleep(0.05)  # time for reads ahead, if any were started
-            assert source.item_reads == 8 * n and not source.reads
-        assert engine.stats()["rows_read_directly"] == 24
+        # No row read beyond the first load's: the later loads waited for their blocks.
+        assert source.item_reads == 8 and source.reads
+        assert engine.stats()["rows_read_directly"] == 8
         await engine.aclose()
 
     run(main)

@@ -29,14 +29,13 @@ class RowReader:
 
     The fill keeps streaming while a load's rows are read: behind a network the row reads are
     demand requests, which the store's limiter serves first
-    (:data:`~asyncflat.storage.limiter.DEMAND`), so they never queue behind the fill's; on a
-    local store the fill decodes on its threads meanwhile. (Pausing it there, as this once did,
-    starved it: at start-up with 64-row batches every load read its rows one by one for ~30
-    steps. Waiting for the blocks instead, as a synchronous loader would, made one load wait
-    for most of the first fill: 160-175 ms here, against 40-75 ms for the worst load reading its
-    rows.) Only a fill that has not started yet waits for the load's rows (one round trip, or a
-    few hundred microseconds of CPU), so that its requests do not reach the store, nor its
-    decodes the CPU, ahead of them: the first batch after a resume costs just its rows.
+    (:data:`~asyncflat.storage.limiter.DEMAND`), so they never queue behind the fill's. A fill
+    that has not started yet waits for the load's rows (one round trip, or a few hundred
+    microseconds of CPU), so that its requests do not reach the store, nor its decodes the CPU,
+    ahead of them: the first batch after a resume costs just its rows. On a local store only
+    that first load reads rows (the engine's :class:`~asyncflat.engine.waiting.FillWaiter`
+    decides): once the fill decodes, a row read decodes a whole Blosc block for one row on the
+    same cores, and waiting for the fill at full speed is sooner.
 
     ``local``: the store is on this machine's file system; rows are then not read ahead
     (:attr:`reads_ahead`).
