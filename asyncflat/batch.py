@@ -61,7 +61,11 @@ BatchType = Callable[..., Any]
 
 def decode(encoded: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(targets, is_seq_start)`` of flat-tokens codes: ``2*id + 1`` at a sequence start, else ``2*id``."""
-    return encoded >> np.uint32(1), (encoded & np.uint32(1)).astype(np.bool_)
+    # The low bit is written straight into the bool array's bytes (0 or 1, a valid bool): no
+    # uint32 temporary and no cast pass, which cost 10x more per batch.
+    is_seq_start = np.empty(encoded.shape, np.bool_)
+    np.bitwise_and(encoded, np.uint32(1), out=is_seq_start.view(np.uint8), casting="unsafe")
+    return encoded >> np.uint32(1), is_seq_start
 
 
 def check_batch_type(batch_type: Any) -> None:
