@@ -299,6 +299,10 @@ REFUSED_BY_ZARR: dict[str, tuple[int, Any]] = {
     "v2-blosc-unknown-key": (2, lambda p: _edit(p, T2, lambda d: d["compressor"].update(foo=1))),
     "v2-root-zgroup-empty": (2, lambda p: (p / ".zgroup").write_text("{}")),
     "v2-root-zgroup-format-3": (2, lambda p: (p / ".zgroup").write_text('{"zarr_format": 3}')),
+    "v2-split-is-also-an-array": (
+        2,
+        lambda p: (p / "train/.zarray").write_text((p / T2).read_text()),
+    ),
     "v2-split-zgroup-format-3": (
         2,
         lambda p: (p / "train/.zgroup").write_text('{"zarr_format": 3}'),
