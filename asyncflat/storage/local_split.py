@@ -290,11 +290,11 @@ def _v3_array(doc: dict[str, Any], path: str, array: str) -> LocalArray | None:
         return None
     if not _fill_value_ok(doc.get("fill_value"), _DTYPES[array][2]):
         return None
-    names = doc.get("dimension_names")
-    if names is not None and not (
-        isinstance(names, list)
-        and len(names) == 1
-        and (names[0] is None or isinstance(names[0], str))
+    dimension_names = doc.get("dimension_names")
+    if dimension_names is not None and not (
+        isinstance(dimension_names, list)
+        and len(dimension_names) == 1
+        and (dimension_names[0] is None or isinstance(dimension_names[0], str))
     ):
         return None
     grid = doc.get("chunk_grid")
