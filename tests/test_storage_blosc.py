@@ -103,3 +103,23 @@ def test_block_offsets_outside_the_frame_are_errors() -> None:
     lo, hi = layout.offsets_range
     with pytest.raises(blosc.BloscError, match="outside the frame"):
         layout.offsets = bad[lo:hi].view("<i4").copy()
+
+
+def test_a_range_reaching_a_partial_last_item_needs_the_whole_frame() -> None:
+    """With typesize 3, a 16 KiB chunk ends in a byte short of a whole item: only a decode of the
+    whole frame yields it, so a range reaching it spans every block and counts as whole-frame
+    work (never decoded inline on the loop as if it were one block)."""
+    data = (np.arange(4096, dtype="<u4") // 16).astype("<u4")  # compressible: blocks, no memcpy
+    frame = frame_of(data, typesize=3, blocksize=1000)
+    layout = blosc.FrameLayout(frame[:16].tobytes())
+    assert not layout.memcpyed and layout.nblocks > 1
+    lo, hi = layout.offsets_range
+    layout.offsets = frame[lo:hi].view("<i4").copy()
+    assert layout.decoded_span(0, 10) < data.nbytes  # its own blocks
+    assert layout.decoded_span(4086, 10) == data.nbytes
+    start, stop = layout.items_range(4086, 10)
+    assert (start, stop) == (hi, len(frame))
+    sparse = layout.sparse_frame([(start, frame[start:stop].tobytes())])
+    out = np.empty(10, np.uint32)
+    blosc.decode_into(sparse, 4086, out)
+    np.testing.assert_array_equal(out, data[4086:])

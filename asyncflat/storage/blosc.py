@@ -250,10 +250,8 @@ class FrameLayout:
         if self.memcpyed:
             return _HEADER + lo, _HEADER + hi
         assert self._offsets is not None and self._ends is not None, "read offsets_range first"
-        if hi > self.nbytes - self.nbytes % self.typesize:
-            # The frame's trailing bytes, short of a whole item of its typesize, come out of a
-            # decode of the whole frame only (decode_into): every block is needed.
-            return int(self._offsets.min()), int(self._ends.max())
+        if self._whole_frame(hi):
+            return int(self._offsets.min()), int(self._ends.max())  # every block
         first, last = lo // self.blocksize, (hi - 1) // self.blocksize
         start = int(self._offsets[first : last + 1].min())
         end = int(self._ends[first : last + 1].max())
@@ -261,11 +259,19 @@ class FrameLayout:
 
     def decoded_span(self, first_item: int, n: int) -> int:
         """Bytes Blosc decodes to serve items ``[first_item, first_item + n)``: their whole
-        blocks (just the items for an uncompressed frame)."""
+        blocks (just the items for an uncompressed frame; the whole frame for its tail)."""
         lo, hi = first_item * self.itemsize, (first_item + n) * self.itemsize
+        if self._whole_frame(hi):
+            return self.nbytes
         if self.memcpyed or self.blocksize <= 0:
             return hi - lo
         return ((hi - 1) // self.blocksize - lo // self.blocksize + 1) * self.blocksize
+
+    def _whole_frame(self, hi: int) -> bool:
+        """Whether a request ending at byte ``hi`` reaches the frame's trailing bytes short of a
+        whole item of its typesize: those come out of a decode of the whole frame only
+        (:func:`decode_into`), which needs every block."""
+        return hi > self.nbytes - self.nbytes % self.typesize
 
     def sparse_frame(self, parts: list[tuple[int, bytes]]) -> np.ndarray:
         """A frame-sized buffer holding only ``parts`` ((offset, bytes)) and the header/table.
