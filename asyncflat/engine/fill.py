@@ -100,6 +100,11 @@ class Fill:
         return self.blocks_done == len(self.blocks)
 
     @property
+    def reads_started(self) -> bool:
+        """Some unit has been taken by a worker: its reads reach the store, its decodes the CPU."""
+        return any(unit.taken for unit in self.units)
+
+    @property
     def background(self) -> bool:
         """A prefetch nobody waits for yet: it leaves CPU and reads to the trainer."""
         return self.reason == "prefetch" and not self.urgent

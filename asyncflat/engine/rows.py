@@ -67,7 +67,7 @@ class RowReader:
         try:
             # A fill none of whose reads has started (a resume, start-up) waits until the load's
             # rows are read: its requests would otherwise reach the store first.
-            pause = not any(unit.taken for unit in fill.units)
+            pause = not fill.reads_started
             async with self._scheduler.paused() if pause else contextlib.nullcontext():
                 reads = asyncio.gather(
                     *(self._read_or_take(fill, int(buffer_rows[i]), out[i]) for i in missing)

@@ -94,7 +94,7 @@ class FillWaiter:
         """
         if self._rows is None:
             return False
-        return self._rows.reads_ahead or not any(unit.taken for unit in fill.units)
+        return self._rows.reads_ahead or not fill.reads_started
 
     async def _make_urgent(self, fill: Fill) -> None:
         fill.waited_on = True
