@@ -51,6 +51,8 @@ _V3_BLOSC_FIELDS = frozenset({"typesize", "cname", "clevel", "shuffle", "blocksi
 _V3_BLOSC_CNAMES = frozenset({"lz4", "lz4hc", "blosclz", "snappy", "zlib", "zstd"})
 _V3_BLOSC_SHUFFLES = frozenset({"noshuffle", "shuffle", "bitshuffle"})
 _V2_BLOSC_FIELDS = frozenset({"id", "cname", "clevel", "shuffle", "blocksize", "typesize"})
+#: The configuration keys of each zarr 3 codec this reader reads (crc32c has none).
+_V3_CODEC_FIELDS = {"bytes": frozenset({"endian"}), "blosc": _V3_BLOSC_FIELDS}
 
 #: Each array's dtype as zarr 2 and zarr 3 spell it, and its item size.
 _DTYPES = {"encoded_tokens": ("<u4", "uint32", 4), "seq_starts": ("<u8", "uint64", 8)}
@@ -323,21 +325,19 @@ def _v3_array(doc: dict[str, Any], path: str, array: str) -> LocalArray | None:
     if not isinstance(codecs, list) or not codecs or not all(isinstance(c, dict) for c in codecs):
         return None
     names = [c.get("name") for c in codecs]
-    configs = [
-        _configuration(
-            c, {"bytes": frozenset({"endian"}), "blosc": _V3_BLOSC_FIELDS}.get(n, frozenset())
-        )
-        for c, n in zip(codecs, names)
-    ]
-    if names[0] != "bytes" or any(config is None for config in configs):
-        return None
-    if configs[0].get("endian", "little") != "little":  # type: ignore[union-attr]
+    configs = []
+    for codec_doc, codec_name in zip(codecs, names):
+        config = _configuration(codec_doc, _V3_CODEC_FIELDS.get(codec_name, frozenset()))
+        if config is None:
+            return None
+        configs.append(config)
+    if names[0] != "bytes" or configs[0].get("endian", "little") != "little":
         return None
     checksum = names[-1] == "crc32c"
     rest = names[1 : len(names) - checksum]
     if rest == []:
         codec = "raw"
-    elif rest == ["blosc"] and _v3_blosc_ok(configs[1]):  # type: ignore[arg-type]
+    elif rest == ["blosc"] and _v3_blosc_ok(configs[1]):
         codec = "blosc"
     else:
         return None
