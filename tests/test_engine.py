@@ -475,6 +475,53 @@ def test_on_a_local_store_only_the_first_load_of_a_fill_reads_rows() -> None:
     run(main)
 
 
+def test_a_load_its_caller_cancelled_ends_cancelled_when_the_engine_closes() -> None:
+    # A load that timed out is cancelled by its caller; close() then runs aclose() before the
+    # load's task has seen the cancellation. The load must end cancelled: raising
+    # LoaderClosedError there left an exception nobody retrieves ("Task exception was never
+    # retrieved" on stderr after a LoadTimeoutError and close()).
+    source = FakeSource(
+        *make_data(rows=4096),
+        chunk=SEQ_LEN * 16,
+        latency_s=30,
+        partial_reads=True,
+        item_latency_s=30,
+    )
+    engine = make(source, streams=1, rbpsb=32, spb=16, batch=8)
+    step = engine.plan.first_step(1) + 5
+
+    async def main() -> None:
+        load = asyncio.ensure_future(engine.gather(step, ALL))
+        await asyncio.sleep(0.05)  # reading its rows (they take 30 s)
+        load.cancel()
+        await engine.aclose()
+        await asyncio.gather(load, return_exceptions=True)
+        assert load.cancelled(), load.exception()
+
+    run(main)
+
+
+def test_a_load_whose_rows_aclose_cancelled_learns_the_engine_was_closed() -> None:
+    source = FakeSource(
+        *make_data(rows=4096),
+        chunk=SEQ_LEN * 16,
+        latency_s=30,
+        partial_reads=True,
+        item_latency_s=30,
+    )
+    engine = make(source, streams=1, rbpsb=32, spb=16, batch=8)
+    step = engine.plan.first_step(1) + 5
+
+    async def main() -> None:
+        load = asyncio.ensure_future(engine.gather(step, ALL))
+        await asyncio.sleep(0.05)
+        await engine.aclose()
+        with pytest.raises(LoaderClosedError):
+            await load
+
+    run(main)
+
+
 def test_behind_a_network_the_fill_streams_on_while_a_load_reads_its_rows() -> None:
     # Row reads take 1 s, whole chunks 0.1 s. On a remote store a fill that has started is not
     # paused while a load's rows are read (they go first at the store's limiter instead): chunk

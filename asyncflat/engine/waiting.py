@@ -112,7 +112,10 @@ class FillWaiter:
         try:
             self._recorder.rows_read_directly += await self._rows.serve(fill, buffer_rows, out)
         except asyncio.CancelledError:
-            if self._closed():  # aclose() cancelled the reads: the load learns why
+            # aclose() cancelled the reads: the load learns why. A load its caller cancelled
+            # (a timeout, Ctrl-C) ends cancelled, closed or not: nobody would retrieve an error.
+            task = asyncio.current_task()
+            if self._closed() and not (task is not None and task.cancelling()):
                 raise LoaderClosedError("the engine was closed") from None
             raise
         except Exception as exc:  # noqa: BLE001 - re-raised with the step and stream named
