@@ -151,10 +151,18 @@ class ShufflePlan:
                 f"FlatTokensParams.streams={self.streams}: each stream serves batch/streams rows"
             )
         if self.read_block_count == 0:
+            # With packing the "sequences" are len-token rows of the packed tokens: name them so.
+            rows = (
+                f"{self.seq_count} rows of len={self.seq_len} tokens "
+                f"({self.token_count} tokens packed)"
+                if self.sequence_packing
+                else f"{self.seq_count} sequences"
+            )
             raise ConfigError(
-                f"the split has {self.seq_count} sequences, fewer than one read block per stream "
+                f"the split has {rows}, fewer than one read block per stream "
                 f"(sequences_per_read_block={self.sequences_per_read_block} x "
                 f"streams={self.streams}); shrink streams or sequences_per_read_block"
+                + (" or TokenBatchParams.len" if self.sequence_packing else "")
             )
         if self.read_block_count >= 1 << 32:
             raise ConfigError(

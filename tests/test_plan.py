@@ -192,6 +192,16 @@ def test_invalid_combinations_fail_at_construction(overrides: dict, match: str) 
         _plan(**overrides)
 
 
+def test_a_len_longer_than_the_packed_split_names_rows_not_sequences() -> None:
+    """With packing the plan's "sequences" are len-token rows: a len that leaves fewer rows than
+    a read block says so (it once reported a split of 80,000 sequences as having 0)."""
+    params = FlatTokensParams("unused.zarr", 1, 2, 4, 0, True)
+    with pytest.raises(ConfigError, match=r"0 rows of len=2048 tokens \(1000 tokens packed\)"):
+        ShufflePlan.create(
+            params, TokenBatchParams(len=2048, batch=1), token_count=1000, sequence_count=80
+        )
+
+
 def test_out_of_range_steps_are_clear_errors() -> None:
     plan = _plan()
     for step in (-1, plan.step_count):
