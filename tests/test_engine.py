@@ -475,11 +475,8 @@ def test_on_a_local_store_only_the_first_load_of_a_fill_reads_rows() -> None:
     run(main)
 
 
-def test_a_load_its_caller_cancelled_ends_cancelled_when_the_engine_closes() -> None:
-    # A load that timed out is cancelled by its caller; close() then runs aclose() before the
-    # load's task has seen the cancellation. The load must end cancelled: raising
-    # LoaderClosedError there left an exception nobody retrieves ("Task exception was never
-    # retrieved" on stderr after a LoadTimeoutError and close()).
+def _engine_reading_rows_for_30_s() -> tuple[Engine, int]:
+    """An engine whose chunks and rows each take 30 s, and a mid-minipoch step to load."""
     source = FakeSource(
         *make_data(rows=4096),
         chunk=SEQ_LEN * 16,
@@ -488,7 +485,15 @@ def test_a_load_its_caller_cancelled_ends_cancelled_when_the_engine_closes() -> 
         item_latency_s=30,
     )
     engine = make(source, streams=1, rbpsb=32, spb=16, batch=8)
-    step = engine.plan.first_step(1) + 5
+    return engine, engine.plan.first_step(1) + 5
+
+
+def test_a_load_its_caller_cancelled_ends_cancelled_when_the_engine_closes() -> None:
+    # A load that timed out is cancelled by its caller; close() then runs aclose() before the
+    # load's task has seen the cancellation. The load must end cancelled: raising
+    # LoaderClosedError there left an exception nobody retrieves ("Task exception was never
+    # retrieved" on stderr after a LoadTimeoutError and close()).
+    engine, step = _engine_reading_rows_for_30_s()
 
     async def main() -> None:
         load = asyncio.ensure_future(engine.gather(step, ALL))
@@ -502,15 +507,7 @@ def test_a_load_its_caller_cancelled_ends_cancelled_when_the_engine_closes() -> 
 
 
 def test_a_load_whose_rows_aclose_cancelled_learns_the_engine_was_closed() -> None:
-    source = FakeSource(
-        *make_data(rows=4096),
-        chunk=SEQ_LEN * 16,
-        latency_s=30,
-        partial_reads=True,
-        item_latency_s=30,
-    )
-    engine = make(source, streams=1, rbpsb=32, spb=16, batch=8)
-    step = engine.plan.first_step(1) + 5
+    engine, step = _engine_reading_rows_for_30_s()
 
     async def main() -> None:
         load = asyncio.ensure_future(engine.gather(step, ALL))
