@@ -33,8 +33,9 @@ Figures per loader:
   minipoch, as a preempted job's restart sees it, median of ``--restarts`` fresh processes
   (interpreter start and every import included: ``jax`` dominates for every loader);
   ``restart_own_s``: the loader's own share of it (its imports, construction and first batch:
-  the restart minus process start and ``import jax``, which every loader pays alike and which
-  is its noisiest part), median over the same processes;
+  the restart minus process start, ``import jax`` and the start of JAX's backend, which every
+  loader pays alike, a trainer before it builds its loader, and which are its noisiest part),
+  median over the same processes;
 * ``rss_mib``: peak RSS growth over that epoch from just before the loader is built (imports and
   jax already initialised), and ``rss_x_buffer``, the same over the bytes of one shuffle buffer;
   ``rss_file_mib``: the part of it that is file-backed (Grain's memmap pages).
@@ -171,8 +172,10 @@ def memory() -> tuple[int, int]:
 
 
 def import_loader_modules(kind: str) -> None:
+    """The imports a trainer writes for each loader (asyncflat's package is lazy: naming the
+    loader imports its modules)."""
     if kind.startswith("asyncflat"):
-        import asyncflat  # noqa: F401
+        from asyncflat import FlatTokensParams, ShufflingLoader, TokenBatchParams  # noqa: F401
     elif kind == "seqax":
         import seqax_style  # noqa: F401
         import zarr  # noqa: F401
@@ -185,6 +188,10 @@ def child(args: argparse.Namespace) -> None:
 
     figures: dict[str, Any] = {"loader": args.child, "phase": args.phase}
     if args.phase == "restart":
+        # A trainer starts JAX's backend (its mesh, its model) before it builds a loader; started
+        # here for every loader alike, it is not charged to whichever loader touches it first
+        # (asyncflat's default sharding, Grain's and seqax's first device_put): 40-80 ms.
+        jax.devices()
         # wall-clock stamps; the parent subtracts the time it spawned this process
         figures["jax_imported_at"] = time.time()
         import_loader_modules(args.child)
@@ -286,7 +293,8 @@ def run_child(args: argparse.Namespace, loader: str, phase: str, **extra: Any) -
     if phase == "restart":
         stamps = {k: figures.pop(k) - spawned_at for k in list(figures) if k.endswith("_at")}
         figures["restart_s"] = stamps["ready_at"]
-        # where the restart went: start + jax import, the loader's imports, construction, batch
+        # where the restart went: start + jax import and backend, the loader's imports,
+        # construction, first batch
         figures["parts_s"] = [
             stamps["jax_imported_at"],
             stamps["imported_at"] - stamps["jax_imported_at"],

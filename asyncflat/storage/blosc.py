@@ -324,7 +324,12 @@ def zarr_decode(frame: np.ndarray, expected_nbytes: int | None) -> np.ndarray:
 
 
 def decode_into(
-    frame: np.ndarray, first_item: int, out: np.ndarray, expected_nbytes: int | None = None
+    frame: np.ndarray,
+    first_item: int,
+    out: np.ndarray,
+    expected_nbytes: int | None = None,
+    *,
+    head: Header | None = None,
 ) -> None:
     """Decode items ``[first_item, first_item + len(out))`` of a Blosc ``frame`` into ``out``.
 
@@ -334,6 +339,10 @@ def decode_into(
     this module does not fully understand is decoded by zarr's codec instead, and c-blosc only
     ever writes into buffers sized here, in the frame's own item units. Raises BloscError for
     frames that are truncated, inconsistent or too small for the request.
+
+    ``head``: what :func:`check_frame` returned for this very frame and ``expected_nbytes``
+    (a caller decoding many ranges of one immutable frame checks it once: the check is Python
+    work under the GIL, the decode is not).
     """
     assert _FUNCS is not None, "check AVAILABLE first"
     getitem, decompress, _validate, _sizes = _FUNCS
@@ -342,7 +351,8 @@ def decode_into(
     lo = first_item * out.itemsize
     hi = lo + out.nbytes
     try:
-        head = check_frame(frame, expected_nbytes)
+        if head is None:
+            head = check_frame(frame, expected_nbytes)
     except Unsupported:
         data = zarr_decode(frame, expected_nbytes)
         if first_item < 0 or hi > data.nbytes:

@@ -32,6 +32,9 @@ class Frame:
     blosc: bool = False
     #: What a whole Blosc frame must decode to (the chunk's size in bytes), when known.
     nbytes: int | None = None
+    #: The Blosc header, once checked: a fill decodes several read blocks of one frame, and a
+    #: cached frame serves many fills; its bytes never change, so one check holds for all.
+    _head: _blosc.Header | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def decode_into(self, first_item: int, out: np.ndarray) -> None:
         """Items ``[first_item, first_item + len(out))`` of the chunk into ``out``.
@@ -39,7 +42,16 @@ class Frame:
         CPU-bound and GIL-free for Blosc: run it off the loop. Raises BloscError.
         """
         if self.blosc:
-            _blosc.decode_into(self.data, first_item, out, self.nbytes)
+            head = self._head
+            if head is None:
+                try:
+                    head = _blosc.check_frame(self.data, self.nbytes)
+                except _blosc.Unsupported:
+                    head = None  # zarr's codec decodes it (decode_into checks, and falls back)
+                else:
+                    # Two decode threads may both check it first: the same result either way.
+                    object.__setattr__(self, "_head", head)
+            _blosc.decode_into(self.data, first_item, out, self.nbytes, head=head)
             return
         start = (first_item - self.first_item) * 4
         if start < 0 or start + out.nbytes > self.data.nbytes:
