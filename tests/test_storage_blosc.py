@@ -123,3 +123,30 @@ def test_a_range_reaching_a_partial_last_item_needs_the_whole_frame() -> None:
     out = np.empty(10, np.uint32)
     blosc.decode_into(sparse, 4086, out)
     np.testing.assert_array_equal(out, data[4086:])
+
+
+def test_a_frame_is_checked_once_for_all_the_ranges_decoded_from_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fill decodes several read blocks of one chunk: the header and block table are checked
+    at the first, and every range still decodes right; a frame that fails its check is never
+    taken as checked (each decode raises)."""
+    from asyncflat.storage.chunks import Frame
+
+    calls = []
+    real = blosc.check_frame
+    monkeypatch.setattr(blosc, "check_frame", lambda *a: calls.append(1) or real(*a))
+    frame = Frame(frame_of(DATA), 0, "c/0", blosc=True, nbytes=DATA.nbytes)
+    for first in range(0, 200_000, 25_000):
+        out = np.empty(25_000, np.uint32)
+        frame.decode_into(first, out)
+        np.testing.assert_array_equal(out, DATA[first : first + 25_000])
+    assert len(calls) == 1
+
+    bad = frame_of(DATA)
+    bad[12:16] = np.frombuffer((len(bad) + 1).to_bytes(4, "little"), np.uint8)  # cbytes lies
+    broken = Frame(bad, 0, "c/1", blosc=True, nbytes=DATA.nbytes)
+    for _ in range(2):
+        with pytest.raises(blosc.BloscError, match="compressed bytes"):
+            broken.decode_into(0, np.empty(10, np.uint32))
+    assert len(calls) == 3
