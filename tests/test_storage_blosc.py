@@ -130,7 +130,8 @@ def test_a_frame_is_checked_once_for_all_the_ranges_decoded_from_it(
 ) -> None:
     """A fill decodes several read blocks of one chunk: the header and block table are checked
     at the first, and every range still decodes right; a frame that fails its check is never
-    taken as checked (each decode raises)."""
+    taken as checked (each decode raises); one left to zarr's decoder is checked once per decode,
+    not twice."""
     from asyncflat.storage.chunks import Frame
 
     calls = []
@@ -150,3 +151,11 @@ def test_a_frame_is_checked_once_for_all_the_ranges_decoded_from_it(
         with pytest.raises(blosc.BloscError, match="compressed bytes"):
             broken.decode_into(0, np.empty(10, np.uint32))
     assert len(calls) == 3
+
+    odd = frame_of(DATA)
+    odd[2] |= 0x08  # a reserved flag: zarr's decoder (which refuses this one)
+    unsupported = Frame(odd, 0, "c/2", blosc=True, nbytes=DATA.nbytes)
+    for _ in range(2):
+        with pytest.raises(blosc.BloscError, match="zarr's Blosc codec"):
+            unsupported.decode_into(0, np.empty(10, np.uint32))
+    assert len(calls) == 5

@@ -330,7 +330,7 @@ def decode_into(
     expected_nbytes: int | None = None,
     *,
     head: Header | None = None,
-) -> None:
+) -> Header | None:
     """Decode items ``[first_item, first_item + len(out))`` of a Blosc ``frame`` into ``out``.
 
     ``frame`` is the whole compressed object (uint8); ``out`` a C-contiguous array (its items
@@ -340,28 +340,35 @@ def decode_into(
     ever writes into buffers sized here, in the frame's own item units. Raises BloscError for
     frames that are truncated, inconsistent or too small for the request.
 
-    ``head``: what :func:`check_frame` returned for this very frame and ``expected_nbytes``
-    (a caller decoding many ranges of one immutable frame checks it once: the check is Python
-    work under the GIL, the decode is not).
+    Returns the checked header, or None where zarr's codec decoded the frame. A caller decoding
+    many ranges of one immutable frame passes it back as ``head`` for the next (with the same
+    ``expected_nbytes``): the check is Python work under the GIL, the decode is not.
     """
     assert _FUNCS is not None, "check AVAILABLE first"
-    getitem, decompress, _validate, _sizes = _FUNCS
     if not out.flags.c_contiguous:
         raise ValueError("out must be C-contiguous")
     lo = first_item * out.itemsize
     hi = lo + out.nbytes
-    try:
-        if head is None:
+    if head is None:
+        try:
             head = check_frame(frame, expected_nbytes)
-    except Unsupported:
-        data = zarr_decode(frame, expected_nbytes)
-        if first_item < 0 or hi > data.nbytes:
-            raise BloscError(
-                f"request ends at byte {hi}, the frame decodes to {data.nbytes}"
-            ) from None
-        out.view(np.uint8).reshape(-1)[:] = data[lo:hi]
-        return
-    if first_item < 0 or hi > head.nbytes:
+        except Unsupported:
+            data = zarr_decode(frame, expected_nbytes)
+            if first_item < 0 or hi > data.nbytes:
+                raise BloscError(
+                    f"request ends at byte {hi}, the frame decodes to {data.nbytes}"
+                ) from None
+            out.view(np.uint8).reshape(-1)[:] = data[lo:hi]
+            return None
+    _decode_checked(frame, head, lo, hi, out)
+    return head
+
+
+def _decode_checked(frame: np.ndarray, head: Header, lo: int, hi: int, out: np.ndarray) -> None:
+    """Bytes ``[lo, hi)`` of the decoded ``frame`` (its ``head`` checked) into ``out``."""
+    assert _FUNCS is not None
+    getitem, decompress, _validate, _sizes = _FUNCS
+    if lo < 0 or hi > head.nbytes:
         raise BloscError(f"request ends at byte {hi}, the frame decodes to {head.nbytes}")
     if out.nbytes == 0:
         return

@@ -42,16 +42,10 @@ class Frame:
         CPU-bound and GIL-free for Blosc: run it off the loop. Raises BloscError.
         """
         if self.blosc:
-            head = self._head
-            if head is None:
-                try:
-                    head = _blosc.check_frame(self.data, self.nbytes)
-                except _blosc.Unsupported:
-                    head = None  # zarr's codec decodes it (decode_into checks, and falls back)
-                else:
-                    # Two decode threads may both check it first: the same result either way.
-                    object.__setattr__(self, "_head", head)
-            _blosc.decode_into(self.data, first_item, out, self.nbytes, head=head)
+            head = _blosc.decode_into(self.data, first_item, out, self.nbytes, head=self._head)
+            if head is not None and self._head is None:
+                # Two decode threads may both check it first: the same result either way.
+                object.__setattr__(self, "_head", head)
             return
         start = (first_item - self.first_item) * 4
         if start < 0 or start + out.nbytes > self.data.nbytes:
