@@ -25,8 +25,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -69,6 +69,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: A function the caller may use to wrap the raw store (fault injection, logging).
 StoreWrapper = Callable[["Store"], "Store"]
@@ -383,24 +384,43 @@ class ZarrTokenSource:
         end = max(first_item + len(out) for first_item, out in targets)
         base = chunk_id * self.token_chunk
         tokens = f"{base + first}:{base + end}"
-        layout: _blosc.FrameLayout | None = None
+
+        async def blocks(layout: _blosc.FrameLayout) -> np.ndarray:
+            lo, hi = layout.items_range(first, end - first)
+            return await self._blocks_frame(key, layout, lo, hi, inline=False)
+
         try:
             try:
-                layout = await self._layouts.get(key, lambda: self._read_layout(key))
+                sparse = await self._with_layout(key, blocks)
             except _blosc.Unsupported:
                 return None
-            lo, hi = layout.items_range(first, end - first)
-            sparse = await self._blocks_frame(key, layout, lo, hi, inline=False)
         except _blosc.BloscError as exc:
-            if layout is not None:
-                self._layouts.forget(key, layout)  # parsed from bad bytes: read it afresh
             where = f"{self.name} encoded_tokens[{tokens}]: chunk object {key}"
             raise CorruptChunkError(f"{where}: {exc}") from exc
         except AsyncflatError as exc:  # a truncated or replaced object: name the token range
-            if layout is not None:
-                self._layouts.forget(key, layout)
             raise type(exc)(f"{self.name} encoded_tokens[{tokens}]: {exc}") from exc
         return Frame(sparse, 0, key, blosc=True, nbytes=self._chunk_nbytes)
+
+    async def _with_layout(self, key: str, use: Callable[[_blosc.FrameLayout], Awaitable[T]]) -> T:
+        """``use(layout)`` with object ``key``'s Blosc layout (header and block table, cached
+        per chunk). Raises Unsupported for a frame the fast path does not read.
+
+        A failure forgets the layout (parsed from bad bytes, or describing another object), so
+        the next read takes it afresh. A cached one may describe an object replaced since (a
+        repair, a rewrite in place): where ``use`` finds bad or changed bytes through it, the
+        layout is read again and ``use`` tried once more."""
+        while True:
+            cached = key in self._layouts
+            layout = await self._layouts.get(key, lambda: self._read_layout(key))
+            try:
+                return await use(layout)
+            except (_blosc.BloscError, CorruptChunkError):
+                self._layouts.forget(key, layout)
+                if not cached:
+                    raise
+            except AsyncflatError:
+                self._layouts.forget(key, layout)
+                raise
 
     async def _decoded_chunk(self, chunk_id: int) -> Frame:
         lo = chunk_id * self.token_chunk
@@ -452,8 +472,10 @@ class ZarrTokenSource:
                 name=self.name,
                 max_object_bytes=cap,
                 # A layout cached from an object since replaced would read the wrong bytes,
-                # silently where it describes an uncompressed frame: the size tells them apart.
+                # silently where it describes an uncompressed frame: the size tells most apart,
+                # the header and block table the rest (another encoding of the same size).
                 expect_size=layout.cbytes,
+                expect_prefix=layout.prefix,
             )
             if inline and hi - lo <= _PREAD_MAX_BYTES:
                 read()  # a row's blocks from the page cache: cheaper than a thread hop
@@ -477,7 +499,6 @@ class ZarrTokenSource:
         key = self._chunk_key(chunk_id)
         start = chunk_id * self.token_chunk + first_item
         where = f"{self.name} encoded_tokens[{start}:{start + len(out)}]"
-        layout: _blosc.FrameLayout | None = None
         loop = asyncio.get_running_loop()
         try:
             if self._checksum or (
@@ -492,32 +513,17 @@ class ZarrTokenSource:
                 data = await self._read_range(key, first_item * 4, (first_item + len(out)) * 4)
                 out[:] = np.frombuffer(data, "<u4")
                 return
-            while True:
-                cached = key in self._layouts
-                try:
-                    layout = await self._layouts.get(key, lambda: self._read_layout(key))
-                except _blosc.Unsupported:
-                    # A frame the fast path does not fully understand: zarr's codec, whole object.
-                    frame = await self._chunks.get(chunk_id, lambda: self._read_frame(chunk_id))
-                    await loop.run_in_executor(None, self._decode, frame, first_item, out)
-                    return
-                try:
-                    await self._read_blocks_into(key, layout, first_item, out)
-                    return
-                except (_blosc.BloscError, CorruptChunkError):
-                    if not cached:
-                        raise
-                    # The cached layout may describe an object since replaced (a repair, a
-                    # rewrite in place): forget it and read the layout afresh, once.
-                    self._layouts.forget(key, layout)
-                    layout = None
+            try:
+                await self._with_layout(
+                    key, lambda layout: self._read_blocks_into(key, layout, first_item, out)
+                )
+            except _blosc.Unsupported:
+                # A frame the fast path does not fully understand: zarr's codec, whole object.
+                frame = await self._chunks.get(chunk_id, lambda: self._read_frame(chunk_id))
+                await loop.run_in_executor(None, self._decode, frame, first_item, out)
         except _blosc.BloscError as exc:
-            if layout is not None:
-                self._layouts.forget(key, layout)  # parsed from bad bytes: read it afresh
             raise CorruptChunkError(f"{where}: chunk object {key}: {exc}") from exc
         except CorruptChunkError as exc:
-            if layout is not None:
-                self._layouts.forget(key, layout)
             raise CorruptChunkError(f"{where}: {exc}") from exc
         except AsyncflatError as exc:  # name the token range, as _read does
             raise type(exc)(f"{where}: {exc}") from exc

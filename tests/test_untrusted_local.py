@@ -243,3 +243,50 @@ def test_a_chunk_replaced_and_restored_reads_as_restored(
     same = np.array_equal(during, encoded[CHUNK + 200 : CHUNK + 216])
     assert same == (stand_in_kind == "same-tokens-uncompressed")  # the stand-in was read
     np.testing.assert_array_equal(after, encoded[CHUNK + 200 : CHUNK + 216])
+
+
+@pytest.mark.parametrize("path_kind", ["rows", "fill"])
+def test_a_chunk_replaced_by_another_encoding_of_the_same_size_is_read_as_it_is_now(
+    tmp_path: Path, path_kind: str
+) -> None:
+    """A chunk rewritten in place with another Blosc encoding of the same tokens, padded to the
+    very same size (so the size check of the cached layout cannot tell them apart), is read
+    through its own header and block table, not the predecessor's: the same tokens, before and
+    after (the predecessor's layout read compressed bytes as tokens, silently)."""
+    import struct
+
+    from numcodecs import Blosc
+
+    path = tmp_path / "d.zarr"
+    encoded = write(path, "blosc")
+    tokens = encoded[CHUNK : 2 * CHUNK]
+    # The chunk stored uncompressed first (a legal frame: clevel 0), then lz4 padded to its size.
+    stored = bytes(Blosc(cname="lz4", clevel=0).encode(tokens))
+    other = bytearray(Blosc(cname="lz4", clevel=5).encode(tokens))
+    assert len(other) < len(stored)
+    other += bytes(len(stored) - len(other))
+    other[12:16] = struct.pack("<I", len(stored))  # the header's compressed size: the padded one
+    assert np.array_equal(np.frombuffer(Blosc().decode(bytes(other)), np.uint32), tokens)
+    chunk_path(path, 1).write_bytes(stored)
+
+    async def read(source: ZarrTokenSource) -> np.ndarray:
+        out = np.empty(16, np.uint32)
+        if path_kind == "rows":
+            await source.read_items(1, 200, out)
+        else:
+            start = CHUNK + 200
+            await source.read_into(start, start + 16, [(200, out)], _Writer())
+        return out
+
+    async def main() -> tuple[np.ndarray, np.ndarray]:
+        source = await ZarrTokenSource.open(str(path), "train")
+        try:
+            before = await read(source)  # caches the uncompressed frame's layout
+            chunk_path(path, 1).write_bytes(bytes(other))
+            return before, await read(source)
+        finally:
+            await source.aclose()
+
+    before, after = asyncio.run(asyncio.wait_for(main(), timeout=20))
+    np.testing.assert_array_equal(before, encoded[CHUNK + 200 : CHUNK + 216])
+    np.testing.assert_array_equal(after, encoded[CHUNK + 200 : CHUNK + 216])

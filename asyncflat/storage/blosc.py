@@ -238,6 +238,13 @@ class FrameLayout:
         self._offsets = value
 
     @property
+    def prefix(self) -> bytes:
+        """The frame's first bytes as this layout read them (header, then the block table as far
+        as it was read): an object whose first bytes differ is not the one it describes."""
+        table = b"" if self._offsets is None else self._offsets.tobytes()
+        return self.header + table
+
+    @property
     def offsets_range(self) -> tuple[int, int]:
         """Byte range of the block-offset table (empty for an uncompressed frame)."""
         return _HEADER, self.head.table_end

@@ -124,6 +124,7 @@ def pread_into(
     name: str,
     max_object_bytes: int | None = None,
     expect_size: int | None = None,
+    expect_prefix: bytes | None = None,
 ) -> None:
     """Bytes ``[lo, lo + len(out))`` of object ``key`` of the local store at ``root``, read
     right here into ``out`` (a writable byte buffer: no copy beyond the kernel's).
@@ -138,6 +139,9 @@ def pread_into(
     :class:`CorruptChunkError` naming the file, refused before a byte is read (never a hang).
     ``expect_size``: the object's size as its (cached) header says; another size means the
     object is not the one the header came from (replaced since) or not a whole frame.
+    ``expect_prefix``: the object's first bytes as that cached header and block table were
+    read, compared from the same open file: a replacement of the same size (another encoding of
+    the chunk) is not read through a layout that describes its predecessor.
     """
     hi = lo + len(out)
     path = os.path.join(root, key)
@@ -168,6 +172,11 @@ def pread_into(
             raise CorruptChunkError(
                 f"{where}: chunk object is truncated: got {max(0, st.st_size - lo)} bytes "
                 f"(the object has {st.st_size})"
+            )
+        if expect_prefix is not None and os.pread(fd, len(expect_prefix), 0) != expect_prefix:
+            raise CorruptChunkError(
+                f"{where}: the object's Blosc header or block table changed since they were "
+                "read (replaced or rewritten)"
             )
         done = 0
         while done < len(out):
