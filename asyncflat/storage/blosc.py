@@ -217,6 +217,7 @@ class FrameLayout:
         self.header = self.head.raw
         self._offsets: np.ndarray | None = None  # int32 block offsets, once read
         self._ends: np.ndarray | None = None
+        self._prefix = self.header
 
     @property
     def offsets(self) -> np.ndarray | None:
@@ -236,13 +237,13 @@ class FrameLayout:
             ends = np.append(ordered, self.cbytes)[following]
             self._ends = ends.astype(np.int64)
         self._offsets = value
+        self._prefix = self.header + (b"" if value is None else value.tobytes())
 
     @property
     def prefix(self) -> bytes:
         """The frame's first bytes as this layout read them (header, then the block table as far
         as it was read): an object whose first bytes differ is not the one it describes."""
-        table = b"" if self._offsets is None else self._offsets.tobytes()
-        return self.header + table
+        return self._prefix
 
     @property
     def offsets_range(self) -> tuple[int, int]:
