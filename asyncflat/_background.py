@@ -2,19 +2,23 @@
 
 Modelled on Levanter's ``BackgroundIterator``, keyed by step so that an item built ahead can also
 be looked up by step (a ``load(step)`` that an iterator has already built returns the same item).
-Knows nothing of loaders: it only calls ``build``.
+Knows nothing of loaders: it only calls ``build``. Once the consumer's rhythm is known, each
+build starts halfway through the consumer's slack rather than the moment an item is taken
+(:class:`BuildPacing`), so that it does not compete for the GIL with the consumer's own work.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-__all__ = ["BackgroundBuilder", "BackgroundStopped", "Prefetchers", "wait_result"]
+__all__ = ["BackgroundBuilder", "BackgroundStopped", "BuildPacing", "Prefetchers", "wait_result"]
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +26,49 @@ T = TypeVar("T")
 
 _JOIN_TIMEOUT_S = 30.0
 _WAIT_SLICE_S = 0.2  # waits are sliced so Ctrl-C reaches the main thread
+
+
+#: How many recent takes and builds the pacing looks at.
+PACING_WINDOW = 8
+#: The longest a build ahead is held back after a take, however long the consumer's steps.
+MAX_BUILD_DELAY_S = 0.1
+
+
+class BuildPacing:
+    """When a build ahead should start: in the middle of the consumer's slack, not at once.
+
+    The consumer takes an item, returns to its own work (a trainer dispatches its step: Python
+    under the GIL), and comes back one step later. A build started the moment an item is taken
+    competes for the GIL with exactly that work, and with the rest of the consumer's call: on a
+    13-core host under gVisor, where a GIL hand-over costs ~0.4 ms, the load-ahead builder
+    alone made one ``load()`` in a hundred take 0.8-1 ms where the synchronous loader took 0.65.
+    Started halfway through the slack (the shortest recent interval between takes less the
+    longest recent build), the build lands where the consumer waits on its accelerator, and
+    still ends well before the next take. A consumer that takes back to back has no slack: its
+    builds start at once. Pure timing arithmetic: fed the take times and build durations.
+    """
+
+    def __init__(self, window: int = PACING_WINDOW, max_delay_s: float = MAX_BUILD_DELAY_S):
+        self._takes: collections.deque[float] = collections.deque(maxlen=window + 1)
+        self._builds: collections.deque[float] = collections.deque(maxlen=window)
+        self._max_delay_s = max_delay_s
+
+    def took(self, when: float) -> None:
+        """The consumer asked for an item at ``when`` (``time.perf_counter()``)."""
+        self._takes.append(when)
+
+    def built(self, seconds: float) -> None:
+        self._builds.append(seconds)
+
+    def start_at(self) -> float | None:
+        """When the next build should start (a ``perf_counter()`` time), or None: at once."""
+        if len(self._takes) < 3 or not self._builds:
+            return None  # no rhythm seen yet
+        shortest = min(b - a for a, b in itertools.pairwise(self._takes))
+        slack = shortest - max(self._builds)
+        if slack <= 0:
+            return None
+        return self._takes[-1] + min(slack / 2, self._max_delay_s)
 
 
 class BackgroundStopped(RuntimeError):
@@ -58,6 +105,9 @@ class BackgroundBuilder(Generic[T]):
         self._cond = threading.Condition()
         self._built: dict[int, concurrent.futures.Future[T]] = {}
         self._stopping = False
+        self._pacing = BuildPacing()
+        #: the consumer is waiting for a step whose build has not started: start it now
+        self._wanted = False
         self._thread = threading.Thread(target=self._run, args=(start,), daemon=True, name=name)
         self._thread.start()
 
@@ -66,16 +116,26 @@ class BackgroundBuilder(Generic[T]):
             with self._cond:
                 while not self._stopping and len(self._built) >= self._depth:
                     self._cond.wait()
+                start_at = self._pacing.start_at()
+                while start_at is not None and not (self._stopping or self._wanted):
+                    remaining = start_at - time.perf_counter()
+                    if remaining <= 0:
+                        break
+                    self._cond.wait(remaining)
                 if self._stopping:
                     return
+                self._wanted = False
                 future: concurrent.futures.Future[T] = concurrent.futures.Future()
                 self._built[step] = future
                 self._cond.notify_all()
+            started = time.perf_counter()
             try:
                 future.set_result(self._build(step))
             except BaseException as exc:  # noqa: BLE001 (raised by whoever takes this step)
                 future.set_exception(exc)
                 return
+            with self._cond:
+                self._pacing.built(time.perf_counter() - started)
             step += 1
 
     def take(self, step: int) -> T:
@@ -83,9 +143,13 @@ class BackgroundBuilder(Generic[T]):
 
         Interrupted (Ctrl-C) it keeps the step, so the consumer can take it again."""
         with self._cond:
+            self._pacing.took(time.perf_counter())
             while step not in self._built:
                 if self._stopping or not self._thread.is_alive():
                     raise BackgroundStopped(f"{self._thread.name} has stopped")
+                if not self._wanted:
+                    self._wanted = True  # a build held back by the pacing starts now
+                    self._cond.notify_all()
                 self._cond.wait(_WAIT_SLICE_S)
             future = self._built[step]
         try:

@@ -376,9 +376,10 @@ class ZarrTokenSource:
         return 2 * sum(len(out) for _, out in targets) <= self.token_chunk
 
     async def _read_blosc_range(self, chunk_id: int, targets: Targets) -> Frame | None:
-        """A sparse frame of chunk ``chunk_id`` holding the compressed blocks of ``targets``
-        (its pages beyond them never resident), or None when the frame's layout is one the
-        fast path does not read (then the whole object is read and zarr decodes it)."""
+        """A frame of chunk ``chunk_id`` holding just the compressed blocks of ``targets``
+        (:meth:`~asyncflat.storage.blosc.FrameLayout.range_frame`), or None when the frame's
+        layout is one the fast path does not read (then the whole object is read and zarr
+        decodes it)."""
         key = self._chunk_key(chunk_id)
         first = min(first_item for first_item, _ in targets)
         end = max(first_item + len(out) for first_item, out in targets)
@@ -447,28 +448,29 @@ class ZarrTokenSource:
     async def _blocks_frame(
         self, key: str, layout: _blosc.FrameLayout, lo: int, hi: int, *, inline: bool
     ) -> np.ndarray:
-        """A sparse frame of object ``key`` holding its bytes ``[lo, hi)`` (compressed blocks)
-        beside the header and block table. A local store's bytes are read straight into it (no
-        copy in between: a fill of seqax's layout has ~16 such ranges of ~1 MiB in flight):
+        """A frame of object ``key`` holding its bytes ``[lo, hi)`` (compressed blocks) beside
+        the header and block table (:meth:`~asyncflat.storage.blosc.FrameLayout.range_frame`).
+        A local store's bytes are read straight into it (no copy in between: a fill of seqax's
+        layout has ~16 such ranges of ~1 MiB in flight):
         on the loop when ``inline`` and small (a load's rows), else on a thread (a fill's reads:
         a slow or hung mount must not stall the loop, whose timeouts bound every read).
 
         Raises :class:`~asyncflat.storage.blosc.BloscError` when the frame's header claims more
-        bytes than any legal encoding of the chunk (nothing is mapped for it)."""
+        bytes than any legal encoding of the chunk (nothing is allocated for it)."""
         cap = self._max_object_bytes(key)
         if cap is not None and layout.cbytes > cap:
             raise _blosc.BloscError(
                 f"the header claims {layout.cbytes} bytes, more than any legal encoding of the "
                 f"chunk ({cap} bytes)"
             )
-        frame = layout.sparse_frame([])
+        frame, at = layout.range_frame(lo, hi)
         if self._local_root is not None:
             read = functools.partial(
                 pread_into,
                 self._local_root,
                 key,
                 lo,
-                memoryview(frame[lo:hi]),  # type: ignore[arg-type]  # numpy buffers
+                memoryview(frame[at : at + hi - lo]),  # type: ignore[arg-type]  # numpy buffers
                 name=self.name,
                 max_object_bytes=cap,
                 # A layout cached from an object since replaced would read the wrong bytes,
@@ -485,7 +487,11 @@ class ZarrTokenSource:
             self.io.bytes_read += hi - lo
             return frame
         data = (await self._fetch(key, (lo, hi)))[: hi - lo]
-        frame[lo : lo + len(data)] = data  # a short object fails its decode: CorruptChunkError
+        if len(data) < hi - lo:  # the frame's buffer is not zeroed: never decode what is not there
+            raise _blosc.BloscError(
+                f"the object ends at byte {lo + len(data)}, its blocks need bytes up to {hi}"
+            )
+        frame[at : at + hi - lo] = data
         return frame
 
     async def read_items(self, chunk_id: int, first_item: int, out: np.ndarray) -> None:

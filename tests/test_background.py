@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
-from asyncflat._background import BackgroundBuilder, BackgroundStopped, Prefetchers
+from asyncflat._background import BackgroundBuilder, BackgroundStopped, BuildPacing, Prefetchers
 
 WAIT_S = 10.0
 
@@ -156,3 +156,79 @@ def test_a_registry_lookup_skips_a_builders_not_built_marker() -> None:
         for builder in registry.close():
             builder.stop()
     assert not real.alive and not not_built.alive
+
+
+# -- pacing: builds start in the consumer's slack, not the moment it takes an item ---------------
+
+
+def test_pacing_starts_a_build_halfway_through_the_consumers_slack() -> None:
+    pacing = BuildPacing(window=4, max_delay_s=1.0)
+    assert pacing.start_at() is None  # nothing seen: at once
+    for t in (0.0, 0.010, 0.020):
+        pacing.took(t)
+    assert pacing.start_at() is None  # no build seen yet
+    pacing.built(0.002)
+    # the shortest interval (10 ms) less the longest build (2 ms), halved, after the last take
+    assert pacing.start_at() == pytest.approx(0.020 + 0.004)
+    pacing.took(0.025)  # a shorter step: the slack shrinks at once
+    assert pacing.start_at() == pytest.approx(0.025 + 0.0015)
+    pacing.built(0.006)  # a longer build too
+    assert pacing.start_at() is None  # 5 ms between takes, 6 ms builds: no slack
+
+
+def test_pacing_forgets_old_intervals_and_caps_the_delay() -> None:
+    pacing = BuildPacing(window=2, max_delay_s=0.05)
+    for t in (0.0, 0.001, 1.0, 2.0):  # the 1 ms interval falls out of a window of 2
+        pacing.took(t)
+    pacing.built(0.0)
+    assert pacing.start_at() == pytest.approx(2.0 + 0.05)  # half the slack would be 0.5 s
+
+
+class Timed:
+    """``build`` that records when each step's build started."""
+
+    def __init__(self) -> None:
+        self.started: dict[int, float] = {}
+
+    def __call__(self, step: int) -> str:
+        self.started[step] = time.perf_counter()
+        return f"item {step}"
+
+
+def test_a_paced_build_waits_for_the_middle_of_the_interval_between_takes() -> None:
+    build = Timed()
+    builder = BackgroundBuilder(build, 0, 100, 1, name="bg-paced")
+    interval = 0.1
+    try:
+        taken: dict[int, float] = {}
+        for step in range(8):
+            _wait_until(lambda s=step: s in build.started, f"the build of step {step}")
+            time.sleep(max(0.0, interval - (time.perf_counter() - taken.get(step - 1, 0.0))))
+            taken[step] = time.perf_counter()
+            assert builder.take(step) == f"item {step}"
+        # Unpaced, step s + 1 was built right after step s was taken; paced (after three takes),
+        # ~45 ms later (half of 100 ms less a build). 20 ms leaves room for a slow machine.
+        delays = [build.started[s + 1] - taken[s] for s in range(3, 7)]
+        assert min(delays) > 0.02, delays
+        assert all(build.started[s + 1] - taken[s] < 0.02 for s in range(2))
+    finally:
+        builder.stop()
+
+
+def test_a_consumer_that_comes_early_does_not_wait_out_the_pacing() -> None:
+    build = Timed()
+    builder = BackgroundBuilder(build, 0, 100, 1, name="bg-early")
+    builder._pacing = BuildPacing(max_delay_s=1.0)  # before the first take: no race
+    try:
+        start = time.perf_counter()
+        for step in range(4):  # 0.4 s between takes: each build is then held back ~0.2 s
+            time.sleep(max(0.0, start + 0.4 * step - time.perf_counter()))
+            assert builder.take(step) == f"item {step}"
+        taken = time.perf_counter()
+        time.sleep(0.02)  # the build of step 4 is being held back now, until ~0.2 s
+        t0 = time.perf_counter()
+        assert builder.take(4) == "item 4"  # at once: not ~0.18 s later
+        assert time.perf_counter() - t0 < 0.09
+        assert build.started[4] - taken < 0.11
+    finally:
+        builder.stop()

@@ -41,6 +41,86 @@ def test_a_layout_locates_the_blocks_of_a_range() -> None:
         layout.items_range(199_990, 20)
 
 
+def layout_of(frame: np.ndarray) -> blosc.FrameLayout:
+    layout = blosc.FrameLayout(frame[:16].tobytes())
+    lo, hi = layout.offsets_range
+    layout.offsets = frame[lo:hi].view("<i4").copy()
+    return layout
+
+
+def blocks_reversed(frame: np.ndarray) -> np.ndarray:
+    """The same frame with its compressed blocks stored last first (as c-blosc's threads may
+    write them: a block's end is the next block start after it, not the next in the table)."""
+    layout = layout_of(frame)
+    offsets = layout.offsets
+    assert offsets is not None
+    ends = [*offsets[1:].tolist(), len(frame)]
+    assert list(offsets) == sorted(offsets)  # written in order by one thread
+    out, position, moved = [frame[: layout.offsets_range[1]]], layout.offsets_range[1], {}
+    for block in reversed(range(len(offsets))):
+        moved[block] = position
+        out.append(frame[offsets[block] : ends[block]])
+        position += ends[block] - offsets[block]
+    result = np.concatenate(out)
+    table = np.array([moved[b] for b in range(len(offsets))], "<i4")
+    result[16 : layout.offsets_range[1]] = table.view(np.uint8)
+    return result
+
+
+@pytest.mark.parametrize("order", ["in-order", "reversed"])
+@pytest.mark.parametrize(
+    "codec",
+    [
+        {},
+        {"cname": "zstd", "shuffle": Blosc.SHUFFLE, "typesize": 8},
+        {"cname": "zlib", "shuffle": Blosc.BITSHUFFLE, "typesize": 3},
+    ],
+    ids=["lz4-bitshuffle", "zstd-shuffle-ts8", "zlib-ts3"],
+)
+def test_a_range_frame_holds_just_the_blocks_of_its_items_and_decodes_them_exactly(
+    order: str, codec: dict[str, object]
+) -> None:
+    """A fill's read of part of a chunk is decoded from a compact frame (header, block table
+    moved to the blocks read, those blocks): never an anonymous mapping the size of the chunk."""
+    frame = frame_of(DATA, **codec)
+    if order == "reversed":
+        frame = blocks_reversed(frame)
+        full = np.empty(len(DATA), np.uint32)
+        blosc.decode_into(frame, 0, full)
+        np.testing.assert_array_equal(full, DATA)  # still a valid frame
+    layout = layout_of(frame)
+    assert layout.nblocks > 4
+    for first, n in [(70_000, 100), (0, 4096), (16_000, 40_000), (199_000, 1000), (0, 200_000)]:
+        start, stop = layout.items_range(first, n)
+        compact, at = layout.range_frame(start, stop)
+        assert at == layout.offsets_range[1]
+        assert len(compact) == at + stop - start  # the bytes read and the table, no more
+        compact[at:] = frame[start:stop]
+        assert blosc.frame_problem(compact) is None
+        out = np.full(n + 2, 0xDEADBEEF, np.uint32)
+        blosc.decode_into(compact, first, out[1:-1], DATA.nbytes)
+        np.testing.assert_array_equal(out[1:-1], DATA[first : first + n])
+        assert out[0] == out[-1] == 0xDEADBEEF
+    with pytest.raises(blosc.BloscError, match="not compressed blocks"):
+        layout.range_frame(0, 100)  # the header is not a block
+
+
+def test_an_uncompressed_frame_gets_a_sparse_range_frame() -> None:
+    """Stored uncompressed, items keep their own offsets: the frame keeps its size (a mapping
+    whose untouched pages are never resident)."""
+    noise = np.random.default_rng(0).integers(0, 2**32, 50_000, dtype=np.uint64).astype("<u4")
+    frame = frame_of(noise, shuffle=Blosc.NOSHUFFLE, cname="lz4", clevel=0)
+    layout = blosc.FrameLayout(frame[:16].tobytes())
+    assert layout.memcpyed
+    start, stop = layout.items_range(1000, 10)
+    sparse, at = layout.range_frame(start, stop)
+    assert (len(sparse), at) == (len(frame), start)
+    sparse[at : at + stop - start] = frame[start:stop]
+    out = np.empty(10, np.uint32)
+    blosc.decode_into(sparse, 1000, out)
+    np.testing.assert_array_equal(out, noise[1000:1010])
+
+
 def test_damaged_frames_are_errors_not_reads_out_of_bounds() -> None:
     frame = frame_of(DATA)
     out = np.empty(10, np.uint32)

@@ -281,6 +281,35 @@ class FrameLayout:
         (:func:`decode_into`), which needs every block."""
         return hi > self.nbytes - self.nbytes % self.typesize
 
+    def range_frame(self, lo: int, hi: int) -> tuple[np.ndarray, int]:
+        """A frame to decode from with only the object's bytes ``[lo, hi)`` (its compressed
+        blocks, from :meth:`items_range`), and where in it those bytes go.
+
+        The frame is compact: the header (its compressed size rewritten to the frame's), the
+        block table (the offsets of blocks inside the range moved to where they now lie, every
+        other block pointing at the first byte after the table, never decoded: c-blosc reads
+        only the blocks that hold the requested items), then the range. Its buffer is ordinary
+        heap memory the size of what was read: a frame-sized anonymous mapping per read (what
+        :meth:`sparse_frame` makes) is a map and an unmap per read block, which under a
+        sandboxed kernel (gVisor) stalled the trainer's thread for a millisecond at a time.
+
+        An uncompressed frame keeps its items at their own offsets: it gets a sparse frame.
+        """
+        if self.memcpyed or self._offsets is None:
+            return self.sparse_frame([]), lo
+        table_end = self.head.table_end
+        if not table_end <= lo < hi <= self.cbytes:
+            raise BloscError(f"bytes {lo}-{hi - 1} are not compressed blocks of this frame")
+        size = table_end + hi - lo
+        frame = np.empty(size, np.uint8)
+        frame[:_HEADER] = np.frombuffer(self.header, np.uint8)
+        frame[12:16] = np.frombuffer(size.to_bytes(4, "little"), np.uint8)
+        offsets = self._offsets.astype(np.int64)
+        inside = (offsets >= lo) & (offsets < hi)
+        moved = np.where(inside, offsets - lo + table_end, table_end).astype("<i4")
+        frame[_HEADER:table_end] = moved.view(np.uint8)
+        return frame, table_end
+
     def sparse_frame(self, parts: list[tuple[int, bytes]]) -> np.ndarray:
         """A frame-sized buffer holding only ``parts`` ((offset, bytes)) and the header/table.
 
