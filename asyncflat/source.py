@@ -316,35 +316,17 @@ class ZarrTokenSource:
 
     async def read_into(self, start: int, stop: int, targets: Targets, writer: UnitWriter) -> None:
         chunk_id = start // self.token_chunk
-        ranged = self._reads_blosc_ranges(targets)
-        cached = ranged and self._chunk_key(chunk_id) in self._layouts
-        try:
-            await self._read_into(chunk_id, start, stop, targets, writer, ranged=ranged)
-        except CorruptChunkError:
-            if not cached:
-                raise
-            # The cached layout (forgotten by now) may describe an object since replaced (a
-            # repair, a rewrite in place): read the layout afresh, once.
-            await self._read_into(chunk_id, start, stop, targets, writer, ranged=ranged)
+        if self._reads_blosc_ranges(targets):
+            if await self._read_range_into(chunk_id, targets, writer) is not None:
+                return
+        await self._read_into(chunk_id, start, stop, targets, writer)
 
     async def _read_into(
-        self,
-        chunk_id: int,
-        start: int,
-        stop: int,
-        targets: Targets,
-        writer: UnitWriter,
-        *,
-        ranged: bool,
+        self, chunk_id: int, start: int, stop: int, targets: Targets, writer: UnitWriter
     ) -> None:
         lo = chunk_id * self.token_chunk
-        partial: Frame | None = None
-        if ranged:
-            partial = await self._read_blosc_range(chunk_id, targets)
         if self._codec == "raw" and not self._checksum:  # fetch just the bytes we use, uncached
             frame = await self._read_frame(chunk_id, (start - lo, stop - lo))
-        elif partial is not None:
-            frame = partial
         elif self._codec is not None:  # the whole object (a Blosc frame, or checksummed)
             frame = await self._chunks.get(chunk_id, lambda: self._read_frame(chunk_id))
         else:  # zarr decodes the whole chunk once for every fill that needs it; we copy
@@ -358,13 +340,64 @@ class ZarrTokenSource:
             wrote = await writer.write(fill_targets)
         except AsyncflatError:
             # Bad bytes must not stay cached for the fills that come after: fetch them afresh.
-            if partial is not None:
-                self._layouts.forget(partial.key)
-            else:
-                self._chunks.forget(chunk_id, frame)
+            self._chunks.forget(chunk_id, frame)
             raise
         if wrote and self._codec is not None:
             self.io.bytes_decoded += sum(out.nbytes for _, out in targets)
+
+    async def _read_range_into(
+        self, chunk_id: int, targets: Targets, writer: UnitWriter
+    ) -> bool | None:
+        """Read just the compressed blocks of ``targets`` from chunk ``chunk_id`` of a local
+        store and decode them into place, both in one job on the CPU pool; None when the frame's
+        layout is one the fast path does not read (then the whole object is read and zarr
+        decodes it), else whether the unit was written (not: its fill was dropped).
+
+        One job, not a read and then a decode: each thread hop wakes a pool thread and then the
+        loop, and each wake-up takes the GIL from whoever holds it. With the trainer's thread
+        among them, a GIL hand-over cost ~0.4 ms on a sandboxed 13-core host.
+        """
+        key = self._chunk_key(chunk_id)
+        first = min(first_item for first_item, _ in targets)
+        end = max(first_item + len(out) for first_item, out in targets)
+        base = chunk_id * self.token_chunk
+        tokens = f"{base + first}:{base + end}"
+        read_done = False  # in the latest attempt: a decode error names its chunk itself
+
+        async def use(layout: _blosc.FrameLayout) -> bool:
+            nonlocal read_done
+            read_done = False
+            lo, hi = layout.items_range(first, end - first)
+            frame, _, read = self._range_read(key, layout, lo, hi)
+            assert read is not None  # ranges of fills are read from local stores only
+            chunk = Frame(frame, 0, key, blosc=True, nbytes=self._chunk_nbytes)
+
+            def read_and_decode() -> None:
+                nonlocal read_done
+                read()
+                read_done = True
+                for first_item, out in targets:
+                    self._decode(chunk, first_item, out)
+
+            wrote = await writer.write(read_and_decode)
+            if wrote:
+                self.io.requests += 1
+                self.io.bytes_read += hi - lo
+                self.io.bytes_decoded += sum(out.nbytes for _, out in targets)
+            return wrote
+
+        try:
+            try:
+                return await self._with_layout(key, use)
+            except _blosc.Unsupported:
+                return None
+        except _blosc.BloscError as exc:
+            where = f"{self.name} encoded_tokens[{tokens}]: chunk object {key}"
+            raise CorruptChunkError(f"{where}: {exc}") from exc
+        except AsyncflatError as exc:  # a truncated or replaced object: name the token range
+            if read_done:
+                raise  # the bytes arrived and do not decode: the error names the chunk object
+            raise type(exc)(f"{self.name} encoded_tokens[{tokens}]: {exc}") from exc
 
     def _reads_blosc_ranges(self, targets: Targets) -> bool:
         """Whether a fill's unit reads just the Blosc blocks of its targets: on a local store,
@@ -374,33 +407,6 @@ class ZarrTokenSource:
         if self._local_root is None or self._codec != "blosc" or self._checksum:
             return False
         return 2 * sum(len(out) for _, out in targets) <= self.token_chunk
-
-    async def _read_blosc_range(self, chunk_id: int, targets: Targets) -> Frame | None:
-        """A frame of chunk ``chunk_id`` holding just the compressed blocks of ``targets``
-        (:meth:`~asyncflat.storage.blosc.FrameLayout.range_frame`), or None when the frame's
-        layout is one the fast path does not read (then the whole object is read and zarr
-        decodes it)."""
-        key = self._chunk_key(chunk_id)
-        first = min(first_item for first_item, _ in targets)
-        end = max(first_item + len(out) for first_item, out in targets)
-        base = chunk_id * self.token_chunk
-        tokens = f"{base + first}:{base + end}"
-
-        async def blocks(layout: _blosc.FrameLayout) -> np.ndarray:
-            lo, hi = layout.items_range(first, end - first)
-            return await self._blocks_frame(key, layout, lo, hi, inline=False)
-
-        try:
-            try:
-                sparse = await self._with_layout(key, blocks)
-            except _blosc.Unsupported:
-                return None
-        except _blosc.BloscError as exc:
-            where = f"{self.name} encoded_tokens[{tokens}]: chunk object {key}"
-            raise CorruptChunkError(f"{where}: {exc}") from exc
-        except AsyncflatError as exc:  # a truncated or replaced object: name the token range
-            raise type(exc)(f"{self.name} encoded_tokens[{tokens}]: {exc}") from exc
-        return Frame(sparse, 0, key, blosc=True, nbytes=self._chunk_nbytes)
 
     async def _with_layout(self, key: str, use: Callable[[_blosc.FrameLayout], Awaitable[T]]) -> T:
         """``use(layout)`` with object ``key``'s Blosc layout (header and block table, cached
@@ -445,15 +451,14 @@ class ZarrTokenSource:
             return data
         return (await self._fetch(key, (lo, hi))).tobytes()
 
-    async def _blocks_frame(
-        self, key: str, layout: _blosc.FrameLayout, lo: int, hi: int, *, inline: bool
-    ) -> np.ndarray:
-        """A frame of object ``key`` holding its bytes ``[lo, hi)`` (compressed blocks) beside
-        the header and block table (:meth:`~asyncflat.storage.blosc.FrameLayout.range_frame`).
-        A local store's bytes are read straight into it (no copy in between: a fill of seqax's
-        layout has ~16 such ranges of ~1 MiB in flight):
-        on the loop when ``inline`` and small (a load's rows), else on a thread (a fill's reads:
-        a slow or hung mount must not stall the loop, whose timeouts bound every read).
+    def _range_read(
+        self, key: str, layout: _blosc.FrameLayout, lo: int, hi: int
+    ) -> tuple[np.ndarray, int, Callable[[], None] | None]:
+        """A frame of object ``key`` for its bytes ``[lo, hi)`` (compressed blocks) beside the
+        header and block table (:meth:`~asyncflat.storage.blosc.FrameLayout.range_frame`),
+        where in it they go, and (for a local store) the read that puts them there straight
+        from the file: no copy in between (a fill of seqax's layout has ~16 such ranges of
+        ~1 MiB in flight).
 
         Raises :class:`~asyncflat.storage.blosc.BloscError` when the frame's header claims more
         bytes than any legal encoding of the chunk (nothing is allocated for it)."""
@@ -464,35 +469,45 @@ class ZarrTokenSource:
                 f"chunk ({cap} bytes)"
             )
         frame, at = layout.range_frame(lo, hi)
-        if self._local_root is not None:
-            read = functools.partial(
-                pread_into,
-                self._local_root,
-                key,
-                lo,
-                memoryview(frame[at : at + hi - lo]),  # type: ignore[arg-type]  # numpy buffers
-                name=self.name,
-                max_object_bytes=cap,
-                # A layout cached from an object since replaced would read the wrong bytes,
-                # silently where it describes an uncompressed frame: the size tells most apart,
-                # the header and block table the rest (another encoding of the same size).
-                expect_size=layout.cbytes,
-                expect_prefix=layout.prefix,
-            )
-            if inline and hi - lo <= _PREAD_MAX_BYTES:
-                read()  # a row's blocks from the page cache: cheaper than a thread hop
+        if self._local_root is None:
+            return frame, at, None
+        read = functools.partial(
+            pread_into,
+            self._local_root,
+            key,
+            lo,
+            memoryview(frame[at : at + hi - lo]),  # type: ignore[arg-type]  # numpy buffers
+            name=self.name,
+            max_object_bytes=cap,
+            # A layout cached from an object since replaced would read the wrong bytes,
+            # silently where it describes an uncompressed frame: the size tells most apart,
+            # the header and block table the rest (another encoding of the same size).
+            expect_size=layout.cbytes,
+            expect_prefix=layout.prefix,
+        )
+        return frame, at, read
+
+    async def _blocks_frame(self, key: str, layout: _blosc.FrameLayout, lo: int, hi: int) -> Frame:
+        """A load's rows: the frame of object ``key`` holding its bytes ``[lo, hi)``, read on
+        the loop when small (a few KiB from the page cache: cheaper than a thread hop), else on
+        a thread (a slow or hung mount must not stall the loop, whose timeouts bound every
+        read); from a remote store, fetched."""
+        frame, at, read = self._range_read(key, layout, lo, hi)
+        if read is not None:
+            if hi - lo <= _PREAD_MAX_BYTES:
+                read()
             else:
                 await asyncio.get_running_loop().run_in_executor(None, read)
             self.io.requests += 1
             self.io.bytes_read += hi - lo
-            return frame
-        data = (await self._fetch(key, (lo, hi)))[: hi - lo]
-        if len(data) < hi - lo:  # the frame's buffer is not zeroed: never decode what is not there
-            raise _blosc.BloscError(
-                f"the object ends at byte {lo + len(data)}, its blocks need bytes up to {hi}"
-            )
-        frame[at : at + hi - lo] = data
-        return frame
+        else:
+            data = (await self._fetch(key, (lo, hi)))[: hi - lo]
+            if len(data) < hi - lo:  # the frame's buffer is not zeroed: never decode past it
+                raise _blosc.BloscError(
+                    f"the object ends at byte {lo + len(data)}, its blocks need bytes up to {hi}"
+                )
+            frame[at : at + hi - lo] = data
+        return Frame(frame, 0, key, blosc=True, nbytes=self._chunk_nbytes)
 
     async def read_items(self, chunk_id: int, first_item: int, out: np.ndarray) -> None:
         """Chunk-relative items ``[first_item, first_item + len(out))`` into ``out``, fetching
@@ -540,8 +555,7 @@ class ZarrTokenSource:
         """Items ``[first_item, first_item + len(out))`` of object ``key`` decoded from just
         the Blosc blocks that hold them; small spans decode right here on the loop."""
         lo, hi = layout.items_range(first_item, len(out))
-        sparse = await self._blocks_frame(key, layout, lo, hi, inline=True)
-        frame = Frame(sparse, 0, key, blosc=True, nbytes=self._chunk_nbytes)
+        frame = await self._blocks_frame(key, layout, lo, hi)
         if layout.decoded_span(first_item, len(out)) <= INLINE_DECODE_BYTES:
             self._decode(frame, first_item, out)
         else:
