@@ -156,6 +156,26 @@ class TokenSource(Protocol):
     async def aclose(self) -> None: ...
 
 
+def _objects_of(array: Any, start: int, stop: int) -> str:
+    """The stored object(s) (chunks, or shards) holding items ``[start, stop)`` of a 1-d zarr
+    array, for an error whose codec (zstd, gzip, ...) does not say which one it was given."""
+    try:
+        meta = array.metadata
+        grid = getattr(meta, "chunk_grid", None)
+        size = int(grid.chunk_shape[0] if grid is not None else meta.chunks[0])
+        first, last = start // size, max(start, stop - 1) // size
+        path = array.store_path.path
+
+        def key(index: int) -> str:
+            return f"{path}/{meta.encode_chunk_key((index,))}"
+
+    except (AttributeError, TypeError, ValueError, IndexError, ZeroDivisionError):
+        return "its chunk objects"  # an array layout this does not know: no guess
+    if first == last:
+        return f"chunk object {key(first)}"
+    return f"one of the chunk objects {key(first)} to {key(last)}"
+
+
 class ZarrTokenSource:
     """A :class:`TokenSource` over a zarr store (format 2 or 3, local or fsspec)."""
 
@@ -635,8 +655,8 @@ class ZarrTokenSource:
                 # The bad bytes may be a cached shard index: re-read it next time, not forever.
                 self._guard.forget_indexes()
             raise CorruptChunkError(
-                f"{self.name} {array_name}[{start}:{stop}]: chunk bytes do not decode: "
-                f"{type(exc).__name__}: {exc}"
+                f"{self.name} {array_name}[{start}:{stop}]: {_objects_of(array, start, stop)}: "
+                f"chunk bytes do not decode: {type(exc).__name__}: {exc}"
             ) from exc
 
     async def aclose(self) -> None:

@@ -141,3 +141,30 @@ def test_a_flipped_byte_in_a_checksummed_store_is_an_error_naming_the_object(
             np.testing.assert_array_equal(
                 _encoded(loader.load(step)), expected.encoded_batch(step), err_msg=f"step {step}"
             )
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped"])
+@pytest.mark.parametrize("chain", ["v3-zstd", "v2-zstd", "v3-gzip", "v2-gzip"])
+def test_a_chunk_its_codec_cannot_decode_is_an_error_naming_the_object(
+    tmp_path: Path, arrays: tuple[np.ndarray, np.ndarray], chain: str, damage: str
+) -> None:
+    """zstd and gzip say only that their input is bad: the error names the chunk object."""
+    tokens, starts = arrays
+    path = write(tmp_path / f"{chain}.zarr", tokens, starts, **dict(CHAINS[chain]))
+    array_dir = path / "train" / "encoded_tokens"
+    key = "c/1" if chain.startswith("v3") else "1"
+    victim = array_dir / key
+    data = bytearray(victim.read_bytes())
+    if damage == "truncated":
+        data = data[: len(data) // 2]
+    else:
+        data[len(data) // 2 : len(data) // 2 + 8] = bytes(8)
+    victim.write_bytes(bytes(data))
+    params = FlatTokensParams(str(path), 2, 2, 4, 3, True)
+    with ShufflingLoader("train", params, BATCH) as loader:
+        with pytest.raises(CorruptChunkError, match=rf"encoded_tokens/{key}\b") as raised:
+            for step in range(loader.step_count):
+                loader.load(step)
+    message = str(raised.value)
+    assert f"encoded_tokens[{CHUNK}:{2 * CHUNK}]" in message, message  # and the token range
+    assert "decode" in message, message
