@@ -198,6 +198,17 @@ class _Writer:
         return True
 
 
+async def read_chunk_1(source: ZarrTokenSource, path_kind: str) -> np.ndarray:
+    """Tokens 200-215 of chunk 1, as a load's rows read them or as a fill's unit does."""
+    out = np.empty(16, np.uint32)
+    if path_kind == "rows":
+        await source.read_items(1, 200, out)
+    else:
+        start = CHUNK + 200
+        await source.read_into(start, start + 16, [(200, out)], _Writer())
+    return out
+
+
 @pytest.mark.parametrize("stand_in_kind", ["other-tokens", "same-tokens-uncompressed"])
 @pytest.mark.parametrize("path_kind", ["rows", "fill"])
 def test_a_chunk_replaced_and_restored_reads_as_restored(
@@ -220,22 +231,13 @@ def test_a_chunk_replaced_and_restored_reads_as_restored(
         stand_in = bytes(Blosc(cname="lz4", clevel=0).encode(encoded[CHUNK : 2 * CHUNK]))
     assert len(stand_in) != len(original)  # a different layout, not just different tokens
 
-    async def read(source: ZarrTokenSource) -> np.ndarray:
-        out = np.empty(16, np.uint32)
-        if path_kind == "rows":
-            await source.read_items(1, 200, out)
-        else:
-            start = CHUNK + 200
-            await source.read_into(start, start + 16, [(200, out)], _Writer())
-        return out
-
     async def main() -> tuple[np.ndarray, np.ndarray]:
         source = await ZarrTokenSource.open(str(path), "train")
         try:
             chunk_path(path, 1).write_bytes(stand_in)
-            during = await read(source)
+            during = await read_chunk_1(source, path_kind)
             chunk_path(path, 1).write_bytes(original)
-            return during, await read(source)
+            return during, await read_chunk_1(source, path_kind)
         finally:
             await source.aclose()
 
@@ -269,21 +271,12 @@ def test_a_chunk_replaced_by_another_encoding_of_the_same_size_is_read_as_it_is_
     assert np.array_equal(np.frombuffer(Blosc().decode(bytes(other)), np.uint32), tokens)
     chunk_path(path, 1).write_bytes(stored)
 
-    async def read(source: ZarrTokenSource) -> np.ndarray:
-        out = np.empty(16, np.uint32)
-        if path_kind == "rows":
-            await source.read_items(1, 200, out)
-        else:
-            start = CHUNK + 200
-            await source.read_into(start, start + 16, [(200, out)], _Writer())
-        return out
-
     async def main() -> tuple[np.ndarray, np.ndarray]:
         source = await ZarrTokenSource.open(str(path), "train")
         try:
-            before = await read(source)  # caches the uncompressed frame's layout
+            before = await read_chunk_1(source, path_kind)  # caches the uncompressed frame's layout
             chunk_path(path, 1).write_bytes(bytes(other))
-            return before, await read(source)
+            return before, await read_chunk_1(source, path_kind)
         finally:
             await source.aclose()
 
