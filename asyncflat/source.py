@@ -156,6 +156,11 @@ class TokenSource(Protocol):
     async def aclose(self) -> None: ...
 
 
+def _object_key(array: Any, index: int) -> str:
+    """The store key of chunk (or shard) ``index`` of a 1-d zarr array."""
+    return f"{array.store_path.path}/{array.metadata.encode_chunk_key((index,))}"
+
+
 def _objects_of(array: Any, start: int, stop: int) -> str:
     """The stored object(s) (chunks, or shards) holding items ``[start, stop)`` of a 1-d zarr
     array, for an error whose codec (zstd, gzip, ...) does not say which one it was given."""
@@ -164,16 +169,12 @@ def _objects_of(array: Any, start: int, stop: int) -> str:
         grid = getattr(meta, "chunk_grid", None)
         size = int(grid.chunk_shape[0] if grid is not None else meta.chunks[0])
         first, last = start // size, max(start, stop - 1) // size
-        path = array.store_path.path
-
-        def key(index: int) -> str:
-            return f"{path}/{meta.encode_chunk_key((index,))}"
-
+        keys = _object_key(array, first), _object_key(array, last)
     except (AttributeError, TypeError, ValueError, IndexError, ZeroDivisionError):
         return "its chunk objects"  # an array layout this does not know: no guess
     if first == last:
-        return f"chunk object {key(first)}"
-    return f"one of the chunk objects {key(first)} to {key(last)}"
+        return f"chunk object {keys[0]}"
+    return f"one of the chunk objects {keys[0]} to {keys[1]}"
 
 
 class ZarrTokenSource:
@@ -388,9 +389,8 @@ class ZarrTokenSource:
             nonlocal read_done
             read_done = False
             lo, hi = layout.items_range(first, end - first)
-            frame, _, read = self._range_read(key, layout, lo, hi)
+            chunk, _, read = self._range_read(key, layout, lo, hi)
             assert read is not None  # ranges of fills are read from local stores only
-            chunk = Frame(frame, 0, key, blosc=True, nbytes=self._chunk_nbytes)
 
             def read_and_decode() -> None:
                 nonlocal read_done
@@ -458,8 +458,7 @@ class ZarrTokenSource:
     # -- direct chunk access (the fast path; see asyncflat/storage/blosc.py) --------------------
 
     def _chunk_key(self, chunk_id: int) -> str:
-        array = self._arrays.encoded_tokens
-        return f"{array.store_path.path}/{array.metadata.encode_chunk_key((chunk_id,))}"
+        return _object_key(self._arrays.encoded_tokens, chunk_id)
 
     async def _read_range(self, key: str, lo: int, hi: int) -> bytes:
         if self._local_root is not None and hi - lo <= _PREAD_MAX_BYTES:
@@ -473,7 +472,7 @@ class ZarrTokenSource:
 
     def _range_read(
         self, key: str, layout: _blosc.FrameLayout, lo: int, hi: int
-    ) -> tuple[np.ndarray, int, Callable[[], None] | None]:
+    ) -> tuple[Frame, int, Callable[[], None] | None]:
         """A frame of object ``key`` for its bytes ``[lo, hi)`` (compressed blocks) beside the
         header and block table (:meth:`~asyncflat.storage.blosc.FrameLayout.range_frame`),
         where in it they go, and (for a local store) the read that puts them there straight
@@ -489,8 +488,9 @@ class ZarrTokenSource:
                 f"chunk ({cap} bytes)"
             )
         frame, at = layout.range_frame(lo, hi)
+        chunk = Frame(frame, 0, key, blosc=True, nbytes=self._chunk_nbytes)
         if self._local_root is None:
-            return frame, at, None
+            return chunk, at, None
         read = functools.partial(
             pread_into,
             self._local_root,
@@ -505,14 +505,14 @@ class ZarrTokenSource:
             expect_size=layout.cbytes,
             expect_prefix=layout.prefix,
         )
-        return frame, at, read
+        return chunk, at, read
 
     async def _blocks_frame(self, key: str, layout: _blosc.FrameLayout, lo: int, hi: int) -> Frame:
         """A load's rows: the frame of object ``key`` holding its bytes ``[lo, hi)``, read on
         the loop when small (a few KiB from the page cache: cheaper than a thread hop), else on
         a thread (a slow or hung mount must not stall the loop, whose timeouts bound every
         read); from a remote store, fetched."""
-        frame, at, read = self._range_read(key, layout, lo, hi)
+        chunk, at, read = self._range_read(key, layout, lo, hi)
         if read is not None:
             if hi - lo <= _PREAD_MAX_BYTES:
                 read()
@@ -526,8 +526,8 @@ class ZarrTokenSource:
                 raise _blosc.BloscError(
                     f"the object ends at byte {lo + len(data)}, its blocks need bytes up to {hi}"
                 )
-            frame[at : at + hi - lo] = data
-        return Frame(frame, 0, key, blosc=True, nbytes=self._chunk_nbytes)
+            chunk.data[at : at + hi - lo] = data
+        return chunk
 
     async def read_items(self, chunk_id: int, first_item: int, out: np.ndarray) -> None:
         """Chunk-relative items ``[first_item, first_item + len(out))`` into ``out``, fetching
