@@ -95,8 +95,17 @@ class BackgroundBuilder(Generic[T]):
     """
 
     def __init__(
-        self, build: Callable[[int], T], start: int, stop: int, depth: int, *, name: str
+        self,
+        build: Callable[[int], T],
+        start: int,
+        stop: int,
+        depth: int,
+        *,
+        name: str,
+        start_thread: bool = True,
     ) -> None:
+        """``start_thread=False`` leaves the thread to :meth:`start_thread`: a registry records
+        the builder first, so that no Ctrl-C can leave a thread running that it does not know."""
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
         self._build = build
@@ -109,7 +118,17 @@ class BackgroundBuilder(Generic[T]):
         #: the consumer is waiting for a step whose build has not started: start it now
         self._wanted = False
         self._thread = threading.Thread(target=self._run, args=(start,), daemon=True, name=name)
-        self._thread.start()
+        if start_thread:
+            self.start_thread()
+
+    def start_thread(self) -> None:
+        try:
+            self._thread.start()
+        except BaseException:
+            # A Ctrl-C inside start() (delivered while it waits for the thread to come up): the
+            # thread may be running already, and its caller never gets this builder to stop it.
+            self.signal_stop()
+            raise
 
     def _run(self, step: int) -> None:
         while step < self._stop_step:
@@ -198,6 +217,8 @@ class BackgroundBuilder(Generic[T]):
         self.signal_stop()
         if threading.current_thread() is self._thread:
             return  # stopped from our own thread (a finalizer ran there): it exits at its next check
+        if self._thread.ident is None:
+            return  # never started (interrupted before it was): nothing to join
         self._thread.join(_JOIN_TIMEOUT_S)
         if self._thread.is_alive():
             log.warning("%s did not stop within %ss", self._thread.name, _JOIN_TIMEOUT_S)
@@ -234,9 +255,15 @@ class Prefetchers(Generic[T]):
                 raise self._closed_error()
             self._retired = {b for b in self._retired if b.alive}
             builder = BackgroundBuilder(
-                build, start, stop, depth, name=f"{self._name}-{next(_prefetch_ids)}"
+                build,
+                start,
+                stop,
+                depth,
+                name=f"{self._name}-{next(_prefetch_ids)}",
+                start_thread=False,
             )
-            self._live.add(builder)
+            self._live.add(builder)  # known before its thread runs: close() stops it whatever
+            builder.start_thread()  # a Ctrl-C raises here (or above) after that
         return builder
 
     def stop(self, builder: BackgroundBuilder[T], *, join: bool) -> None:
