@@ -9,14 +9,14 @@ one is dealt, so the trainer never waits at a round boundary.
 
 from typing import TYPE_CHECKING, Any
 
-from .config import (
+from asyncflat.config import (
     EngineOptions,
     FlatTokensParams,
     HuggingFaceDataParams,
     RetryPolicy,
     TokenBatchParams,
 )
-from .errors import (
+from asyncflat.errors import (
     ArgumentTypeError,
     AsyncflatError,
     ConfigError,
@@ -29,9 +29,8 @@ from .errors import (
     StorageError,
     TransientStorageError,
 )
-from .mixture.config import MixtureParams, MixtureSource, MixtureStage
-from .permutation import permutation
-from .plan import ShufflePlan, epoch_seed
+from asyncflat.loader.mixture.config import MixtureParams, MixtureSource, MixtureStage
+from asyncflat.plan import ShufflePlan, epoch_seed, permutation
 
 __version__ = "0.1.0"
 
@@ -39,14 +38,14 @@ __version__ = "0.1.0"
 # that importing the package for writing or converting does not load jax, and a trainer's restart
 # does not import the writer.
 _LAZY_NAMES = {
-    "FlatTokensWriter": "writer",
-    "write_flat_tokens": "writer",
-    "ShufflingLoader": "loader",
-    "get_loader": "loader",
-    "TokenBatch": "batch",
-    "default_sharding": "batch",
-    "iter_epochs": "epochs",
-    "MixtureLoader": "mixture.loader",
+    "FlatTokensWriter": "writer.flat_tokens",
+    "write_flat_tokens": "writer.flat_tokens",
+    "ShufflingLoader": "loader.shuffling",
+    "get_loader": "integrations.reference",
+    "TokenBatch": "loader.batch",
+    "default_sharding": "loader.batch",
+    "iter_epochs": "loader.epochs",
+    "MixtureLoader": "loader.mixture.loader",
 }
 
 
@@ -63,11 +62,12 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from .batch import TokenBatch, default_sharding
-    from .epochs import iter_epochs
-    from .loader import ShufflingLoader, get_loader
-    from .mixture.loader import MixtureLoader
-    from .writer import FlatTokensWriter, write_flat_tokens
+    from asyncflat.integrations.reference import get_loader
+    from asyncflat.loader.batch import TokenBatch, default_sharding
+    from asyncflat.loader.epochs import iter_epochs
+    from asyncflat.loader.mixture.loader import MixtureLoader
+    from asyncflat.loader.shuffling import ShufflingLoader
+    from asyncflat.writer.flat_tokens import FlatTokensWriter, write_flat_tokens
 
 __all__ = [
     "ArgumentTypeError",

@@ -22,7 +22,7 @@ import typing
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from .errors import ArgumentTypeError
+from asyncflat.errors import ArgumentTypeError
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -19,7 +19,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from .errors import ArgumentTypeError, ConfigError, redact
+from asyncflat.errors import ArgumentTypeError, ConfigError, redact
 
 __all__ = [
     "EngineOptions",
@@ -155,7 +155,7 @@ class FlatTokensParams:
                     "FlatTokensParams.storage_options must be a mapping of fsspec options or None, "
                     f"got {type(self.storage_options).__name__}"
                 )
-            from .storage.obstore_client import client_of
+            from asyncflat.storage.obstore_client import client_of
 
             client_of(self.storage_options)  # a misspelt client fails here, not at first read
             # A private copy: the frozen config must not change when the caller's dict does.

@@ -602,7 +602,7 @@ def plot_steps(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from asyncflat.plotting import machine_description
+    from asyncflat.cli.stall_figure import machine_description
 
     fig, ax = plt.subplots(figsize=(9, 4.8))
     styles = {"asyncflat": ("tab:blue", "o"), "reference": ("tab:red", "s")}

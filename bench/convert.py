@@ -104,7 +104,7 @@ def raw_tokens_per_s(corpus: Path, tok: Path, workers: int) -> tuple[float, int]
 
 
 def converter_tokens_per_s(corpus: Path, tok: Path, workers: int) -> tuple[float, int]:
-    from asyncflat.convert import convert_files
+    from asyncflat.writer.convert import convert_files
 
     out = bench_dir() / "convert-out.zarr"
     shutil.rmtree(out, ignore_errors=True)
@@ -116,7 +116,7 @@ def converter_tokens_per_s(corpus: Path, tok: Path, workers: int) -> tuple[float
 def converter_fixed_s(workers: int) -> float:
     """The converter's fixed cost (starting its pool, each worker importing asyncflat): the
     time to convert one short document."""
-    from asyncflat.convert import convert_texts
+    from asyncflat.writer.convert import convert_texts
 
     out = bench_dir() / "convert-tiny.zarr"
     shutil.rmtree(out, ignore_errors=True)
@@ -134,7 +134,7 @@ def ray_figures(corpus: Path, tok: Path, unit_mib: int, rounds: int) -> dict[str
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # 127.0.0.1 only
     import ray
 
-    from asyncflat.distributed import RayEngine, convert_distributed
+    from asyncflat.writer.distributed import RayEngine, convert_distributed
 
     t0 = time.perf_counter()
     ray.init(

@@ -35,9 +35,9 @@ def main() -> None:
     import numpy as np
 
     from asyncflat import permutation as permutation_module  # noqa: F401
-    from asyncflat.batch import BatchBuilder, default_sharding
+    from asyncflat.loader.batch import BatchBuilder, default_sharding
 
-    impl: Any = sys.modules["asyncflat.permutation"]
+    impl: Any = sys.modules["asyncflat.plan.permutation"]
     builder = BatchBuilder(default_sharding(), (16, 2048))
     rows = np.random.default_rng(0).integers(0, 2**31, (16, 2048)).astype(np.uint32)
     for _ in range(50):

@@ -105,7 +105,7 @@ def run(args: argparse.Namespace, endpoints: dict[str, str] | None) -> None:
 
     import asyncflat
     from asyncflat import EngineOptions, FlatTokensParams, MixtureParams, MixtureSource
-    from asyncflat.faults import FaultyStore
+    from asyncflat.testing.faults import FaultyStore
 
     paths = [ensure(int(args.tokens * size), i) for i, size in enumerate(SIZES)]
     options: list[dict[str, str] | None] = [None, None, None]

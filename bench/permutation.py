@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-from asyncflat.permutation import permutation
+from asyncflat.plan.permutation import permutation
 
 N = 2**20
 RUNS = 20

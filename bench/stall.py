@@ -45,7 +45,7 @@ def child(args: argparse.Namespace) -> None:
     import jax
 
     import asyncflat
-    from asyncflat.batch import BatchBuilder, decode, default_sharding
+    from asyncflat.loader.batch import BatchBuilder, decode, default_sharding
 
     params = asyncflat.FlatTokensParams(
         args.path, args.streams, args.rbpsb, args.spb, seed=0, sequence_packing=True
@@ -59,7 +59,7 @@ def child(args: argparse.Namespace) -> None:
     # The permutation kernel's one-time JIT (~130 MiB of LLVM, whatever the buffer size) is
     # measured apart, so that the ratio below is the memory that scales with the buffer.
     rss_jit = rss_bytes()
-    asyncflat.permutation(0, 1 << 16)
+    asyncflat.plan.permutation(0, 1 << 16)
     rss0 = rss_bytes()
     reset_peak_rss()  # the peak below: over the epoch, not the start-up's transients
     options = asyncflat.EngineOptions(prefetch=args.mode == "on")
@@ -149,7 +149,7 @@ def summarize(run: dict) -> dict:
 
 
 def plot(runs: dict, path: str, config: dict) -> None:
-    from asyncflat.plotting import machine_description, plot_boundary_latency
+    from asyncflat.cli.stall_figure import machine_description, plot_boundary_latency
 
     caption = (
         f"{config['tokens'] / 2**20:,.0f}M tokens ({config['layout']} layout), len {config['len']}, "
@@ -209,7 +209,7 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--mode", mode, "--path", path] + sys.argv[1:]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         runs[mode] = json.loads(out.strip().splitlines()[-1])
-    from asyncflat.plotting import machine_description
+    from asyncflat.cli.stall_figure import machine_description
 
     config = {
         "tokens": args.tokens,

@@ -1,4 +1,4 @@
-"""Slow, obvious oracle for the flat-tokens shuffling semantics (the index map of asyncflat.plan's docstring).
+"""Slow, obvious oracle for the flat-tokens shuffling semantics (the index map of asyncflat.plan.shuffle's docstring).
 
 This module is the test suite's source of truth: the fast library must reproduce its batches
 bit for bit. It is written to be easy to check by eye, not to be fast:

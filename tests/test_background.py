@@ -1,4 +1,4 @@
-"""The generic background builder (asyncflat._background) on its own: a ``build(step)`` callable.
+"""The generic background builder (asyncflat.loader.background) on its own: a ``build(step)`` callable.
 
 Events, not sleeps, decide every ordering here; waits are bounded with a clear failure message.
 """
@@ -11,7 +11,12 @@ from collections.abc import Callable
 
 import pytest
 
-from asyncflat._background import BackgroundBuilder, BackgroundStopped, BuildPacing, Prefetchers
+from asyncflat.loader.background import (
+    BackgroundBuilder,
+    BackgroundStopped,
+    BuildPacing,
+    Prefetchers,
+)
 
 WAIT_S = 10.0
 

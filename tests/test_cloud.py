@@ -37,8 +37,8 @@ from asyncflat import (
     TokenBatchParams,
     TransientStorageError,
 )
-from asyncflat.retry import is_throttle, is_transient
-from asyncflat.source import AdaptiveLimiter, IOCounters, _close_filesystem, _filesystem
+from asyncflat.source.zarr_source import AdaptiveLimiter, IOCounters, _close_filesystem, _filesystem
+from asyncflat.storage.retry import is_throttle, is_transient
 
 BUCKET = "asyncflat-test"
 CHUNK = 4096

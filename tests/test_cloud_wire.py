@@ -17,8 +17,8 @@ from helpers.servers import TcpProxy
 
 import asyncflat
 from asyncflat import EngineOptions, FlatTokensParams, ShufflingLoader, TokenBatchParams
-from asyncflat.format import metadata_keys
-from asyncflat.source import _close_filesystem, _filesystem
+from asyncflat.format.split import metadata_keys
+from asyncflat.source.zarr_source import _close_filesystem, _filesystem
 from asyncflat.storage.limiter import demand_headroom
 
 pytestmark = pytest.mark.cloud

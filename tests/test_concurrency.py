@@ -22,7 +22,7 @@ from conftest import oracle, random_sequences
 
 import asyncflat
 from asyncflat import EngineOptions, FlatTokensParams, ShufflingLoader, TokenBatchParams
-from asyncflat.faults import FaultyStore
+from asyncflat.testing.faults import FaultyStore
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -253,7 +253,7 @@ def test_importing_and_constructing_entry_points_does_not_import_typeguard() -> 
     script = textwrap.dedent(
         """
         import sys
-        import asyncflat, asyncflat.loader, asyncflat.epochs
+        import asyncflat, asyncflat.loader.shuffling, asyncflat.loader.epochs
         from asyncflat import TokenBatchParams
         from asyncflat._typecheck import checked
 

@@ -1,4 +1,4 @@
-"""Tests of asyncflat.convert: inputs, tokenizers, deterministic splits, parallelism, crash safety."""
+"""Tests of asyncflat.writer.convert: inputs, tokenizers, deterministic splits, parallelism, crash safety."""
 
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ import pytest
 import zarr
 
 from asyncflat.cli import main
-from asyncflat.convert import (
+from asyncflat.errors import ConfigError
+from asyncflat.format.codec import decode
+from asyncflat.inspection import verify_split
+from asyncflat.writer.convert import (
     BytesTokenizer,
     convert_files,
     convert_texts,
@@ -20,9 +23,6 @@ from asyncflat.convert import (
     load_tokenizer,
     validation_mask,
 )
-from asyncflat.errors import ConfigError
-from asyncflat.format import decode
-from asyncflat.inspection import verify_split
 
 DOCS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -21,16 +21,16 @@ import pytest
 import zarr
 import zarr.storage._local as zarr_local
 
-from asyncflat._tokenize_pool import tokenized_batches
 from asyncflat.cli import main
-from asyncflat.convert import (
+from asyncflat.errors import ConfigError
+from asyncflat.text.pool import tokenized_batches
+from asyncflat.writer.convert import (
     TokenizerError,
     convert_files,
     convert_texts,
     iter_documents,
     load_tokenizer,
 )
-from asyncflat.errors import ConfigError
 
 REPO = str(Path(__file__).resolve().parents[1])
 
@@ -205,7 +205,7 @@ _JAMMED_POOL = """
 import os, struct, sys, time
 from concurrent.futures import ProcessPoolExecutor
 import multiprocessing
-from asyncflat._tokenize_pool import _stop_pool
+from asyncflat.text.pool import _stop_pool
 
 pool = ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"))
 assert pool.submit(abs, -1).result() == 1
@@ -346,12 +346,12 @@ def test_disk_full_and_other_os_errors_are_one_line(
     assert "No space left on device" in err and str(out) in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt"]
 
-    import asyncflat.convert
+    import asyncflat.writer.convert
 
     def broken(*args: object, **kwargs: object) -> None:
         raise OSError(errno.EIO, "Input/output error", "/dev/sdz")
 
-    monkeypatch.setattr(asyncflat.convert, "convert_files", broken)
+    monkeypatch.setattr(asyncflat.writer.convert, "convert_files", broken)
     assert main(["convert", str(tmp_path / "in.txt"), "-o", str(out), "--no-progress"]) == 1
     err = capsys.readouterr().err.strip()
     assert err == "asyncflat convert: error: Input/output error /dev/sdz"

@@ -1,4 +1,4 @@
-"""Distributed conversion (asyncflat.distributed): equal to the single-machine converter, byte for
+"""Distributed conversion (asyncflat.writer.distributed): equal to the single-machine converter, byte for
 byte, in this process and on a local two-worker Ray cluster; resumable; input errors fail fast."""
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import pytest
 import zarr
 from helpers.servers import MOTO_ENV
 
-from asyncflat.convert import convert_files
-from asyncflat.distributed import convert_distributed
-from asyncflat.distributed.plan import make_plan
 from asyncflat.errors import ConfigError
+from asyncflat.writer.convert import convert_files
+from asyncflat.writer.distributed import convert_distributed
+from asyncflat.writer.distributed.plan import make_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = {
@@ -178,7 +178,7 @@ def test_changed_tokenizer_is_refused_on_resume(corpus: Path, tmp_path: Path) ->
 def test_progress_is_logged(corpus: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     import logging
 
-    with caplog.at_level(logging.INFO, logger="asyncflat.distributed"):
+    with caplog.at_level(logging.INFO, logger="asyncflat.writer.distributed"):
         report = convert_distributed(
             [corpus], tmp_path / "o.zarr", engine="local", unit_bytes=20000
         )
@@ -244,8 +244,8 @@ def test_memory_url_output_commits_root_metadata_last(
 def test_failed_write_pass_leaves_no_output_and_keeps_pieces(
     corpus: Path, reference: dict[str, Path], tmp_path: Path
 ) -> None:
-    from asyncflat.distributed import InProcessEngine
-    from asyncflat.distributed.write import run_write_job
+    from asyncflat.writer.distributed import InProcessEngine
+    from asyncflat.writer.distributed.write import run_write_job
 
     class DiskFullOnSecondWrite(InProcessEngine):
         def map(self, fn: Any, jobs: Any) -> Iterator[tuple[int, Any]]:
@@ -272,7 +272,7 @@ def test_local_tiktoken_file(corpus: Path, tmp_path: Path) -> None:
     import tiktoken
     from tiktoken_ext.openai_public import r50k_pat_str
 
-    from asyncflat.convert import load_tokenizer
+    from asyncflat.writer.convert import load_tokenizer
 
     ranks = {bytes([i]): i for i in range(256)}
     for merged in (b"th", b"the", b" t", b" the", b"al", b"alpha", "é".encode()):
@@ -425,7 +425,7 @@ def test_ray_worker_killed_mid_task_is_retried(
     corpus, tok, ref = big_corpus
     options = dict(tokenizer=str(tok), unit_bytes=2000, **SPLIT, **LAYOUTS["v3_sharded"])
     script = (
-        "import sys, json; from asyncflat.distributed import convert_distributed; "
+        "import sys, json; from asyncflat.writer.distributed import convert_distributed; "
         "convert_distributed([sys.argv[1]], sys.argv[2], engine='ray', ray_address=sys.argv[3], "
         "**json.loads(sys.argv[4]))"
     )
@@ -465,7 +465,7 @@ def test_ray_driver_killed_then_rerun_resumes(
         tokenizer=str(tok), work_dir=str(work), unit_bytes=2000, **SPLIT, **LAYOUTS["v3_sharded"]
     )
     script = (
-        "import sys, json; from asyncflat.distributed import convert_distributed; "
+        "import sys, json; from asyncflat.writer.distributed import convert_distributed; "
         "convert_distributed([sys.argv[1]], sys.argv[2], engine='ray', ray_address=sys.argv[3], "
         "**json.loads(sys.argv[4]))"
     )
@@ -636,7 +636,7 @@ def test_byte_ranges_read_as_the_whole_file(tmp_path: Path) -> None:
     """Any line-aligned cut of a file gives the whole file's documents; a line's number in an
     error counts universal newlines (\\n, \\r\\n, lone \\r) from the file's start, also when a
     \\r\\n straddles the line counter's 1 MiB read blocks."""
-    from asyncflat.corpus import iter_file_documents, iter_range_documents
+    from asyncflat.text.corpus import iter_file_documents, iter_range_documents
 
     txt = tmp_path / "a.txt"
     txt.write_bytes(b"one\r\ntwo\rthree\n\n\xc3\xa9\r\n\r\nlast\n")
@@ -783,8 +783,8 @@ def test_a_piece_lost_before_the_write_pass_is_named(
 ) -> None:
     import fsspec
 
-    from asyncflat.distributed import InProcessEngine
-    from asyncflat.distributed.layout import split_stats
+    from asyncflat.writer.distributed import InProcessEngine
+    from asyncflat.writer.distributed.layout import split_stats
 
     work = str(tmp_path / "work") if where == "local" else "memory://asyncflat-lost/work"
     fs, root = fsspec.core.url_to_fs(work)

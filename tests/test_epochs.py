@@ -21,7 +21,7 @@ from test_plan import plans
 
 import asyncflat
 from asyncflat import ConfigError, FlatTokensParams, ShufflePlan, TokenBatchParams
-from asyncflat.plan import EPOCH_SEED_STRIDE, epoch_seed
+from asyncflat.plan.shuffle import EPOCH_SEED_STRIDE, epoch_seed
 
 
 def served_rows(plan: ShufflePlan) -> list[int]:
@@ -214,7 +214,7 @@ def test_iter_epochs_builds_the_next_epoch_before_the_boundary(
 ) -> None:
     """The loader of epoch 1 is built, and its first step loaded, while epoch 0's last minipoch
     is still being served: the consumer never waits for a construction at the boundary."""
-    import asyncflat.epochs as epochs_mod
+    import asyncflat.loader.epochs as epochs_mod
 
     progress: list[tuple[int, int]] = [(-1, -1)]
     events: dict[str, tuple[int, int]] = {}

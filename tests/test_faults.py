@@ -1,4 +1,4 @@
-"""Faults injected under the loader (asyncflat.faults.FaultyStore) against the clean oracle.
+"""Faults injected under the loader (asyncflat.testing.faults.FaultyStore) against the clean oracle.
 
 * transient errors and latency: every batch equals a clean run's, every sequence is served
   exactly once per epoch, and each injected failure shows up as one retry;
@@ -42,7 +42,7 @@ from asyncflat import (
     TokenBatchParams,
     TransientStorageError,
 )
-from asyncflat.faults import FaultCounts, FaultyStore
+from asyncflat.testing.faults import FaultCounts, FaultyStore
 
 pytestmark = pytest.mark.timeout(120)
 

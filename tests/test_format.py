@@ -1,4 +1,4 @@
-"""Tests of asyncflat.format: encoding, decoding, and opening/validating a split."""
+"""Tests of asyncflat.format.split: encoding, decoding, and opening/validating a split."""
 
 from __future__ import annotations
 
@@ -23,15 +23,8 @@ from asyncflat.errors import (
     StorageError,
     TransientStorageError,
 )
-from asyncflat.format import (
-    SPLITS,
-    TOKEN_ID_LIMIT,
-    SplitArrays,
-    _guarded,
-    decode,
-    encode_sequences,
-    open_split,
-)
+from asyncflat.format.codec import SPLITS, TOKEN_ID_LIMIT, decode, encode_sequences
+from asyncflat.format.split import SplitArrays, _guarded, open_split
 
 NAME = "STORE<test>"  # a display name that cannot be confused with anything zarr prints
 

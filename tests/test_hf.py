@@ -1,4 +1,4 @@
-"""Tests of asyncflat.hf: converting local Hugging Face datasets and the streaming loader."""
+"""Tests of asyncflat.integrations.hf: converting local Hugging Face datasets and the streaming loader."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from test_convert import assert_dataset, expected_splits, make_tokenizer_json
 from asyncflat import HuggingFaceDataParams, TokenBatchParams, get_loader
 from asyncflat.cli import main
 from asyncflat.errors import ConfigError, StepOutOfRangeError
-from asyncflat.hf import HuggingFaceDataLoader, convert_hf_dataset
+from asyncflat.integrations.hf import HuggingFaceDataLoader, convert_hf_dataset
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 

@@ -41,7 +41,7 @@ from asyncflat import (
     ShufflingLoader,
     TokenBatchParams,
 )
-from asyncflat.faults import FaultyStore
+from asyncflat.testing.faults import FaultyStore
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -179,7 +179,7 @@ def test_interpreter_exit_with_open_loaders_does_not_hang(dataset: str) -> None:
     script = """
         import sys, time, jax
         from asyncflat import EngineOptions, FlatTokensParams, ShufflingLoader, TokenBatchParams
-        from asyncflat.faults import FaultyStore
+        from asyncflat.testing.faults import FaultyStore
         path = sys.argv[1]
         one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         batch = TokenBatchParams(len=16, batch=8)
@@ -204,7 +204,7 @@ def test_ctrl_c_during_a_blocking_load_returns_promptly(dataset: str) -> None:
         import signal, sys, time, jax
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a background shell ignores it
         from asyncflat import FlatTokensParams, ShufflingLoader, TokenBatchParams
-        from asyncflat.faults import FaultyStore
+        from asyncflat.testing.faults import FaultyStore
         stores = []
         def slow(store):
             stores.append(FaultyStore(store, latency_s=4, fault_keys="train/encoded_tokens/c/*"))
@@ -512,7 +512,7 @@ def test_ctrl_c_during_next_of_an_iterator_is_prompt_and_the_iterator_goes_on(
         sys.path.insert(0, sys.argv[2])
         from reference_impl import ReferenceLoader, load_split_arrays
         from asyncflat import EngineOptions, FlatTokensParams, ShufflingLoader, TokenBatchParams
-        from asyncflat.faults import FaultyStore
+        from asyncflat.testing.faults import FaultyStore
         stores = []
         def slow(store):
             stores.append(FaultyStore(store, fault_keys="train/encoded_tokens/c/*"))
@@ -586,7 +586,7 @@ def test_exit_with_loads_in_flight_prints_nothing(dataset: str) -> None:
     script = """
         import sys, threading, time, jax
         from asyncflat import EngineOptions, FlatTokensParams, ShufflingLoader, TokenBatchParams
-        from asyncflat.faults import FaultyStore
+        from asyncflat.testing.faults import FaultyStore
         one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         slow = lambda s: FaultyStore(s, latency_s=30, fault_keys="train/encoded_tokens/c/*")
         loader = ShufflingLoader("train", FlatTokensParams(sys.argv[1], 2, 2, 4, 3, True),

@@ -25,7 +25,7 @@ from conftest import oracle, random_sequences
 
 import asyncflat
 from asyncflat import EngineOptions, FlatTokensParams, ShufflingLoader, TokenBatchParams
-from asyncflat._load_ahead import NOT_READY
+from asyncflat.loader.load_ahead import NOT_READY
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -33,8 +33,8 @@ from asyncflat import (
     ShufflingLoader,
     TokenBatchParams,
 )
-from asyncflat.local_source import LocalTokenSource
-from asyncflat.source import ZarrTokenSource
+from asyncflat.source.local_source import LocalTokenSource
+from asyncflat.source.zarr_source import ZarrTokenSource
 from asyncflat.storage.local_split import parse_local_split
 
 BATCH = TokenBatchParams(len=32, batch=8)

@@ -119,14 +119,16 @@ def test_the_heap_is_trimmed_once_per_finished_fill(
 ) -> None:
     """After each fill the engine hands glibc's free heap pages back (``malloc_trim``, on its
     worker pool): a fill's transient chunk reads otherwise stay resident in the heap."""
-    import asyncflat._heap
+    import asyncflat.engine.heap
     import asyncflat.engine.units
 
-    if asyncflat._heap._resolve() is None:
+    if asyncflat.engine.heap._resolve() is None:
         pytest.skip("no glibc malloc_trim here")
     trimmed: list[int] = []
-    real = asyncflat._heap._trim
-    monkeypatch.setattr(asyncflat._heap, "_trim", lambda fn: trimmed.append(fn(0)) or real(fn))
+    real = asyncflat.engine.heap._trim
+    monkeypatch.setattr(
+        asyncflat.engine.heap, "_trim", lambda fn: trimmed.append(fn(0)) or real(fn)
+    )
     path = str(tmp_path / "data.zarr")
     asyncflat.write_flat_tokens(path, {"train": random_sequences(3, 200, max_len=80)})
     params = FlatTokensParams(path, 1, 2, 4, seed=0, sequence_packing=True)
@@ -140,7 +142,7 @@ def test_the_heap_is_trimmed_once_per_finished_fill(
         fills = loader.stats().fills_completed
         while len(trimmed) < fills and time.monotonic() < deadline:  # the pool runs them
             time.sleep(0.01)
-    assert asyncflat.engine.units.trim_later is asyncflat._heap.trim_later
+    assert asyncflat.engine.units.trim_later is asyncflat.engine.heap.trim_later
     assert fills >= 3
     assert len(trimmed) == fills
     assert all(result in (0, 1) for result in trimmed)

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from asyncflat import LoaderClosedError, LoadTimeoutError, LoopReentryError
-from asyncflat._loop import LoopThread
+from asyncflat.engine.loop import LoopThread
 
 
 @pytest.fixture
@@ -140,7 +140,7 @@ def test_a_forked_child_gets_a_fresh_loop(tmp_path) -> None:
         """
         import asyncio, os, sys, threading, warnings
         warnings.simplefilter("ignore")  # jax warns that fork and threads do not mix
-        from asyncflat._loop import LoopThread
+        from asyncflat.engine.loop import LoopThread
         runner = LoopThread(name="parent")
         async def ident():
             return threading.current_thread().name, os.getpid()
@@ -170,7 +170,7 @@ def test_interpreter_exit_with_a_busy_loop_does_not_hang() -> None:
     script = textwrap.dedent(
         """
         import asyncio
-        from asyncflat._loop import LoopThread
+        from asyncflat.engine.loop import LoopThread
         runner = LoopThread(name="exiting")
         runner.submit(asyncio.sleep(3600))
         runner.run(asyncio.sleep(0))

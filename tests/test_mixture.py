@@ -152,7 +152,7 @@ def test_each_source_serves_its_own_order_and_wraps_into_its_next_pass(
         steps=60,
     )
     r = BATCH.batch // 2
-    caplog.set_level(logging.INFO, logger="asyncflat.mixture")
+    caplog.set_level(logging.INFO, logger="asyncflat.loader.mixture")
     with asyncflat.get_loader("train", mixture, BATCH, options=OPTIONS) as loader:
         assert loader.step_count == 60
         batches = [encoded(loader.load(step)) for step in range(60)]
@@ -366,7 +366,7 @@ def test_the_next_pass_is_filled_before_the_mixture_reaches_it(stores: list[str]
 
 
 def test_wrong_argument_types_fail_at_the_call(stores: list[str]) -> None:
-    from asyncflat.mixture.loader import MixtureLoader
+    from asyncflat.loader.mixture.loader import MixtureLoader
 
     mixture = MixtureParams((MixtureSource(flat(stores[1]), 1),))
     with pytest.raises(asyncflat.ArgumentTypeError, match="token_batch_params"):

@@ -1,4 +1,4 @@
-"""The mixture's pure slot -> (source, k) math (asyncflat.mixture.assignment), as properties.
+"""The mixture's pure slot -> (source, k) math (asyncflat.plan.mixture), as properties.
 
 Every block of a stage holds exactly the largest-remainder counts of its weights; each source's
 slots, in slot order, are numbered 0, 1, 2, ... with no gap or repeat (so the loader maps them
@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from test_config_types import from_dict
 
 from asyncflat import ConfigError, FlatTokensParams, MixtureParams, MixtureSource, MixtureStage
-from asyncflat.mixture import Assignment, largest_remainder
+from asyncflat.plan.mixture import Assignment, largest_remainder
 
 weights_st = st.lists(st.floats(0, 10, allow_nan=False) | st.integers(0, 5), min_size=1, max_size=4)
 

@@ -19,7 +19,7 @@ from asyncflat import (
     TokenBatchParams,
 )
 from asyncflat.cli import main
-from asyncflat.mixture.config import MAX_BLOCK_ROWS, MAX_STEPS
+from asyncflat.loader.mixture.config import MAX_BLOCK_ROWS, MAX_STEPS
 
 BATCH = TokenBatchParams(len=16, batch=8)
 OPTIONS = EngineOptions(prefetch_to_device=0)

@@ -351,7 +351,7 @@ def test_one_and_two_processes_give_the_same_batches(
 
 def _mixture_oracle(dataset: str, case: dict[str, Any], step: int) -> tuple[np.ndarray, ...]:
     """The global batch of a mixture step from the sources' oracles and the pure assignment."""
-    from asyncflat.mixture import Assignment
+    from asyncflat.plan.mixture import Assignment
 
     weights = tuple(case["weights"])
     r = case["batch"] // case["streams"]

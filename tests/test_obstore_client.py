@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from asyncflat import ConfigError, FlatTokensParams, FlatTokensWriter
-from asyncflat.retry import is_throttle, is_transient
 from asyncflat.storage.filesystems import filesystem, make_store
 from asyncflat.storage.obstore_client import client_of
+from asyncflat.storage.retry import is_throttle, is_transient
 
 obstore = pytest.importorskip("obstore")
 

@@ -19,11 +19,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import asyncflat.permutation  # noqa: F401  (the package re-exports a function of the same name)
+import asyncflat.plan.permutation  # noqa: F401  (the package re-exports a function of the same name)
 from asyncflat.errors import ConfigError
 
-impl = sys.modules["asyncflat.permutation"]
-kernel_module = importlib.import_module("asyncflat._permutation_kernel")
+impl = sys.modules["asyncflat.plan.permutation"]
+kernel_module = importlib.import_module("asyncflat.plan.kernel")
 permutation = impl.permutation
 
 GOLDEN = json.loads((Path(__file__).parent / "golden_permutations.json").read_text())
@@ -151,9 +151,9 @@ def test_first_call_in_a_fresh_process_is_cheap_and_needs_no_numba(tmp_path: Pat
     # CPU time, not wall time, so other processes on the machine do not make this flaky.
     script = (
         "import sys, time, warnings, numpy as np\n"
-        "import asyncflat.permutation\n"
+        "import asyncflat.plan.permutation\n"
         "warnings.simplefilter('error')\n"
-        "impl = sys.modules['asyncflat.permutation']\n"
+        "impl = sys.modules['asyncflat.plan.permutation']\n"
         "start = time.process_time()\n"
         "result = impl.permutation(7, 2**20)\n"
         "cpu = time.process_time() - start\n"
@@ -174,8 +174,8 @@ def test_concurrent_first_calls_share_one_compile() -> None:
     # one compiled kernel.
     script = (
         "import sys, threading, numpy as np\n"
-        "import asyncflat.permutation\n"
-        "impl = sys.modules['asyncflat.permutation']\n"
+        "import asyncflat.plan.permutation\n"
+        "impl = sys.modules['asyncflat.plan.permutation']\n"
         "impl.warm_up(2**16 + 1)\n"
         "results = {}\n"
         "def work(seed):\n"
@@ -204,8 +204,8 @@ def test_warm_up_returns_before_the_compile_finishes() -> None:
     # The loader calls warm_up in its constructor; the compile must not be on that path.
     script = (
         "import sys, time\n"
-        "import asyncflat.permutation\n"
-        "impl = sys.modules['asyncflat.permutation']\n"
+        "import asyncflat.plan.permutation\n"
+        "impl = sys.modules['asyncflat.plan.permutation']\n"
         "start = time.perf_counter()\n"
         "impl.warm_up(2**20)\n"
         "returned = time.perf_counter() - start\n"
@@ -225,8 +225,8 @@ def test_sizes_up_to_2_16_never_compile_the_kernel() -> None:
     script = (
         "import sys\n"
         "import numpy as np\n"
-        "import asyncflat.permutation\n"
-        "impl = sys.modules['asyncflat.permutation']\n"
+        "import asyncflat.plan.permutation\n"
+        "impl = sys.modules['asyncflat.plan.permutation']\n"
         "impl.warm_up(2**16)\n"
         "first = impl.permutation(3, 40_000)\n"
         "edge = impl.permutation(4, 2**16)\n"
@@ -261,8 +261,8 @@ def test_exit_waits_for_a_background_compile() -> None:
     # exited segfaulted in ~1 of 4 runs). The exit must wait for the compile to finish.
     script = (
         "import atexit, sys\n"
-        "import asyncflat.permutation\n"
-        "impl = sys.modules['asyncflat.permutation']\n"
+        "import asyncflat.plan.permutation\n"
+        "impl = sys.modules['asyncflat.plan.permutation']\n"
         "def report():\n"  # registered first, so it runs after the module's own exit hook
         "    print(impl._warm_up_thread.is_alive(), impl._kernel is not None)\n"
         "atexit.register(report)\n"

@@ -1,4 +1,4 @@
-"""Property tests of the pure index math (asyncflat.plan) against brute force and the oracle."""
+"""Property tests of the pure index math (asyncflat.plan.shuffle) against brute force and the oracle."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from asyncflat import (
     StepOutOfRangeError,
     TokenBatchParams,
 )
-from asyncflat.plan import NEVER
+from asyncflat.plan.shuffle import NEVER
 
 
 @st.composite

@@ -223,7 +223,7 @@ def test_the_flat_tokens_path_imports_no_hugging_face_stack(stand_in: Path, data
         )
         loader.load(0)
         loader.close()
-        heavy = ["transformers", "torch", "datasets", "tokenizers", "asyncflat.hf"]
+        heavy = ["transformers", "torch", "datasets", "tokenizers", "asyncflat.integrations.hf"]
         print([m for m in heavy if m in sys.modules])
         """
     )

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from asyncflat._single_flight import SingleFlight
+from asyncflat.storage.single_flight import SingleFlight
 
 
 def run(coro_fn: Callable[[], Coroutine[Any, Any, Any]]) -> Any:

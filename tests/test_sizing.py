@@ -9,7 +9,7 @@ import pytest
 
 import asyncflat
 from asyncflat import FlatTokensParams, ShufflePlan, ShufflingLoader, TokenBatchParams
-from asyncflat.sizing import coverage, dropped_warning, format_bytes
+from asyncflat.plan.coverage import coverage, dropped_warning, format_bytes
 
 
 def _plan(streams: int, spb: int, batch: int, *, packing: bool = True, tokens: int = 1600):

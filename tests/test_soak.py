@@ -27,7 +27,7 @@ from asyncflat import (
     ShufflingLoader,
     TokenBatchParams,
 )
-from asyncflat.faults import FaultyStore
+from asyncflat.testing.faults import FaultyStore
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 

@@ -14,8 +14,8 @@ from zarr.core.buffer import default_buffer_prototype
 from zarr.storage import MemoryStore
 
 from asyncflat import CorruptChunkError, RetryPolicy, TransientStorageError
-from asyncflat.faults import FaultyStore
 from asyncflat.storage import AdaptiveLimiter, GuardedStore, IOCounters
+from asyncflat.testing.faults import FaultyStore
 
 PROTO = default_buffer_prototype()
 

@@ -243,7 +243,7 @@ def test_permutations_ahead_run_on_the_loops_background_thread_not_its_cpu_pool(
     (tens of ms at 2**16 rows, one per stream) must never queue there before them."""
     import threading
 
-    from asyncflat._loop import LoopThread
+    from asyncflat.engine.loop import LoopThread
 
     names: list[str] = []
 

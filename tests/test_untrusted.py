@@ -134,7 +134,7 @@ def write_store(path: Path, **kwargs: Any) -> Path:
 
 def write_zarr_store(path: Path, codec: Any, *, zarr_format: int = 3, chunk: int = 64) -> Path:
     """A flat-tokens store written with plain zarr and the given compressor on both arrays."""
-    from asyncflat.format import encode_sequences
+    from asyncflat.format.codec import encode_sequences
 
     encoded, lengths = encode_sequences(sequences())
     starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.uint64)
@@ -332,7 +332,7 @@ def test_stores_with_other_codecs_still_read_right(tmp_path: Path) -> None:
     from numcodecs import BZ2, LZ4, GZip, Zlib, Zstd
     from zarr.codecs import GzipCodec, ZstdCodec
 
-    from asyncflat.format import open_split
+    from asyncflat.format.split import open_split
     from asyncflat.storage.guarded import guard_store
 
     for i, (codec, fmt) in enumerate(

@@ -43,7 +43,7 @@ vm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.start
 import asyncio, numpy as np, zarr
 import asyncflat
 from asyncflat.errors import AsyncflatError
-from asyncflat.format import open_split
+from asyncflat.format.split import open_split
 from asyncflat.inspection import describe_split, verify_split
 vm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize"))
 resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), vm + (1 << 30)))
@@ -59,7 +59,7 @@ def outcome(fn):
         return {"foreign": type(exc).__name__, "message": str(exc)[:400]}
 
 async def guarded_read():
-    from asyncflat.source import ZarrTokenSource
+    from asyncflat.source.zarr_source import ZarrTokenSource
 
     source = await ZarrTokenSource.open(path, "train")
     try:

@@ -21,10 +21,10 @@ import pytest
 import zarr
 from conftest import random_sequences
 
-import asyncflat.source
+import asyncflat.source.zarr_source
 from asyncflat import CorruptChunkError, FlatTokensWriter
-from asyncflat.format import encode_sequences
-from asyncflat.source import ZarrTokenSource
+from asyncflat.format.codec import encode_sequences
+from asyncflat.source.zarr_source import ZarrTokenSource
 
 pytestmark = pytest.mark.timeout(30)  # a hang (a FIFO opened blocking) fails, not waits
 
@@ -61,7 +61,10 @@ def read_rows(
     """Open the split, read rows of chunk 0, ``plant`` something at chunk 1's file, read rows
     of chunk 1. Returns the files ``pread`` was asked for and the rows read (or the error)."""
     calls: list[tuple[str, str]] = []
-    real_pread, real_pread_into = asyncflat.source.pread, asyncflat.source.pread_into
+    real_pread, real_pread_into = (
+        asyncflat.source.zarr_source.pread,
+        asyncflat.source.zarr_source.pread_into,
+    )
 
     def spy(root: str, key: str, *args: Any, **kwargs: Any) -> bytes:
         calls.append((root, key))
@@ -71,8 +74,8 @@ def read_rows(
         calls.append((root, key))
         real_pread_into(root, key, *args, **kwargs)
 
-    monkeypatch.setattr(asyncflat.source, "pread", spy)
-    monkeypatch.setattr(asyncflat.source, "pread_into", spy_into)
+    monkeypatch.setattr(asyncflat.source.zarr_source, "pread", spy)
+    monkeypatch.setattr(asyncflat.source.zarr_source, "pread_into", spy_into)
 
     async def main() -> Any:
         source = await ZarrTokenSource.open(str(path), "train")

@@ -171,7 +171,7 @@ class _EchoingFileSystem:
 
 
 def open_source(url: str, options: dict[str, object]) -> BaseException:
-    from asyncflat.source import ZarrTokenSource
+    from asyncflat.source.zarr_source import ZarrTokenSource
 
     async def main() -> None:
         await ZarrTokenSource.open(url, "train", storage_options=options)
@@ -228,7 +228,7 @@ def test_a_read_error_that_repeats_an_option_value_is_scrubbed(
     caplog.set_level(logging.DEBUG)
     from zarr.storage import WrapperStore
 
-    from asyncflat.source import ZarrTokenSource
+    from asyncflat.source.zarr_source import ZarrTokenSource
 
     rng = np.random.default_rng(2)
     asyncflat.write_flat_tokens(

@@ -1,4 +1,4 @@
-"""Tests of asyncflat.writer: round trips, stored layout, bounded buffering and crash safety."""
+"""Tests of asyncflat.writer.flat_tokens: round trips, stored layout, bounded buffering and crash safety."""
 
 from __future__ import annotations
 
@@ -26,8 +26,9 @@ from asyncflat.errors import (
     LoaderClosedError,
     StorageError,
 )
-from asyncflat.format import SplitArrays, decode, open_split
-from asyncflat.writer import FlatTokensWriter, write_flat_tokens
+from asyncflat.format.codec import decode
+from asyncflat.format.split import SplitArrays, open_split
+from asyncflat.writer.flat_tokens import FlatTokensWriter, write_flat_tokens
 
 # (zarr_format, chunk_tokens, shard_tokens)
 LAYOUTS = [
@@ -451,7 +452,7 @@ def test_dropped_writer_removes_staging(tmp_path: Path) -> None:
 
 CRASHING_WRITER = """
 import os, sys
-from asyncflat.writer import FlatTokensWriter
+from asyncflat.writer.flat_tokens import FlatTokensWriter
 w = FlatTokensWriter(sys.argv[1], chunk_tokens=4, overwrite=True)
 w.append("train", [list(range(1, 50))] * 10)
 os._exit(0)  # as if killed: no close(), no __exit__, no finalizers

@@ -46,7 +46,7 @@ def batches(seed, count):
 
 CHILD = """
 import os, signal, sys
-import asyncflat._output as output
+import asyncflat.writer.output as output
 from asyncflat import FlatTokensWriter
 
 path, seed, count, overwrite, kill_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", sys.argv[5]

@@ -18,7 +18,7 @@ import pytest
 import zarr.storage._local as zarr_local
 
 from asyncflat.errors import AsyncflatError, ConfigError, StorageError
-from asyncflat.writer import FlatTokensWriter, write_flat_tokens
+from asyncflat.writer.flat_tokens import FlatTokensWriter, write_flat_tokens
 
 REPO = str(Path(__file__).resolve().parents[1])
 
@@ -66,7 +66,7 @@ def test_disk_full_is_a_storage_error_and_in_flight_writes_end_before_cleanup(
 TINY_DISK_SCRIPT = """
 import os, sys, time
 import numpy as np
-from asyncflat.writer import write_flat_tokens
+from asyncflat.writer.flat_tokens import write_flat_tokens
 from asyncflat.errors import StorageError
 root = sys.argv[1]
 rng = np.random.default_rng(0)
@@ -158,7 +158,7 @@ def test_importing_the_writer_does_not_import_jax() -> None:
     code = textwrap.dedent(
         """
         import sys
-        import asyncflat.writer, asyncflat.convert
+        import asyncflat.writer.flat_tokens, asyncflat.writer.convert
         assert "jax" not in sys.modules, sorted(m for m in sys.modules if m.startswith("jax"))
         import asyncflat
         assert "jax" not in sys.modules

@@ -21,9 +21,10 @@ from conftest import random_sequences
 from zarr.core.buffer import default_buffer_prototype
 
 from asyncflat.errors import ConfigError, DatasetFormatError, StorageError
-from asyncflat.format import SPLITS, open_split
-from asyncflat.source import _close_filesystem, _make_store
-from asyncflat.writer import FlatTokensWriter, OutputExistsError, write_flat_tokens
+from asyncflat.format.codec import SPLITS
+from asyncflat.format.split import open_split
+from asyncflat.source.zarr_source import _close_filesystem, _make_store
+from asyncflat.writer.flat_tokens import FlatTokensWriter, OutputExistsError, write_flat_tokens
 
 BUCKET = "asyncflat-test"
 LAYOUTS: dict[str, dict[str, Any]] = {

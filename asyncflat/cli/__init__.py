@@ -29,7 +29,7 @@ command (:mod:`.demo`, :mod:`.inspect_cmd`, :mod:`.convert_cmd`, :mod:`.bench`) 
 
 from __future__ import annotations
 
-from .entry import main
-from .parser import build_parser
+from asyncflat.cli.entry import main
+from asyncflat.cli.parser import build_parser
 
 __all__ = ["build_parser", "main"]

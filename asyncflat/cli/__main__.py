@@ -2,7 +2,7 @@
 
 import sys
 
-from .entry import main
+from asyncflat.cli.entry import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..errors import AsyncflatError, ConfigError
+from asyncflat.errors import AsyncflatError, ConfigError
 
 __all__ = ["cmd_bench", "find_bench_dir"]
 

@@ -6,8 +6,8 @@ import argparse
 import json
 from typing import Any
 
-from ..errors import AsyncflatError, ConfigError, StorageError
-from .output import print_json
+from asyncflat.cli.output import print_json
+from asyncflat.errors import AsyncflatError, ConfigError, StorageError
 
 __all__ = ["cmd_convert"]
 
@@ -19,7 +19,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         raise ConfigError("--ray-address and --work-dir need --engine ray")
     if args.engine == "ray" and args.hf_dataset:
         raise ConfigError("--engine ray converts files; --hf-dataset runs on this machine only")
-    from ..writer import OutputExistsError
+    from asyncflat.writer.flat_tokens import OutputExistsError
 
     try:
         report = _run_convert(args)
@@ -68,13 +68,13 @@ def _run_convert(args: argparse.Namespace) -> Any:
         max_document_bytes=args.max_document_bytes,
     )
     if args.hf_dataset:
-        from ..hf import convert_hf_dataset
+        from asyncflat.integrations.hf import convert_hf_dataset
 
         return convert_hf_dataset(
             args.hf_dataset, args.output, name=args.hf_name, text_field=args.text_field, **options
         )
     if args.engine == "ray":
-        from ..distributed import convert_distributed
+        from asyncflat.writer.distributed import convert_distributed
 
         del options["workers"]  # the cluster's CPUs are the workers
         return convert_distributed(
@@ -88,7 +88,7 @@ def _run_convert(args: argparse.Namespace) -> Any:
             work_dir=args.work_dir,
             **options,
         )
-    from ..convert import convert_files
+    from asyncflat.writer.convert import convert_files
 
     return convert_files(
         args.inputs,

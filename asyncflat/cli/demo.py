@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .output import human_bytes, ms, print_json
+from asyncflat.cli.output import human_bytes, ms, print_json
 
 __all__ = ["cmd_demo"]
 
@@ -23,7 +23,7 @@ def _synthetic_dataset(
     """Zipf-distributed token ids (id 0 left free) in log-normal-length documents."""
     import numpy as np
 
-    from ..writer import FlatTokensWriter
+    from asyncflat.writer.flat_tokens import FlatTokensWriter
 
     rng = np.random.default_rng(seed)
     ranks = np.arange(1, vocab, dtype=np.float64)
@@ -44,7 +44,7 @@ def _demo_sharding(batch: int) -> Any:
     import jax
     from jax.sharding import SingleDeviceSharding
 
-    from ..loader import default_sharding
+    from asyncflat.loader.shuffling import default_sharding
 
     if batch % len(jax.devices()) == 0:
         return default_sharding()
@@ -86,8 +86,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     import numpy as np
     from tqdm.auto import tqdm
 
-    from ..config import EngineOptions, FlatTokensParams, TokenBatchParams
-    from ..loader import ShufflingLoader
+    from asyncflat.config import EngineOptions, FlatTokensParams, TokenBatchParams
+    from asyncflat.loader.shuffling import ShufflingLoader
 
     tmp = None
     if args.path is None:
@@ -209,7 +209,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _demo_plot(args: argparse.Namespace, latencies: Any, first_steps: list[int]) -> None:
-    from ..plotting import machine_description, plot_boundary_latency
+    from asyncflat.cli.stall_figure import machine_description, plot_boundary_latency
 
     label = "asyncflat (prefetch)" if not args.no_prefetch else "synchronous fills (no prefetch)"
     caption = (

@@ -9,8 +9,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ..errors import AsyncflatError, ConfigError
-from .parser import build_parser
+from asyncflat.cli.parser import build_parser
+from asyncflat.errors import AsyncflatError, ConfigError
 
 __all__ = ["main"]
 

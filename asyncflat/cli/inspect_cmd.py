@@ -6,8 +6,8 @@ import argparse
 import logging
 from typing import Any
 
-from ..errors import ConfigError
-from .output import human_bytes, print_json
+from asyncflat.cli.output import human_bytes, print_json
+from asyncflat.errors import ConfigError
 
 __all__ = ["cmd_inspect"]
 
@@ -75,7 +75,7 @@ def _print_figures(f: Any, args: argparse.Namespace, spb: int) -> None:
 
 
 def _inspect_mixture(args: argparse.Namespace) -> int:
-    from ..mixture.figures import figures_text, inspect_mixture
+    from asyncflat.inspection.mixture import figures_text, inspect_mixture
 
     figures = inspect_mixture(args.path, args.len, args.batch, args.split, args.hosts)
     if args.json:
@@ -86,16 +86,16 @@ def _inspect_mixture(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from ..config import FlatTokensParams, TokenBatchParams
-    from ..format import SPLITS
-    from ..inspection import describe_split, loader_figures, verify_split
+    from asyncflat.config import FlatTokensParams, TokenBatchParams
+    from asyncflat.format.codec import SPLITS
+    from asyncflat.inspection import describe_split, loader_figures, verify_split
 
     if args.mixture:
         return _inspect_mixture(args)
     splits = [args.split] if args.split else list(SPLITS)
     loader_args = (args.len, args.batch)
     spb = args.sequences_per_block or (max(1, (1 << 20) // args.len) if args.len else 1)
-    from ..errors import redact
+    from asyncflat.errors import redact
 
     report: dict[str, Any] = {"path": redact(args.path), "splits": {}}
     if not args.json:

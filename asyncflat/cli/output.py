@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from ..sizing import format_bytes as human_bytes
+from asyncflat.plan.coverage import format_bytes as human_bytes
 
 __all__ = ["human_bytes", "ms", "non_negative_float", "positive", "print_json"]
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import argparse
 import os
 
-from .bench import cmd_bench
-from .convert_cmd import cmd_convert
-from .demo import cmd_demo
-from .inspect_cmd import cmd_inspect
-from .output import non_negative_float, positive
+from asyncflat.cli.bench import cmd_bench
+from asyncflat.cli.convert_cmd import cmd_convert
+from asyncflat.cli.demo import cmd_demo
+from asyncflat.cli.inspect_cmd import cmd_inspect
+from asyncflat.cli.output import non_negative_float, positive
 
 __all__ = ["build_parser"]
 
@@ -42,7 +42,7 @@ def _global_options(sub: bool) -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .. import __version__
+    from asyncflat import __version__
 
     parser = argparse.ArgumentParser(
         prog="asyncflat",

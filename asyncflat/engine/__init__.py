@@ -22,7 +22,7 @@ One job per module:
 * :mod:`.core`: the :class:`Engine` that composes them: ``gather`` (on the loop), ``try_gather``
   (from the caller's thread, for finished buffers), ``stats``, ``interval_stats``, ``aclose``.
 
-The engine reads through a :class:`~asyncflat.source.TokenSource`: the reader decides how to
+The engine reads through a :class:`~asyncflat.source.zarr_source.TokenSource`: the reader decides how to
 decode (direct Blosc, raw, or zarr) and owns its caches; the engine decides what to read, in
 which order, and when a buffer may be written.
 
@@ -33,7 +33,7 @@ that fill raises the error (with the array, range and cause), the fill is droppe
 load that needs the same minipoch starts it afresh. Steps served from other fills are unaffected.
 """
 
-from .core import Engine
-from .stats import ActiveFill, EngineStats, FillRecord, IntervalStats
+from asyncflat.engine.core import Engine
+from asyncflat.engine.stats import ActiveFill, EngineStats, FillRecord, IntervalStats
 
 __all__ = ["ActiveFill", "Engine", "EngineStats", "FillRecord", "IntervalStats"]

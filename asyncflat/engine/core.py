@@ -4,7 +4,7 @@ It composes the pieces of this package: the fill table and its buffers (:mod:`.t
 :mod:`.fill`), the unit scheduler (:mod:`.scheduler`) and the reads its workers run
 (:mod:`.units`), what a load does about each fill it reads (:mod:`.waiting`), row reads for
 loads ahead of their blocks (:mod:`.rows`) and the figures (:mod:`.recorder`, :mod:`.stats`),
-over a :class:`~asyncflat.source.TokenSource`.
+over a :class:`~asyncflat.source.zarr_source.TokenSource`.
 """
 
 from __future__ import annotations
@@ -18,18 +18,18 @@ from typing import Any
 
 import numpy as np
 
-from ..config import EngineOptions
-from ..errors import LoaderClosedError
-from ..plan import ShufflePlan
-from ..source import TokenSource
-from .fill import Fill, Unit
-from .recorder import Recorder
-from .rows import RowReader
-from .scheduler import UnitScheduler
-from .stats import EngineStats, IntervalStats
-from .table import FillTable, Groups
-from .units import UnitReader, inflight_budget
-from .waiting import FillWaiter
+from asyncflat.config import EngineOptions
+from asyncflat.engine.fill import Fill, Unit
+from asyncflat.engine.recorder import Recorder
+from asyncflat.engine.rows import RowReader
+from asyncflat.engine.scheduler import UnitScheduler
+from asyncflat.engine.stats import EngineStats, IntervalStats
+from asyncflat.engine.table import FillTable, Groups
+from asyncflat.engine.units import UnitReader, inflight_budget
+from asyncflat.engine.waiting import FillWaiter
+from asyncflat.errors import LoaderClosedError
+from asyncflat.plan.shuffle import ShufflePlan
+from asyncflat.source.zarr_source import TokenSource
 
 __all__ = ["Engine"]
 

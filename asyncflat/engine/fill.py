@@ -23,10 +23,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..errors import DatasetFormatError
-from ..plan import ShufflePlan
-from ..source import TokenSource
-from .stats import FillProgress
+from asyncflat.engine.stats import FillProgress
+from asyncflat.errors import DatasetFormatError
+from asyncflat.plan.shuffle import ShufflePlan
+from asyncflat.source.zarr_source import TokenSource
 
 __all__ = [
     "EXTRA_BUFFERS",

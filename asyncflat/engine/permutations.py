@@ -1,7 +1,7 @@
 """Row permutations of the shuffle buffers, computed before the fills that need them.
 
 A fill needs its buffer's row permutation the moment it starts. Buffers of up to ``2**16`` rows
-take the plain Python path of :func:`~asyncflat.permutation.permutation` (no compile), which
+take the plain Python path of :func:`~asyncflat.plan.permutation.permutation` (no compile), which
 holds the GIL for ~1 ms per 4,096 rows: started on the loop thread at a minipoch boundary, it
 made the trainer's next ``load()`` wait for the GIL (a switch interval, 5 ms, or more). So when
 a fill of minipoch ``m`` starts, the permutation of ``m + 1`` is computed on the loop's one
@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .._loop import background_executor
-from ..plan import ShufflePlan
+from asyncflat.engine.loop import background_executor
+from asyncflat.plan.shuffle import ShufflePlan
 
 __all__ = ["RowPermutations"]
 

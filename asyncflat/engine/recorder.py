@@ -13,10 +13,8 @@ from typing import Protocol
 
 import numpy as np
 
-from ..sizing import format_bytes
-from ..storage.counters import IOCounters
-from .fill import Fill
-from .stats import (
+from asyncflat.engine.fill import Fill
+from asyncflat.engine.stats import (
     ActiveFill,
     EngineStats,
     FillHistory,
@@ -27,6 +25,8 @@ from .stats import (
     StepLog,
     StepRate,
 )
+from asyncflat.plan.coverage import format_bytes
+from asyncflat.storage.counters import IOCounters
 
 __all__ = ["Recorder"]
 

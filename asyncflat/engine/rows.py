@@ -2,7 +2,7 @@
 
 A step's rows are scattered over most of a buffer's blocks (the in-buffer permutation), so
 waiting for whole blocks after a resume or behind a late fill would cost most of a fill; a few
-rows cost a few small reads (:meth:`~asyncflat.source.TokenSource.read_items`: for Blosc, the
+rows cost a few small reads (:meth:`~asyncflat.source.zarr_source.TokenSource.read_items`: for Blosc, the
 frame's header and block table, shared, and the compressed blocks holding the row).
 """
 
@@ -14,11 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from ..plan import ShufflePlan
-from ..source import TokenSource
-from ..storage.limiter import DEMAND
-from .fill import Fill
-from .scheduler import UnitScheduler
+from asyncflat.engine.fill import Fill
+from asyncflat.engine.scheduler import UnitScheduler
+from asyncflat.plan.shuffle import ShufflePlan
+from asyncflat.source.zarr_source import TokenSource
+from asyncflat.storage.limiter import DEMAND
 
 __all__ = ["RowReader"]
 

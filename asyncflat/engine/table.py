@@ -24,11 +24,11 @@ from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 
-from ..errors import LoaderClosedError
-from ..plan import ShufflePlan
-from .fill import BufferPair, Fill, Unit, forget, plan_units
-from .permutations import RowPermutations
-from .stats import FillProgress
+from asyncflat.engine.fill import BufferPair, Fill, Unit, forget, plan_units
+from asyncflat.engine.permutations import RowPermutations
+from asyncflat.engine.stats import FillProgress
+from asyncflat.errors import LoaderClosedError
+from asyncflat.plan.shuffle import ShufflePlan
 
 __all__ = ["FillTable"]
 

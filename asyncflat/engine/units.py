@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import asyncio
 
-from .._heap import trim_later
-from ..config import EngineOptions
-from ..plan import ShufflePlan
-from ..source import TokenSource
-from ..storage.limiter import DEMAND
-from .fill import FillWriter, Unit, read_unpacked_rows
-from .recorder import Recorder, log
+from asyncflat.config import EngineOptions
+from asyncflat.engine.fill import FillWriter, Unit, read_unpacked_rows
+from asyncflat.engine.heap import trim_later
+from asyncflat.engine.recorder import Recorder, log
+from asyncflat.plan.shuffle import ShufflePlan
+from asyncflat.source.zarr_source import TokenSource
+from asyncflat.storage.limiter import DEMAND
 
 __all__ = ["UnitReader", "inflight_budget", "inflight_budget_for"]
 

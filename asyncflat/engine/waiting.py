@@ -12,14 +12,14 @@ from typing import NoReturn
 
 import numpy as np
 
-from ..config import EngineOptions
-from ..errors import AsyncflatError, LoaderClosedError, StorageError
-from ..plan import NEVER, ShufflePlan
-from .fill import Fill, Unit
-from .recorder import Recorder
-from .rows import RowReader
-from .scheduler import UnitScheduler
-from .table import FillTable
+from asyncflat.config import EngineOptions
+from asyncflat.engine.fill import Fill, Unit
+from asyncflat.engine.recorder import Recorder
+from asyncflat.engine.rows import RowReader
+from asyncflat.engine.scheduler import UnitScheduler
+from asyncflat.engine.table import FillTable
+from asyncflat.errors import AsyncflatError, LoaderClosedError, StorageError
+from asyncflat.plan.shuffle import NEVER, ShufflePlan
 
 __all__ = ["ROWS_AHEAD_STEPS", "FillWaiter", "raise_with_context"]
 

@@ -20,10 +20,10 @@ source, checked windowed reads), and one module per call (:mod:`.describe`, :mod
 
 from __future__ import annotations
 
-from .describe import describe_split
-from .figures import loader_figures
-from .results import LengthStats, LoaderFigures, SplitSummary, VerifyReport
-from .verify import verify_split
+from asyncflat.inspection.describe import describe_split
+from asyncflat.inspection.figures import loader_figures
+from asyncflat.inspection.results import LengthStats, LoaderFigures, SplitSummary, VerifyReport
+from asyncflat.inspection.verify import verify_split
 
 __all__ = [
     "LengthStats",

@@ -8,11 +8,11 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import redact
-from ..format import SplitArrays
-from ..storage.filesystems import close_store
-from .results import LengthStats, SplitSummary
-from .scan import _open_arrays, _open_source, _run, _seq_start_windows
+from asyncflat.errors import redact
+from asyncflat.format.split import SplitArrays
+from asyncflat.inspection.results import LengthStats, SplitSummary
+from asyncflat.inspection.scan import _open_arrays, _open_source, _run, _seq_start_windows
+from asyncflat.storage.filesystems import close_store
 
 __all__ = ["describe_split"]
 

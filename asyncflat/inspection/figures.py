@@ -7,12 +7,12 @@ from typing import Any
 
 import numpy as np
 
-from ..config import EngineOptions, FlatTokensParams, TokenBatchParams
-from ..errors import ConfigError, DatasetTooLargeError
-from ..plan import ShufflePlan
-from . import scan
-from .results import LoaderFigures, SplitSummary
-from .scan import _open_source, _run, _seq_start_windows
+from asyncflat.config import EngineOptions, FlatTokensParams, TokenBatchParams
+from asyncflat.errors import ConfigError, DatasetTooLargeError
+from asyncflat.inspection import scan
+from asyncflat.inspection.results import LoaderFigures, SplitSummary
+from asyncflat.inspection.scan import _open_source, _run, _seq_start_windows
+from asyncflat.plan.shuffle import ShufflePlan
 
 __all__ = ["loader_figures"]
 
@@ -101,8 +101,8 @@ def _inflight_stored_bytes(
 ) -> int:
     """Compressed bytes of a fill's reads in flight at their most: the engine's decoded-bytes
     budget (default options) at the store's compression ratio."""
-    from ..engine.units import inflight_budget_for
-    from ..storage.filesystems import is_remote
+    from asyncflat.engine.units import inflight_budget_for
+    from asyncflat.storage.filesystems import is_remote
 
     remote = is_remote(getattr(summary, "_filespec", summary.filespec))
     budget = inflight_budget_for(plan, summary.chunk_tokens, remote=remote, options=EngineOptions())

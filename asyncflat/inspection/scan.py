@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from .._loop import LoopThread
-from ..errors import (
+from asyncflat.engine.loop import LoopThread
+from asyncflat.errors import (
     AsyncflatError,
     CorruptChunkError,
     DatasetFormatError,
@@ -19,9 +19,9 @@ from ..errors import (
     option_secrets,
     scrubbed,
 )
-from ..format import SplitArrays, open_split
-from ..source import ZarrTokenSource
-from ..storage.filesystems import close_store, construction_error, make_store
+from asyncflat.format.split import SplitArrays, open_split
+from asyncflat.source.zarr_source import ZarrTokenSource
+from asyncflat.storage.filesystems import close_store, construction_error, make_store
 
 #: Tokens / seq_starts entries read per request while scanning (rounded to whole chunks):
 #: 16 MiB of tokens and 8 MiB of offsets, so a scan's memory stays bounded.

@@ -9,13 +9,19 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..errors import DatasetFormatError, redact
-from ..format import SplitArrays
-from ..source import ZarrTokenSource
-from ..storage.filesystems import close_store
-from . import scan
-from .results import VerifyReport
-from .scan import _open_arrays, _open_source, _read_checked, _run, _seq_start_windows
+from asyncflat.errors import DatasetFormatError, redact
+from asyncflat.format.split import SplitArrays
+from asyncflat.inspection import scan
+from asyncflat.inspection.results import VerifyReport
+from asyncflat.inspection.scan import (
+    _open_arrays,
+    _open_source,
+    _read_checked,
+    _run,
+    _seq_start_windows,
+)
+from asyncflat.source.zarr_source import ZarrTokenSource
+from asyncflat.storage.filesystems import close_store
 
 __all__ = ["verify_split"]
 

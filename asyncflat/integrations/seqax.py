@@ -20,11 +20,16 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "`import shardlib.shardtypes` works)"
     ) from exc
 
-from ..batch import BatchType
-from ..config import EngineOptions, FlatTokensParams, HuggingFaceDataParams, TokenBatchParams
-from ..errors import ConfigError
-from ..loader import get_loader as _get_loader
-from ..mixture.config import MixtureParams
+from asyncflat.config import (
+    EngineOptions,
+    FlatTokensParams,
+    HuggingFaceDataParams,
+    TokenBatchParams,
+)
+from asyncflat.errors import ConfigError
+from asyncflat.integrations.reference import get_loader as _get_loader
+from asyncflat.loader.batch import BatchType
+from asyncflat.loader.mixture.config import MixtureParams
 
 __all__ = ["batch_sharding", "get_loader"]
 

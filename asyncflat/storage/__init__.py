@@ -15,7 +15,7 @@
 * :mod:`.chunks`: chunk objects the reader decodes itself (codec detection, ``Frame``, crc32c).
 * :mod:`.faults`: a store wrapper that injects latency, errors and damaged bytes (tests, benches).
 
-The reader (:mod:`asyncflat.source`) sits on top of these; the engine never sees them.
+The reader (:mod:`asyncflat.source.zarr_source`) sits on top of these; the engine never sees them.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .counters import IOCounters
-    from .guarded import GuardedStore, PerKeyWrapperStore, describe_range
-    from .limiter import AdaptiveLimiter
+    from asyncflat.storage.counters import IOCounters
+    from asyncflat.storage.guarded import GuardedStore, PerKeyWrapperStore, describe_range
+    from asyncflat.storage.limiter import AdaptiveLimiter
 
 __all__ = [
     "AdaptiveLimiter",

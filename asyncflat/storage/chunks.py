@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CorruptChunkError
-from ..format import SplitArrays
-from . import blosc as _blosc
+from asyncflat.errors import CorruptChunkError
+from asyncflat.format.split import SplitArrays
+from asyncflat.storage import blosc as _blosc
 
 __all__ = ["Frame", "blosc_frame_prefixes", "numpy_dtype", "raw_codec", "without_crc32c"]
 

@@ -27,7 +27,7 @@ from zarr.abc.store import ByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.storage import FsspecStore, LocalStore, WrapperStore
 
-from ..errors import (
+from asyncflat.errors import (
     AsyncflatError,
     ConfigError,
     DatasetFormatError,
@@ -37,8 +37,8 @@ from ..errors import (
     redact,
     scrubbed,
 )
-from .local_files import file_kind, is_remote, is_url, pread, pread_into
-from .obstore_client import client_of, make_obstore_store, without_client
+from asyncflat.storage.local_files import file_kind, is_remote, is_url, pread, pread_into
+from asyncflat.storage.obstore_client import client_of, make_obstore_store, without_client
 
 __all__ = [
     "OWN_RETRIES_OPTION",

@@ -5,7 +5,7 @@ whole source (adaptively, see :mod:`.limiter`), retries transient failures (:mod
 counts bytes and requests, refuses silently-missing or truncated chunks (zarr would read them
 as fill values, i.e. wrong data), checks Blosc frames before any decoder sees them, and names
 the object and byte range in every error. Shard indexes are read once per shard through one
-:class:`~asyncflat._single_flight.SingleFlight` cache.
+:class:`~asyncflat.storage.single_flight.SingleFlight` cache.
 """
 
 from __future__ import annotations
@@ -28,9 +28,8 @@ from zarr.abc.store import (
 from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
 from zarr.storage import LocalStore, WrapperStore
 
-from .._single_flight import SingleFlight
-from ..config import RetryPolicy
-from ..errors import (
+from asyncflat.config import RetryPolicy
+from asyncflat.errors import (
     AsyncflatError,
     CorruptChunkError,
     DatasetFormatError,
@@ -40,12 +39,19 @@ from ..errors import (
     redact,
     scrubbed,
 )
-from .blosc import frame_problem
-from .counters import IOCounters
-from .gate import METADATA_MAX_BYTES, ChunkGate, ChunkRejected, UnsupportedCodec, gate_for
-from .limiter import AdaptiveLimiter
-from .local_files import file_kind
-from .retry import is_throttle, retrying
+from asyncflat.storage.blosc import frame_problem
+from asyncflat.storage.counters import IOCounters
+from asyncflat.storage.gate import (
+    METADATA_MAX_BYTES,
+    ChunkGate,
+    ChunkRejected,
+    UnsupportedCodec,
+    gate_for,
+)
+from asyncflat.storage.limiter import AdaptiveLimiter
+from asyncflat.storage.local_files import file_kind
+from asyncflat.storage.retry import is_throttle, retrying
+from asyncflat.storage.single_flight import SingleFlight
 
 __all__ = [
     "METADATA_SUFFIXES",

@@ -16,7 +16,7 @@ import stat
 
 import numpy as np
 
-from ..errors import CorruptChunkError, StorageError
+from asyncflat.errors import CorruptChunkError, StorageError
 
 __all__ = ["file_kind", "is_remote", "is_url", "pread", "pread_into", "read_object"]
 

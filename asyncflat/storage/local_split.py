@@ -18,9 +18,9 @@ import json
 import os
 from typing import Any
 
-from ..format import MANY_CHUNKS, MIN_CHUNK_ELEMENTS, SPLITS, TOKEN_ID_LIMIT
-from .gate import METADATA_MAX_BYTES, ChunkGate, _Compressor
-from .local_files import read_object
+from asyncflat.format.codec import MANY_CHUNKS, MIN_CHUNK_ELEMENTS, SPLITS, TOKEN_ID_LIMIT
+from asyncflat.storage.gate import METADATA_MAX_BYTES, ChunkGate, _Compressor
+from asyncflat.storage.local_files import read_object
 
 __all__ = ["LocalArray", "LocalSplit", "parse_local_split"]
 
@@ -156,7 +156,7 @@ def _parse(root: str, split: str, name: str) -> LocalSplit | None:
 
 
 def _chunking_ok(array: LocalArray) -> bool:
-    """The rule zarr's open applies too (see :data:`~asyncflat.format.MANY_CHUNKS`), and no
+    """The rule zarr's open applies too (see :data:`~asyncflat.format.split.MANY_CHUNKS`), and no
     chunk bigger than a Blosc buffer (a chunk's buffer is allocated before its object is read)."""
     count = -(-array.length // array.chunk)
     if array.chunk_nbytes > _MAX_CHUNK_BYTES:

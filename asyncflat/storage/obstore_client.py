@@ -19,7 +19,7 @@ import urllib.parse
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError, error_text, redact
+from asyncflat.errors import ConfigError, error_text, redact
 
 if TYPE_CHECKING:
     from zarr.abc.store import Store

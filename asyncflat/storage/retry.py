@@ -15,8 +15,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from ..config import RetryPolicy
-from ..errors import StorageError, TransientStorageError, error_text
+from asyncflat.config import RetryPolicy
+from asyncflat.errors import StorageError, TransientStorageError, error_text
 
 __all__ = ["is_throttle", "is_transient", "retrying"]
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from asyncflat.source import IOCounters, Targets, TokenSource, UnitWriter
+from asyncflat.source.zarr_source import IOCounters, Targets, TokenSource, UnitWriter
 
 SEQ_LEN = 8
 

@@ -1,6 +1,6 @@
 """Write datasets in seqax's exact zarr-format-2 layout, with plain zarr and numpy only.
 
-This is an oracle independent of :mod:`asyncflat.writer`: it encodes with its own few lines of
+This is an oracle independent of :mod:`asyncflat.writer.flat_tokens`: it encodes with its own few lines of
 numpy, so a bug in asyncflat's encoder cannot hide in a round trip. The layout matches what
 seqax's tools (zarr 2.x) wrote: Blosc lz4 clevel 5 bitshuffle, 4,194,304-token chunks with
 ``fill_value`` null, ``seq_starts`` in 65,536-entry chunks with a ``Delta('<i8')`` filter.

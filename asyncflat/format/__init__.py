@@ -1,0 +1,27 @@
+"""The flat-tokens format: the token codec and the opening and validation of one split.
+
+* :mod:`.codec`: ``2*id + 1`` at a sequence start, else ``2*id``; encode and decode (pure numpy).
+* :mod:`.split`: a split's arrays opened through zarr and checked against the format.
+
+May import: ``errors`` only (a store is any zarr ``Store``; the guarded one is passed in).
+"""
+
+from asyncflat.format.codec import (
+    MANY_CHUNKS,
+    METADATA_FILES,
+    MIN_CHUNK_ELEMENTS,
+    SPLITS,
+    TOKEN_ID_LIMIT,
+    decode,
+    encode_sequences,
+)
+
+__all__ = [
+    "MANY_CHUNKS",
+    "METADATA_FILES",
+    "MIN_CHUNK_ELEMENTS",
+    "SPLITS",
+    "TOKEN_ID_LIMIT",
+    "decode",
+    "encode_sequences",
+]

@@ -1,0 +1,56 @@
+"""The read path's face: loaders a trainer calls, their one lifecycle, and the jax glue.
+
+* :mod:`.shuffling`: :class:`ShufflingLoader`, the drop-in for seqax's loader (one split).
+* :mod:`.mixture`: :class:`~asyncflat.loader.mixture.loader.MixtureLoader`, weighted mixtures of
+  splits, one engine per source and pass.
+* :mod:`.lifecycle`: what every loader shares: the engine's loop thread, ``load``/``iter``,
+  load-ahead, device prefetch, statistics, ``close`` and its errors. A loader supplies only
+  *which rows* make a step (a :class:`~asyncflat.loader.lifecycle.RowServer`).
+* :mod:`.iterator`: the iterator of ``(step, batch)`` and its pin on the minipochs it reads.
+* :mod:`.load_ahead` and :mod:`.background`: batches built ahead of the trainer on a thread.
+* :mod:`.batch`: the batch type, host-side decoding, sharding and ``jax.Array`` building.
+* :mod:`.open`: a split's source, plan and engine, opened on the loop that then owns them.
+* :mod:`.epochs`: several passes over a split (:func:`iter_epochs`).
+
+May import: :mod:`asyncflat.engine`, :mod:`asyncflat.source`, :mod:`asyncflat.storage`,
+:mod:`asyncflat.plan`, :mod:`asyncflat.format`, ``config`` and ``errors``; never the write path
+(:mod:`asyncflat.writer`, :mod:`asyncflat.text`). Names resolve on first use: they need jax,
+and importing a loader's configuration must not import it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from asyncflat.loader.batch import TokenBatch, default_sharding
+    from asyncflat.loader.epochs import iter_epochs
+    from asyncflat.loader.iterator import BatchIterator
+    from asyncflat.loader.mixture.loader import MixtureLoader
+    from asyncflat.loader.shuffling import ShufflingLoader
+
+__all__ = [
+    "BatchIterator",
+    "MixtureLoader",
+    "ShufflingLoader",
+    "TokenBatch",
+    "default_sharding",
+    "iter_epochs",
+]
+
+_HOMES = {
+    "BatchIterator": "asyncflat.loader.iterator",
+    "MixtureLoader": "asyncflat.loader.mixture.loader",
+    "ShufflingLoader": "asyncflat.loader.shuffling",
+    "TokenBatch": "asyncflat.loader.batch",
+    "default_sharding": "asyncflat.loader.batch",
+    "iter_epochs": "asyncflat.loader.epochs",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(home), name)

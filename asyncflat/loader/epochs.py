@@ -1,0 +1,187 @@
+"""More than one pass over a split: :func:`iter_epochs`.
+
+A :class:`~asyncflat.loader.shuffling.ShufflingLoader` serves one *epoch*: ``step_count`` steps, after
+which ``iter()`` stops. ``ShufflingLoader(..., epoch=e)`` serves pass ``e``: epoch 0 is seqax's
+order exactly, epoch ``e > 0`` the same construction seeded with ``seed + e * 2**64``
+(:func:`asyncflat.plan.shuffle.epoch_seed`), a different order that is just as deterministic. A batch is
+a pure function of ``(epoch, step)``, so a run resumes from those two numbers and nothing else.
+
+:func:`iter_epochs` chains the passes. While the last minipoch of epoch ``e`` is being served it
+builds the loader of epoch ``e + 1`` in a background thread and loads that epoch's first step, so
+the epoch boundary costs no more than a minipoch boundary. For that overlap, up to two more
+shuffle buffers per stream are held (the next epoch's first two).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+from collections.abc import Generator, Iterator
+
+from jax.sharding import Sharding
+
+from asyncflat._typecheck import checked
+from asyncflat.config import EngineOptions, FlatTokensParams, TokenBatchParams
+from asyncflat.errors import ConfigError
+from asyncflat.loader.shuffling import ShufflingLoader, TokenBatch
+
+__all__ = ["EpochIterator", "iter_epochs"]
+
+log = logging.getLogger(__name__)
+
+
+@checked
+def iter_epochs(
+    split: str,
+    params: FlatTokensParams,
+    token_batch_params: TokenBatchParams,
+    sharding: Sharding | None = None,
+    *,
+    start_epoch: int = 0,
+    start_step: int = 0,
+    epochs: int | None = None,
+    options: EngineOptions | None = None,
+) -> EpochIterator:
+    """``(epoch, step, batch)`` from ``(start_epoch, start_step)`` on, epoch after epoch.
+
+    ``step`` restarts at 0 in every epoch (it is the loader's step, in ``[0, step_count)``);
+    ``epochs`` is the number of the epoch to stop *before* (``None``: never stop). To resume,
+    pass the epoch and the step after the last one trained on; ``start_step == step_count`` is
+    allowed and means "the start of the next epoch". Use it as a context manager (or call
+    ``close()``, or let it be collected) to stop the loaders; ``.loader`` is the loader of the
+    epoch being served (for ``stats()``).
+    """
+    if start_epoch < 0:
+        raise ConfigError(f"iter_epochs: start_epoch must be >= 0, got {start_epoch}")
+    if start_step < 0:
+        raise ConfigError(f"iter_epochs: start_step must be >= 0, got {start_step}")
+    if epochs is not None and epochs < 0:
+        raise ConfigError(f"iter_epochs: epochs must be >= 0 or None, got {epochs}")
+
+    return EpochIterator(
+        split,
+        params,
+        token_batch_params,
+        sharding,
+        start_epoch=start_epoch,
+        start_step=start_step,
+        epochs=epochs,
+        options=EngineOptions() if options is None else options,
+    )
+
+
+class EpochIterator(Iterator[tuple[int, int, TokenBatch]]):
+    """What :func:`iter_epochs` returns: an iterator of ``(epoch, step, batch)`` that owns the
+    loaders it runs; ``loader`` is the current epoch's (None before the first ``next()`` and
+    after the end)."""
+
+    def __init__(
+        self,
+        split: str,
+        params: FlatTokensParams,
+        token_batch_params: TokenBatchParams,
+        sharding: Sharding | None,
+        *,
+        start_epoch: int,
+        start_step: int,
+        epochs: int | None,
+        options: EngineOptions,
+    ) -> None:
+        self.loader: ShufflingLoader | None = None
+        self._gen = self._run(
+            split, params, token_batch_params, sharding, start_epoch, start_step, epochs, options
+        )
+
+    def __iter__(self) -> EpochIterator:
+        return self
+
+    def __next__(self) -> tuple[int, int, TokenBatch]:
+        return next(self._gen)
+
+    def close(self) -> None:
+        """Stop the loaders (the current one and one being built ahead). Idempotent."""
+        self._gen.close()
+
+    def __enter__(self) -> EpochIterator:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        gen = getattr(self, "_gen", None)
+        if gen is not None:
+            gen.close()
+
+    def _run(
+        self,
+        split: str,
+        params: FlatTokensParams,
+        token_batch_params: TokenBatchParams,
+        sharding: Sharding | None,
+        start_epoch: int,
+        start_step: int,
+        epochs: int | None,
+        options: EngineOptions,
+    ) -> Generator[tuple[int, int, TokenBatch], None, None]:
+        def make(epoch: int) -> ShufflingLoader:
+            return ShufflingLoader(
+                split, params, token_batch_params, sharding, options=options, epoch=epoch
+            )
+
+        def make_and_start(epoch: int) -> tuple[ShufflingLoader, TokenBatch]:
+            loader = make(epoch)
+            try:
+                return loader, loader.load(0)  # fills minipoch 0 now, not at the boundary
+            except BaseException:
+                loader.close()
+                raise
+
+        if epochs is not None and start_epoch >= epochs:
+            return
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="asyncflat-next-epoch")
+        loader = self.loader = make(start_epoch)
+        first: TokenBatch | None = None
+        upcoming: concurrent.futures.Future[tuple[ShufflingLoader, TokenBatch]] | None = None
+        step = start_step
+        try:
+            if step > loader.step_count:
+                raise ConfigError(
+                    f"iter_epochs: start_step {step} is past the epoch's {loader.step_count} steps"
+                )
+            for epoch in itertools.count(start_epoch):
+                if epochs is not None and epoch >= epochs:
+                    return
+                plan = loader.plan
+                last = epochs is not None and epoch + 1 >= epochs
+                # The next epoch starts building once this one serves its last minipoch.
+                build_from = plan.first_step(plan.minipoch_count - 1)
+                iterator = loader.iter(step) if first is None else loader.iter(1)
+                with iterator:
+                    if first is not None:
+                        yield epoch, 0, first
+                        first = None
+                    for step, batch in iterator:
+                        if upcoming is None and not last and step >= build_from:
+                            log.debug("building the loader of epoch %d ahead", epoch + 1)
+                            upcoming = pool.submit(make_and_start, epoch + 1)
+                        yield epoch, step, batch
+                if last:
+                    return
+                if upcoming is None:  # resumed past build_from, or an empty remainder
+                    upcoming = pool.submit(make_and_start, epoch + 1)
+                loader.close()
+                loader, first = upcoming.result()
+                self.loader = loader
+                upcoming = None
+                step = 0
+        finally:
+            loader.close()
+            self.loader = None
+            if upcoming is not None:
+                try:
+                    upcoming.result()[0].close()
+                except Exception:  # its error is not this generator's to raise now
+                    log.debug("the next epoch's loader failed while closing", exc_info=True)
+            pool.shutdown(wait=True)

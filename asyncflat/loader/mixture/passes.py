@@ -1,0 +1,204 @@
+"""The engines of a mixture's sources, one per source and pass, on the loader's event loop.
+
+A source's pass ``e`` is its epoch ``e`` (:func:`asyncflat.plan.shuffle.epoch_seed`); each open pass is
+an :class:`~asyncflat.engine.Engine` over this host's streams. :class:`Passes` opens a pass on
+first use (one open however many loads ask at once), opens the next pass of a source in the
+background while the source serves the last minipoch of the current one, and closes passes
+more than one away from the newest (never one a gather is reading).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+
+from asyncflat.engine import Engine
+from asyncflat.engine.waiting import raise_with_context
+from asyncflat.errors import AsyncflatError, LoaderClosedError
+from asyncflat.plan.shuffle import ShufflePlan
+
+__all__ = ["Passes", "RowGroup", "SourceState"]
+
+log = logging.getLogger("asyncflat.loader.mixture.loader")
+
+
+@dataclasses.dataclass
+class SourceState:
+    """One source on this host: its open passes and the figures ``stats()`` reports."""
+
+    index: int
+    where: str
+    engines: dict[int, Engine] = dataclasses.field(default_factory=dict)  # pass -> engine
+    opening: dict[int, asyncio.Future[Engine]] = dataclasses.field(default_factory=dict)
+    step_count: int = 0
+    last_minipoch_step: int = 0
+    buffer_bytes: int = 0  # this host's shuffle buffers of one pass (2 per stream)
+    rows: int = 0
+    passes: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class RowGroup:
+    """Rows of one source pass and step that one mixture step needs on this host."""
+
+    source: int
+    epoch: int
+    step: int
+    rows: np.ndarray  # sorted source batch rows
+    out: np.ndarray  # host row positions they go to
+    take: np.ndarray  # index into ``rows`` for each of ``out``
+
+
+class Passes:
+    """Opens, serves from and closes the sources' passes (call on the loop, except
+    :meth:`engine_now`, :meth:`next_pass_due` and :meth:`try_gather`, which only read)."""
+
+    def __init__(
+        self,
+        sources: list[SourceState],
+        open_pass: Callable[[int, int], Awaitable[Engine]],
+        first_rows: np.ndarray,
+    ) -> None:
+        self.sources = sources
+        self._open_pass = open_pass
+        self._first_rows = first_rows  # one row of each of this host's streams
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._users: collections.Counter[tuple[int, int]] = collections.Counter()
+        self.closed = False
+
+    def engine_now(self, index: int, epoch: int) -> Engine | None:
+        return self.sources[index].engines.get(epoch)
+
+    async def open_first(self, streams: int) -> list[ShufflePlan]:
+        """Open every source's first pass, note its shape in its state (``buffer_bytes`` for
+        this host's ``streams``) and return the sources' plans."""
+        engines = await asyncio.gather(
+            *(self.engine(s.index, 0) for s in self.sources), return_exceptions=True
+        )
+        for source, engine in zip(self.sources, engines):
+            if isinstance(engine, AsyncflatError) and source.where not in str(engine):
+                # "the split yields 176 rows" says nothing of which store is too small
+                raise_with_context(
+                    engine, f"MixtureParams.sources[{source.index}] ({source.where})"
+                )
+            if isinstance(engine, BaseException):
+                raise engine
+        plans = []
+        for source, engine in zip(self.sources, engines):
+            assert isinstance(engine, Engine)
+            plan = engine.plan
+            plans.append(plan)
+            source.step_count = plan.step_count
+            source.last_minipoch_step = plan.first_step(plan.minipoch_count - 1)
+            source.buffer_bytes = 2 * streams * plan.buffer_bytes
+        return plans
+
+    def try_gather(self, groups: list[RowGroup]) -> list[np.ndarray] | None:
+        """The rows of every group without the loop when all are ready in open passes and no
+        next pass is due, else None (the caller then runs :meth:`gather` on the loop)."""
+        results = []
+        for group in groups:
+            engine = self.engine_now(group.source, group.epoch)
+            if engine is None or self.next_pass_due(group):
+                return None
+            try:
+                rows = engine.try_gather(group.step, group.rows)
+            except LoaderClosedError:  # this pass was just evicted: the loop path reopens it
+                return None
+            if rows is None:
+                return None
+            results.append(rows)
+        return results
+
+    async def engine(self, index: int, epoch: int) -> Engine:
+        source = self.sources[index]
+        engine = source.engines.get(epoch)
+        if engine is not None:
+            return engine
+        future = source.opening.get(epoch)
+        if future is None:
+            future = asyncio.ensure_future(self._open(index, epoch))
+            source.opening[epoch] = future
+        return await asyncio.shield(future)
+
+    async def _open(self, index: int, epoch: int) -> Engine:
+        source = self.sources[index]
+        try:
+            engine = await self._open_pass(index, epoch)
+        finally:
+            source.opening.pop(epoch, None)
+        if self.closed:
+            await engine.aclose()
+            raise LoaderClosedError("this MixtureLoader is closed")
+        source.engines[epoch] = engine
+        for old in [e for e in source.engines if abs(e - epoch) > 1]:
+            if not self._users[(index, old)]:  # one a gather is reading goes at a later open
+                self._spawn(source.engines.pop(old).aclose())
+        return engine
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None and not self.closed:
+            # A load that needs this pass opens it again and raises the error itself.
+            log.warning("mixture: a background open or fill failed: %r", task.exception())
+
+    async def _start_next_pass(self, index: int, epoch: int) -> None:
+        """Open pass ``epoch`` of a source and fill its first minipoch (in the background)."""
+        engine = await self.engine(index, epoch)
+        await engine.gather(0, self._first_rows)
+
+    def next_pass_due(self, group: RowGroup) -> bool:
+        source = self.sources[group.source]
+        nxt = group.epoch + 1
+        return (
+            group.step >= source.last_minipoch_step
+            and nxt not in source.engines
+            and nxt not in source.opening
+        )
+
+    async def gather(self, groups: list[RowGroup]) -> list[np.ndarray]:
+        """The rows of every group, the sources read concurrently."""
+        for group in groups:
+            if self.next_pass_due(group):
+                log.debug("opening pass %d of source %d ahead", group.epoch + 1, group.source)
+                self._spawn(self._start_next_pass(group.source, group.epoch + 1))
+
+        async def one(group: RowGroup) -> np.ndarray:
+            key = (group.source, group.epoch)
+            self._users[key] += 1  # not closed while this gather reads it
+            try:
+                engine = await self.engine(group.source, group.epoch)
+                return await engine.gather(group.step, group.rows)
+            finally:
+                self._users[key] -= 1
+
+        return list(await asyncio.gather(*(one(g) for g in groups)))
+
+    async def aclose(self) -> None:
+        self.closed = True
+        for source in self.sources:
+            for future in source.opening.values():
+                future.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        engines = [e for s in self.sources for e in s.engines.values()]
+        await asyncio.gather(*(e.aclose() for e in engines), return_exceptions=True)
+
+    def release(self) -> None:
+        """Drop the buffers of every pass (once the loop has stopped)."""
+        self.closed = True
+        for source in self.sources:
+            for engine in source.engines.values():
+                engine.release()

@@ -1,0 +1,98 @@
+"""Opening a flat-tokens split's engine: the source, the plan of an epoch and the buffers' size
+check, on the loop that then owns the engine (:func:`open_engine`, used by
+:class:`~asyncflat.loader.shuffling.ShufflingLoader` and the mixture loader)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+
+from asyncflat.config import EngineOptions, FlatTokensParams, TokenBatchParams, redact_url
+from asyncflat.engine import Engine
+from asyncflat.errors import ConfigError
+from asyncflat.plan.coverage import dropped_warning, format_bytes
+from asyncflat.plan.permutation import warm_up as warm_up_permutation
+from asyncflat.plan.shuffle import ShufflePlan
+from asyncflat.source.zarr_source import StoreWrapper, TokenSource, ZarrTokenSource
+from asyncflat.storage.local_files import is_url
+
+__all__ = ["open_engine"]
+
+# The loader's logger: these records kept their name when this function left asyncflat.loader.shuffling.
+log = logging.getLogger("asyncflat.loader.shuffling")
+
+
+async def open_engine(
+    split: str,
+    params: FlatTokensParams,
+    token_batch_params: TokenBatchParams,
+    host_rows: np.ndarray,
+    options: EngineOptions,
+    *,
+    epoch: int = 0,
+    store_wrapper: StoreWrapper | None = None,
+    source: TokenSource | None = None,
+) -> Engine:
+    """Open ``params``' split (unless ``source`` is given), plan epoch ``epoch`` and build the
+    engine of the streams ``host_rows`` belong to (on the running loop, which then owns it)."""
+    if source is None and store_wrapper is None and not params.storage_options:
+        source = await _open_plain_local(os.fspath(params.filespec), split, options)
+    if source is None:
+        source = await ZarrTokenSource.open(
+            os.fspath(params.filespec),  # a str once the config is built
+            split,
+            storage_options=params.storage_options,
+            max_concurrent_requests=options.max_concurrent_reads,
+            retry=options.retry,
+            store_wrapper=store_wrapper,
+        )
+    plan = ShufflePlan.create(
+        params,
+        token_batch_params,
+        token_count=source.token_count,
+        sequence_count=source.sequence_count,
+        epoch=epoch,
+    )
+    # Pay the one-time permutation compile and the global block shuffle here, at start-up,
+    # not inside the first load().
+    warm_up_permutation(max(plan.seqs_per_buffer, plan.read_block_count))
+    _ = plan.block_order
+    streams = np.unique(host_rows // plan.rows_per_stream_step).tolist()
+    needed = 2 * len(streams) * plan.buffer_bytes
+    if options.max_buffer_bytes is not None and needed > options.max_buffer_bytes:
+        raise ConfigError(
+            f"shuffle buffers need {needed:,} bytes on this host (2 x {len(streams)} streams x "
+            f"{plan.buffer_bytes:,}), over EngineOptions.max_buffer_bytes="
+            f"{options.max_buffer_bytes:,}; lower read_blocks_per_shuffle_buffer or "
+            "sequences_per_read_block"
+        )
+    where = f"{redact_url(os.fspath(params.filespec))}/{split}"
+    warning = dropped_warning(plan, where)
+    if warning is not None:
+        log.warning("%s", warning)
+    log.info(
+        "%s: %d steps, %d minipochs, streams %s on this host; shuffle buffers %s each, "
+        "%s on this host (2 per stream), for a split of %s of tokens",
+        where,
+        plan.step_count,
+        plan.minipoch_count,
+        streams,
+        format_bytes(plan.buffer_bytes),
+        format_bytes(needed),
+        format_bytes(plan.token_count * 4),
+    )
+    return Engine(plan, source, streams, options)
+
+
+async def _open_plain_local(
+    filespec: str, split: str, options: EngineOptions
+) -> TokenSource | None:
+    """A plain local split opened without zarr (its import alone would cost a restart 0.1-0.3 s),
+    or None: a URL, or a layout the zarr-free reader does not know (zarr opens those)."""
+    if is_url(filespec):
+        return None
+    from asyncflat.source.local_source import LocalTokenSource
+
+    return await LocalTokenSource.open_plain(filespec, split, retry=options.retry)

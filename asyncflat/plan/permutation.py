@@ -1,0 +1,196 @@
+"""The seeded permutation that orders read blocks and shuffle-buffer rows.
+
+``permutation(seed, n)`` returns exactly what the reference loader's ``_random_permutation``
+returns, bit for bit, for every ``(seed, n)``::
+
+    r = np.random.Philox(seed).random_raw(n) % (np.arange(n, dtype=np.uint64) + 1)
+    result = np.arange(n, dtype=np.uint32)
+    for i in reversed(range(n)):
+        result[i], result[r[i]] = result[r[i]], result[i]
+
+That algorithm is frozen forever: a training run that resumes (on another machine, with another
+numpy) must see the same data order as before. It was chosen to make that possible:
+
+* numpy's compatibility policy keeps a bit generator's raw stream (``random_raw``) fixed for a
+  given seed across versions and platforms, Philox's included; the algorithms behind
+  ``Generator.permutation``/``shuffle`` carry no such promise and may change.
+* ``raw % (i + 1)`` instead of rejection sampling needs exactly one raw draw per position. Because
+  ``i + 1 <= n < 2**32``, the modulo bias of each draw is at most ``2**-32``, which is acceptable.
+
+Evaluated literally it takes about 0.4 s per million elements, so large ``n`` runs a machine-code
+kernel instead (:mod:`asyncflat.plan.kernel`: LLVM IR compiled with llvmlite on first use
+in ~0.1 s, where numba took 0.6-1.1 s per process; it runs with the GIL released, so a background
+thread can shuffle while the trainer runs Python). The kernel re-implements Philox4x64-10 on the
+key of ``np.random.Philox(seed)``; the tests check it against numpy's own ``random_raw``, the
+literal algorithm, and checked-in golden vectors. ``n`` up to ``2**16`` (a shuffle buffer's rows
+up to a 512 MiB buffer of 2048-token sequences) takes a plain Python path that needs no
+compilation: a process that never needs a larger permutation never loads LLVM (~0.1-0.3 s of CPU
+and ~64 MiB of resident library code).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import operator
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from asyncflat.errors import ConfigError
+
+__all__ = ["permutation"]
+
+logger = logging.getLogger(__name__)
+
+# Below this size the plain Python path is fast enough (well under a millisecond) and never pays
+# for compiling the kernel.
+_SMALL_N = 2048
+# Sizes up to this one take the Python path (~1 ms per 4,096 items, ~28 ms at 2**16, holding the
+# GIL in switch-interval slices) unless the kernel is already compiled: they never start a compile,
+# so a loader whose permutations all fit (the rows of one buffer, the read blocks of a dataset of
+# up to 2**16 blocks) never pays LLVM's compile time and resident code, and a restart's first
+# batch never waits for it. Larger sizes need the kernel.
+_NO_WAIT_N = 1 << 16
+_Kernel = Callable[[np.uint64, np.uint64, np.ndarray], None]
+_kernel: _Kernel | None = None
+_kernel_lock = threading.Lock()
+_warm_up_thread: threading.Thread | None = None
+_warm_up_lock = threading.Lock()
+
+
+def permutation(seed: int, n: int, *, yield_gil: bool = False) -> np.ndarray:
+    """A permutation of ``range(n)`` as a ``uint32`` array, fixed forever by ``(seed, n)``.
+
+    ``seed`` is any non-negative integer (as accepted by ``np.random.Philox``); ``0 <= n < 2**32``.
+
+    ``yield_gil``: for a background thread. The plain Python path holds the GIL throughout (up
+    to ~28 ms at ``2**16`` items), and a trainer thread wanting it meanwhile waits a whole switch
+    interval (5 ms) or more; with ``yield_gil`` it runs in slices of ``YIELD_SLICE`` swaps with a
+    short sleep between them, so another thread waits at most one slice (tens of microseconds)
+    for it, at several times the wall time (23 ms against 4 ms at 32,768 items, measured by
+    ``bench/gil.py``). Same swaps, same result.
+    """
+    seed = _as_int("seed", seed)
+    n = _as_int("n", n)
+    if seed < 0:
+        raise ConfigError(f"permutation: seed must be >= 0, got {seed}")
+    if not 0 <= n < 1 << 32:
+        raise ConfigError(f"permutation: n must be in [0, 2**32), got {n}")
+    bit_generator = np.random.Philox(seed)
+    small = n < _SMALL_N or (_kernel is None and n <= _NO_WAIT_N)
+    if small:
+        return _small_permutation(bit_generator, n, yield_gil=yield_gil)
+    state = bit_generator.state
+    # The kernel replays the generator from its key, so it must start where numpy's would.
+    if state["state"]["counter"].any() or state["buffer_pos"] != 4:
+        raise RuntimeError(f"unexpected initial Philox state {state!r}")  # numpy changed Philox
+    key = state["state"]["key"]
+    result = np.empty(n, np.uint32)
+    _get_kernel()(key[0], key[1], result)
+    return result
+
+
+def warm_up(n: int) -> None:
+    """Start compiling the kernel on a background thread if permutations of ``n`` items need it.
+
+    Returns at once; a :func:`permutation` that needs the kernel before then waits for this
+    compile instead of starting its own. Sizes up to ``2**16`` never need it (nor start it). The
+    compile (~0.1 s) runs in LLVM with the GIL released, apart from importing llvmlite, so a
+    loader can call this in its constructor and open its store meanwhile.
+    """
+    global _warm_up_thread
+    # The thread is the process's, not a loader's: it ends when the compile does, whatever
+    # becomes of the loader that started it (hence a name outside the loaders' "asyncflat-").
+    if n <= _NO_WAIT_N or _kernel is not None:
+        return
+    with _warm_up_lock:
+        if _warm_up_thread is None:
+            _warm_up_thread = threading.Thread(
+                target=_warm_up, name="permutation-kernel-compile", daemon=True
+            )
+            _warm_up_thread.start()
+            # LLVM's static destructors run at exit: a compile still going then crashes the
+            # process (seen: a short-lived process that only loaded one batch segfaulted at exit).
+            atexit.register(_warm_up_thread.join, 60)
+
+
+def _warm_up() -> None:
+    try:
+        _get_kernel()
+    except Exception as exc:  # noqa: BLE001  (the first real call compiles again and raises)
+        logger.debug("compiling the permutation kernel in the background failed: %r", exc)
+
+
+def _as_int(name: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"permutation: {name} must be an integer, got bool {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ConfigError(
+            f"permutation: {name} must be an integer, got {type(value).__name__} {value!r}"
+        ) from None
+
+
+#: Swaps per slice of a yielding permutation (~30-60 us of Python on these machines) and the
+#: sleep after each: long enough that a thread waiting for the GIL takes it (a zero sleep
+#: releases the GIL, but the releasing thread often takes it back before the waiter wakes).
+YIELD_SLICE = 256
+YIELD_PAUSE_S = 50e-6
+
+
+def _small_permutation(
+    bit_generator: np.random.Philox, n: int, *, yield_gil: bool = False
+) -> np.ndarray:
+    """The literal Fisher-Yates in Python; with ``yield_gil``, cut into slices of
+    ``YIELD_SLICE`` swaps with the GIL released between them (the same result)."""
+    bounds = np.arange(1, n + 1, dtype=np.uint64)
+    swaps = bit_generator.random_raw(n) % bounds  # numpy: short, and not worth slicing
+    result = list(range(n))
+    piece = YIELD_SLICE if yield_gil else max(n, 1)
+    # Fisher-Yates runs from the top down: slice [lo, hi) swaps i = hi-1 .. lo.
+    for hi in range(n, 0, -piece):
+        lo = max(hi - piece, 0)
+        for i, j in zip(range(hi - 1, lo - 1, -1), reversed(swaps[lo:hi].tolist())):
+            result[i], result[j] = result[j], result[i]
+        if yield_gil:
+            time.sleep(YIELD_PAUSE_S)
+    if not yield_gil:
+        return np.array(result, dtype=np.uint32)
+    out = np.empty(n, np.uint32)
+    step = YIELD_SLICE * 32  # list -> array in pieces too (one piece of 2**16 holds ~2 ms)
+    for lo in range(0, n, step):
+        out[lo : lo + step] = result[lo : lo + step]
+        time.sleep(YIELD_PAUSE_S)
+    return out
+
+
+def _get_kernel() -> _Kernel:
+    global _kernel
+    if _kernel is None:
+        with _kernel_lock:
+            if _kernel is None:
+                _kernel = _load_kernel()
+    return _kernel
+
+
+def _load_kernel() -> _Kernel:
+    """Compile the machine-code kernel (llvmlite is imported only here)."""
+    started = time.perf_counter()
+    from asyncflat.plan import kernel
+
+    compiled = kernel.compile_kernel()
+    chunk = kernel.CHUNK
+    logger.debug("compiled the permutation kernel in %.3fs", time.perf_counter() - started)
+
+    def kernel(k0: np.uint64, k1: np.uint64, result: np.ndarray) -> None:
+        if result.dtype != np.uint32 or not result.flags.c_contiguous or not result.flags.writeable:
+            raise TypeError("the permutation kernel needs a writeable C-contiguous uint32 array")
+        scratch = np.empty(chunk, np.uint32)
+        compiled(int(k0), int(k1), result.ctypes.data, result.size, scratch.ctypes.data)
+
+    return kernel

@@ -1,0 +1,391 @@
+"""The shuffle plan: pure index math from (dataset sizes, parameters, step) to buffer rows.
+
+No I/O and no jax here, so every function can be property-tested on its own.
+
+Vocabulary (the reference's): a *row* is one training sequence of ``len`` tokens. Rows are
+grouped into *read blocks* of ``spb = sequences_per_read_block`` consecutive rows, the unit of
+I/O. Each of ``streams`` independent *streams* owns a *shuffle buffer* of
+``rbpsb = read_blocks_per_shuffle_buffer`` blocks; one refill of every buffer is a *minipoch*.
+
+The map from (step, batch index) to data, derived::
+
+    bips     = batch / streams               rows each stream contributes to a step
+    stream   = b // bips                     batch rows are split into contiguous stream slices
+    q        = step * bips + b % bips        the stream's q-th row overall (consumed in order)
+    minipoch = q // seqs_per_buffer          seqs_per_buffer = rbpsb * spb
+    position = q %  seqs_per_buffer          position within that minipoch's buffer
+
+Blocks are dealt to buffers from one global shuffle ``block_order = permutation(seed, nblocks)``:
+the j-th block of buffer (stream, m) is ``block_order[(m * rbpsb + j) * streams + stream]``, so
+the streams interleave over the shuffled order (every block belongs to exactly one buffer). The
+buffer is those blocks concatenated, and the row served at ``position`` is buffer row
+``perm[position]`` with ``perm = permutation(seed + 1 + m * streams + stream, rows_in_buffer)``.
+
+Worked example: batch=8, streams=2, spb=4, rbpsb=2 -> bips=4, seqs_per_buffer=8. Batch index 5
+of step 3 is stream 1, q = 3*4 + 1 = 13, minipoch 1, position 5. Since q advances by ``bips``
+per step, minipoch m of every stream first serves at step ``m*seqs_per_buffer // bips`` and a
+step straddles two minipochs when ``seqs_per_buffer`` is not a multiple of ``bips``.
+
+The boundary is the same step for every stream, which is what lets the engine start the fill of
+m+1 the moment m starts serving and know exactly by which step each block is needed.
+
+Epochs. One pass over the split (``step_count`` steps) is an *epoch*. Epoch 0 is seqax's order
+exactly. Epoch ``e`` is the same construction with the seed replaced by::
+
+    epoch_seed(seed, e) = seed + e * 2**64
+
+so its block order is ``permutation(seed + e*2**64, nblocks)`` and its row permutations use
+``seed + e*2**64 + 1 + m * streams + stream``. Every seed one epoch uses lies in
+``[epoch_seed, epoch_seed + 2**32]`` (there are fewer than ``2**32`` blocks, hence of minipochs
+times streams), so the seeds of two epochs of one run never coincide, and epoch 0's are the
+reference's. Numpy hashes a seed into Philox's key (``SeedSequence``), so neighbouring seeds give
+unrelated orders. A batch is a pure function of (epoch, step): resuming needs those two numbers.
+Every epoch reads the same rows (the same blocks, in another order); the tail the block and
+stream rounding drops is the same in every epoch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+
+from asyncflat.config import FlatTokensParams, TokenBatchParams
+from asyncflat.errors import ConfigError, DatasetTooLargeError, StepOutOfRangeError
+from asyncflat.plan.permutation import permutation
+
+__all__ = ["EPOCH_SEED_STRIDE", "NEVER", "RowLocation", "ShufflePlan", "epoch_seed"]
+
+#: Deadline of a block that no step at or after the plan's starting step needs.
+NEVER = np.iinfo(np.int64).max
+
+#: Above this share of a split left unserved by rounding, the loader and ``inspect`` warn.
+DROP_WARNING_FRACTION = 0.01
+
+#: Memory the plan's index arrays may take: ``PLAN_BYTES_PER_BLOCK`` per read block (the
+#: permutation's random draws, its result and ``inspect``'s per-block arrays), up to the larger
+#: of ``PLAN_MEMORY_FLOOR`` and the shuffle buffers of every stream (``2 * streams *
+#: buffer_bytes``). Metadata asking for more (a hostile or mistaken shape) is refused before
+#: anything is allocated.
+PLAN_BYTES_PER_BLOCK = 32
+PLAN_MEMORY_FLOOR = 512 << 20
+
+#: Distance between the seeds of consecutive epochs (see the module docstring).
+EPOCH_SEED_STRIDE = 1 << 64
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The seed that plays the role of ``seed`` in epoch ``epoch``: ``seed + epoch * 2**64``.
+
+    Epoch 0 is ``seed`` itself (seqax's order); every seed an epoch uses lies within ``2**32``
+    above its epoch seed, so epochs of one run never share a permutation seed.
+    """
+    if epoch < 0:
+        raise ConfigError(f"epoch must be >= 0, got {epoch}")
+    return seed + epoch * EPOCH_SEED_STRIDE
+
+
+@dataclasses.dataclass(frozen=True)
+class RowLocation:
+    """Where the rows of some batch indices of one step live (parallel int64 arrays)."""
+
+    batch_index: np.ndarray
+    stream: np.ndarray
+    minipoch: np.ndarray
+    position: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class ShufflePlan:
+    """The derived quantities of the module docstring and the index maps over them.
+
+    ``epoch`` selects the pass over the split: 0 is seqax's order, ``e > 0`` the order of
+    :func:`epoch_seed`. Every other quantity is the same in every epoch.
+    """
+
+    seq_len: int
+    batch: int
+    streams: int
+    read_blocks_per_shuffle_buffer: int
+    sequences_per_read_block: int
+    seed: int
+    sequence_packing: bool
+    token_count: int
+    seq_count: int
+    epoch: int = 0
+
+    @classmethod
+    def create(
+        cls,
+        params: FlatTokensParams,
+        batch_params: TokenBatchParams,
+        *,
+        token_count: int,
+        sequence_count: int,
+        epoch: int = 0,
+    ) -> ShufflePlan:
+        """Build and validate the plan for a split with the given sizes (and ``epoch``)."""
+        seq_count = token_count // batch_params.len if params.sequence_packing else sequence_count
+        return cls(
+            seq_len=batch_params.len,
+            batch=batch_params.batch,
+            streams=params.streams,
+            read_blocks_per_shuffle_buffer=params.read_blocks_per_shuffle_buffer,
+            sequences_per_read_block=params.sequences_per_read_block,
+            seed=params.seed,
+            sequence_packing=params.sequence_packing,
+            token_count=token_count,
+            seq_count=seq_count,
+            epoch=epoch,
+        )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.epoch, bool) or not isinstance(self.epoch, (int, np.integer)):
+            raise ConfigError(f"epoch must be an integer, got {type(self.epoch).__name__}")
+        if self.epoch < 0:
+            raise ConfigError(f"epoch must be >= 0, got {self.epoch}")
+        if self.batch % self.streams:
+            raise ConfigError(
+                f"TokenBatchParams.batch={self.batch} must be a multiple of "
+                f"FlatTokensParams.streams={self.streams}: each stream serves batch/streams rows"
+            )
+        if self.read_block_count == 0:
+            # With packing the "sequences" are len-token rows of the packed tokens: name them so.
+            rows = (
+                f"{self.seq_count} rows of len={self.seq_len} tokens "
+                f"({self.token_count} tokens packed)"
+                if self.sequence_packing
+                else f"{self.seq_count} sequences"
+            )
+            raise ConfigError(
+                f"the split has {rows}, fewer than one read block per stream "
+                f"(sequences_per_read_block={self.sequences_per_read_block} x "
+                f"streams={self.streams}); shrink streams or sequences_per_read_block"
+                + (" or TokenBatchParams.len" if self.sequence_packing else "")
+            )
+        if self.read_block_count >= 1 << 32:
+            raise ConfigError(
+                f"{self.read_block_count} read blocks exceed the permutation's limit of 2**32; "
+                "grow sequences_per_read_block"
+            )
+        need = PLAN_BYTES_PER_BLOCK * self.read_block_count
+        budget = self.plan_memory_budget
+        if need > budget:
+            raise DatasetTooLargeError(
+                f"the split's {self.seq_count} rows make {self.read_block_count} read blocks, "
+                f"whose shuffle plan needs {need} bytes, more than its budget of {budget} bytes "
+                f"(the larger of {PLAN_MEMORY_FLOOR} and the shuffle buffers' 2 * streams * "
+                "buffer_bytes); grow sequences_per_read_block or read_blocks_per_shuffle_buffer, "
+                "or check the dataset's shapes"
+            )
+        if self.step_count == 0:
+            raise ConfigError(
+                f"the split yields {self.read_block_count * self.sequences_per_read_block} rows, "
+                f"fewer than one batch of {self.batch}"
+            )
+
+    # -- counts -------------------------------------------------------------------------------
+
+    @property
+    def read_block_count(self) -> int:
+        """Blocks used, rounded down to a multiple of streams (the rest of the data is skipped)."""
+        blocks = self.seq_count // self.sequences_per_read_block
+        return blocks // self.streams * self.streams
+
+    @property
+    def plan_memory_budget(self) -> int:
+        """Bytes the plan's per-block arrays may take (see ``PLAN_BYTES_PER_BLOCK``)."""
+        return max(PLAN_MEMORY_FLOOR, 2 * self.streams * self.buffer_bytes)
+
+    @property
+    def blocks_per_stream(self) -> int:
+        return self.read_block_count // self.streams
+
+    @property
+    def step_count(self) -> int:
+        return self.read_block_count * self.sequences_per_read_block // self.batch
+
+    @property
+    def rows_per_stream_step(self) -> int:
+        """``bips``: rows each stream contributes to every step."""
+        return self.batch // self.streams
+
+    @property
+    def seqs_per_buffer(self) -> int:
+        return self.read_blocks_per_shuffle_buffer * self.sequences_per_read_block
+
+    @property
+    def epoch_seed(self) -> int:
+        """The seed this epoch's permutations derive from (``seed`` in epoch 0)."""
+        return epoch_seed(self.seed, self.epoch)
+
+    @property
+    def rows_dropped(self) -> int:
+        """Rows of the split no step of an epoch serves (block/stream rounding, last batch)."""
+        return self.seq_count - self.step_count * self.batch
+
+    @property
+    def dropped_fraction(self) -> float:
+        """The share of the split an epoch never serves: of its tokens with packing (the rounding
+        plus the last partial row), of its sequences without."""
+        if self.sequence_packing:
+            total = self.token_count
+            served = self.step_count * self.batch * self.seq_len
+        else:
+            total, served = self.seq_count, self.step_count * self.batch
+        return (total - served) / total if total else 0.0
+
+    def sizing_warning(self, threshold: float = DROP_WARNING_FRACTION) -> str | None:
+        """A sentence for the log when the rounding drops more than ``threshold`` of the split:
+        the figure, and the parameter (value) that would bring it under ``threshold``."""
+        fraction = self.dropped_fraction
+        if fraction <= threshold:
+            return None
+        unit = "tokens" if self.sequence_packing else "sequences"
+        total = self.token_count if self.sequence_packing else self.seq_count
+        served = self.step_count * self.batch * (self.seq_len if self.sequence_packing else 1)
+        head = (
+            f"the loader serves {served:,} of the split's {total:,} {unit} per epoch: "
+            f"{fraction:.1%} are dropped by rounding to whole read blocks (sequences_per_read_block="
+            f"{self.sequences_per_read_block}) per stream (streams={self.streams}) and whole "
+            f"batches (batch={self.batch})"
+        )
+        spb, best = self._best_spb(threshold)
+        if best <= threshold:
+            return f"{head}; sequences_per_read_block={spb} would drop at most {threshold:.0%}"
+        advice = (
+            f"the split holds too few batches of {self.batch} x {self.seq_len} for 1%, so lower "
+            "batch or streams, or use a larger split"
+        )
+        if spb == self.sequences_per_read_block:
+            return f"{head}; no smaller sequences_per_read_block drops less: {advice}"
+        return (
+            f"{head}; the least any sequences_per_read_block drops here is {best:.1%} "
+            f"(sequences_per_read_block={spb}); {advice}"
+        )
+
+    def _best_spb(self, threshold: float) -> tuple[int, float]:
+        """The largest sequences_per_read_block <= the current one that drops at most
+        ``threshold``; failing that, the one that drops least (and its dropped share).
+        Vectorised over every candidate: a few milliseconds even for a million."""
+        total = self.token_count if self.sequence_packing else self.seq_count
+        unit = self.seq_len if self.sequence_packing else 1
+        spb = np.arange(1, self.sequences_per_read_block + 1, dtype=np.int64)
+        blocks = self.seq_count // spb // self.streams * self.streams
+        served = blocks * spb // self.batch * self.batch * unit
+        dropped = (total - served) / max(total, 1)
+        fixes = np.flatnonzero(dropped <= threshold)
+        if len(fixes):
+            best = int(fixes[-1])
+        else:  # the least dropped, preferring the largest block among equals
+            best = len(dropped) - 1 - int(np.argmin(dropped[::-1]))
+        return int(spb[best]), float(dropped[best])
+
+    @property
+    def minipoch_count(self) -> int:
+        per_minipoch = self.streams * self.read_blocks_per_shuffle_buffer
+        return -(-self.read_block_count // per_minipoch)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of one full shuffle buffer (the engine holds two per served stream)."""
+        return self.seqs_per_buffer * self.seq_len * 4
+
+    def blocks_in_minipoch(self, minipoch: int) -> int:
+        """Blocks per stream in ``minipoch``; only the last one can be short."""
+        self._check_minipoch(minipoch)
+        rbpsb = self.read_blocks_per_shuffle_buffer
+        return min(rbpsb, self.blocks_per_stream - rbpsb * minipoch)
+
+    def rows_in_buffer(self, minipoch: int) -> int:
+        return self.blocks_in_minipoch(minipoch) * self.sequences_per_read_block
+
+    # -- step <-> minipoch --------------------------------------------------------------------
+
+    def check_step(self, step: int) -> None:
+        if not 0 <= step < self.step_count:
+            raise StepOutOfRangeError(
+                f"step {step} is out of range: the dataset has {self.step_count} steps "
+                f"at batch size {self.batch} (valid steps are 0..{self.step_count - 1})"
+            )
+
+    def minipochs_of_step(self, step: int) -> range:
+        """Minipochs whose rows ``step`` serves (two when the step straddles a boundary)."""
+        self.check_step(step)
+        bips, spbuf = self.rows_per_stream_step, self.seqs_per_buffer
+        return range(step * bips // spbuf, (step * bips + bips - 1) // spbuf + 1)
+
+    def first_step(self, minipoch: int) -> int:
+        """The first step that serves a row of ``minipoch`` (the same for every stream)."""
+        self._check_minipoch(minipoch)
+        return minipoch * self.seqs_per_buffer // self.rows_per_stream_step
+
+    def served_rows(self, minipoch: int) -> int:
+        """Rows of the buffer that some step serves; the tail of the last one may be unused."""
+        served_q = self.step_count * self.rows_per_stream_step
+        return max(
+            0, min(self.rows_in_buffer(minipoch), served_q - minipoch * self.seqs_per_buffer)
+        )
+
+    # -- (step, batch index) -> (stream, minipoch, position) ----------------------------------
+
+    def locate(self, step: int, batch_indices: np.ndarray | None = None) -> RowLocation:
+        """Vectorised index map of the module docstring for one step."""
+        self.check_step(step)
+        b = np.arange(self.batch) if batch_indices is None else np.asarray(batch_indices, np.int64)
+        bips, spbuf = self.rows_per_stream_step, self.seqs_per_buffer
+        q = step * bips + b % bips
+        return RowLocation(b.astype(np.int64), b // bips, q // spbuf, q % spbuf)
+
+    # -- buffer contents ----------------------------------------------------------------------
+
+    @functools.cached_property
+    def block_order(self) -> np.ndarray:
+        """The global shuffle of read blocks (computed once; uint32[read_block_count])."""
+        return permutation(self.epoch_seed, self.read_block_count)
+
+    def buffer_blocks(self, stream: int, minipoch: int) -> np.ndarray:
+        """Global read-block ids of buffer (stream, minipoch), in buffer order (int64)."""
+        self._check_stream(stream)
+        j = np.arange(self.blocks_in_minipoch(minipoch), dtype=np.int64)
+        sequential = (minipoch * self.read_blocks_per_shuffle_buffer + j) * self.streams + stream
+        return self.block_order[sequential].astype(np.int64)
+
+    def row_permutation(self, stream: int, minipoch: int, *, yield_gil: bool = False) -> np.ndarray:
+        """``perm``: buffer row served at each position of buffer (stream, minipoch).
+
+        ``yield_gil``: computed by a background thread (see :func:`~asyncflat.plan.permutation.permutation`).
+        """
+        self._check_stream(stream)
+        seed = self.epoch_seed + 1 + minipoch * self.streams + stream
+        return permutation(seed, self.rows_in_buffer(minipoch), yield_gil=yield_gil)
+
+    def block_deadlines(self, perm: np.ndarray, minipoch: int, from_step: int = 0) -> np.ndarray:
+        """For each block slot of a buffer, the first step >= ``from_step`` that reads it.
+
+        ``perm`` is the buffer's row permutation. Position p is served at step
+        ``(minipoch*seqs_per_buffer + p) // bips`` and reads slot ``perm[p] // spb``; a slot's
+        deadline is the minimum over its positions. Slots no step >= from_step reads get NEVER.
+        A fill fetches blocks in deadline order, so the next step's rows arrive first.
+        """
+        bips, spb = self.rows_per_stream_step, self.sequences_per_read_block
+        base_q = minipoch * self.seqs_per_buffer
+        first_pos = max(0, from_step * bips - base_q)
+        positions = np.arange(first_pos, self.served_rows(minipoch), dtype=np.int64)
+        first_position = np.full(len(perm) // spb, NEVER, dtype=np.int64)
+        np.minimum.at(first_position, perm[positions] // spb, positions)
+        read = first_position != NEVER
+        deadlines = first_position  # reused: steps where read, NEVER elsewhere
+        deadlines[read] = (base_q + first_position[read]) // bips
+        return deadlines
+
+    # -- validation helpers -------------------------------------------------------------------
+
+    def _check_minipoch(self, minipoch: int) -> None:
+        if not 0 <= minipoch < self.minipoch_count:
+            raise IndexError(f"minipoch {minipoch} outside [0, {self.minipoch_count})")
+
+    def _check_stream(self, stream: int) -> None:
+        if not 0 <= stream < self.streams:
+            raise IndexError(f"stream {stream} outside [0, {self.streams})")

@@ -1,0 +1,457 @@
+"""Reading text corpora: which files an input names, and the documents in each, in order.
+
+* Inputs (:func:`expand_inputs`): ``.txt``, ``.jsonl``, ``.parquet``, ``.txt.gz``, ``.jsonl.gz``
+  files, or directories standing for the supported files under them in sorted order. A symlink
+  under a directory that resolves outside it is skipped with a warning unless
+  ``follow_symlinks``: a corpus from elsewhere must not pull in files from the rest of the machine.
+* Documents (:func:`iter_file_documents`, :func:`iter_documents`): ``.txt`` gives one document
+  per line (or per file with ``txt_mode="file"``), ``.jsonl`` one JSON object per line with the
+  text in ``text_field``, ``.parquet`` the string column ``text_field``.
+* Every document is bounded by ``max_document_bytes`` *while it is read*: a line is read at most
+  that long, so a gzip member that inflates to one 4 GiB line costs that bound, not 4 GiB; a
+  longer document is a :class:`ConfigError` naming the file and line.
+
+These are plain functions over one file each, so a distributed converter can read a unit of
+work (a file) in a task with exactly the single-machine semantics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import io
+import json
+import logging
+import os
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from asyncflat.errors import ConfigError
+
+__all__ = [
+    "DEFAULT_MAX_DOCUMENT_BYTES",
+    "SUFFIXES",
+    "InputProgress",
+    "check_document_size",
+    "expand_inputs",
+    "iter_documents",
+    "iter_file_documents",
+    "iter_parquet_documents",
+    "iter_range_documents",
+]
+
+log = logging.getLogger(__name__)
+
+#: Input file suffixes, most specific first.
+SUFFIXES = (".txt.gz", ".jsonl.gz", ".txt", ".jsonl", ".parquet")
+#: The default bound on one document's UTF-8 size: a long book is a few MiB, and a document
+#: is tokenized whole in memory (several times its size for a Hugging Face tokenizer).
+DEFAULT_MAX_DOCUMENT_BYTES = 16 << 20
+#: A ``.jsonl`` line may be this many times ``max_document_bytes`` (plus 1 MiB): JSON escapes
+#: (``\\u00e9``) make the record longer than its text.
+_JSON_RECORD_FACTOR = 4
+#: Lines between progress updates (``tell()`` is a system call).
+_PROGRESS_LINES = 1024
+#: Rows per parquet batch read.
+_PARQUET_BATCH_ROWS = 1024
+
+
+@dataclasses.dataclass
+class InputProgress:
+    """Bytes of the input files read so far (compressed bytes for ``.gz``), for a progress bar."""
+
+    total: int = 0
+    done: int = 0
+
+
+def file_suffix(path: Path) -> str | None:
+    """The supported suffix of ``path`` (``.txt.gz`` before ``.txt``), or None."""
+    name = path.name.lower()
+    return next((s for s in SUFFIXES if name.endswith(s)), None)
+
+
+def expand_inputs(
+    inputs: Sequence[str | os.PathLike[str]], *, follow_symlinks: bool = False
+) -> list[Path]:
+    """The files ``inputs`` stand for, in order; a missing or unsupported input is an error."""
+    files: list[Path] = []
+    for item in inputs:
+        path = Path(item)
+        if path.is_dir():
+            found = _walk(path, follow_symlinks)
+            if not found:
+                raise ConfigError(f"input directory {path} holds no {', '.join(SUFFIXES)} files")
+            files.extend(found)
+        elif path.is_file():
+            if not file_suffix(path):
+                raise ConfigError(
+                    f"input {path}: unsupported file type (expected one of {', '.join(SUFFIXES)})"
+                )
+            files.append(path)
+        elif path.exists():
+            raise ConfigError(f"input {path} is not a regular file or a directory")
+        else:
+            raise ConfigError(f"input {path} does not exist")
+    return files
+
+
+def _walk(root: Path, follow_symlinks: bool) -> list[Path]:
+    """Supported regular files under ``root``, sorted; see the module docstring for symlinks."""
+    real_root = os.path.realpath(root)
+    seen_dirs = {real_root}
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=follow_symlinks):
+        kept = []
+        for name in dirnames:
+            link = Path(dirpath, name)
+            real = os.path.realpath(link)
+            if link.is_symlink() and not follow_symlinks and not _inside(link, real_root):
+                _warn_outside(link, root)
+            if real not in seen_dirs:  # a symlink cycle is walked once
+                seen_dirs.add(real)
+                kept.append(name)
+        dirnames[:] = kept
+        for name in filenames:
+            path = Path(dirpath, name)
+            if not file_suffix(path) or not path.is_file():  # FIFOs, devices, dangling links
+                continue
+            if path.is_symlink() and not follow_symlinks and not _inside(path, real_root):
+                _warn_outside(path, root)
+                continue
+            found.append(path)
+    return sorted(found)
+
+
+def _warn_outside(link: Path, root: Path) -> None:
+    log.warning(
+        "skipping %s: a symlink to %s, outside the input directory %s "
+        "(--follow-symlinks / follow_symlinks=True reads it)",
+        link,
+        os.path.realpath(link),
+        root,
+    )
+
+
+def _inside(path: Path, real_root: str) -> bool:
+    real = os.path.realpath(path)
+    return os.path.commonpath([real, real_root]) == real_root
+
+
+def _open_text(path: Path, raw: io.BufferedIOBase | None = None) -> io.TextIOBase:
+    """``path`` (or its already open ``raw`` bytes, which the caller closes) as UTF-8 text,
+    gunzipped for ``.gz``; lines split as Python's universal newlines."""
+    gz = path.name.lower().endswith(".gz")
+    binary: Any
+    if raw is None:
+        binary = gzip.open(path, "rb") if gz else open(path, "rb")
+    else:
+        binary = gzip.GzipFile(fileobj=raw, mode="rb") if gz else raw
+    return io.TextIOWrapper(binary, encoding="utf-8", newline="")
+
+
+def check_document_size(text: str, limit: int, where: str, what: str = "document") -> None:
+    """Raise ConfigError when ``text`` is over ``limit`` bytes of UTF-8 (cheap for short texts)."""
+    if len(text) * 4 <= limit:  # a character is at most 4 bytes
+        return
+    size = len(text) if len(text) > limit else len(text.encode("utf-8", "surrogatepass"))
+    if size > limit:
+        bound = "max_document_bytes" if what == "document" else "the JSON record bound"
+        raise ConfigError(
+            f"{where}: {what} of at least {size:,} bytes is over {bound} "
+            f"({limit:,}; set by max_document_bytes, --max-document-bytes on the command line)"
+        )
+
+
+def json_record_limit(max_document_bytes: int) -> int:
+    """The longest ``.jsonl`` line read: room for JSON escapes of the text and other fields."""
+    return _JSON_RECORD_FACTOR * max_document_bytes + (1 << 20)
+
+
+def _bounded_lines(
+    f: io.TextIOBase, limit: int, name: Callable[[int], str], what: str = "document"
+) -> Iterator[tuple[int, str]]:
+    """``(line number, line without its ending)``, reading no line longer than ``limit``;
+    ``name(lineno)`` is where an error says the line is."""
+    lineno = 0
+    while True:
+        line = f.readline(limit + 3)  # the document, its line ending, and one more
+        if not line:
+            return
+        lineno += 1
+        text = line.rstrip("\r\n")
+        if len(text) * 4 > limit:  # the cheap test first: this runs for every line
+            check_document_size(text, limit, name(lineno), what)
+        yield lineno, text
+
+
+def _text_value(value: Any, where: str, text_field: str) -> str:
+    if value is None:
+        return ""  # a null text is an empty document (skipped)
+    if not isinstance(value, str):
+        raise ConfigError(
+            f"{where}: field {text_field!r} is {type(value).__name__}, expected a string"
+        )
+    return value
+
+
+def _json_text(line: str, where: Callable[[], str], text_field: str) -> str:
+    """The text of one ``.jsonl`` record; ``where()`` names it in an error (only then called:
+    naming a line of a byte range counts the lines before it)."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{where()}: invalid JSON: {exc}") from None
+    if not isinstance(record, dict):
+        raise ConfigError(
+            f"{where()}: expected a JSON object with field {text_field!r}, "
+            f"got a {type(record).__name__}"
+        )
+    if text_field not in record:
+        present = ", ".join(repr(k) for k in list(record)[:20]) or "none"
+        raise ConfigError(
+            f"{where()}: no field {text_field!r} in this record (fields: {present}); "
+            "choose one with text_field / --text-field"
+        )
+    value = record[text_field]
+    return value if isinstance(value, str) else _text_value(value, where(), text_field)
+
+
+def iter_file_documents(
+    path: str | os.PathLike[str],
+    *,
+    text_field: str = "text",
+    txt_mode: str = "line",
+    max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES,
+    progress: InputProgress | None = None,
+) -> Iterator[str]:
+    """Yield the documents of one input file in order (see the module docstring)."""
+    if txt_mode not in ("line", "file"):
+        raise ConfigError(f"txt_mode must be 'line' or 'file', got {txt_mode!r}")
+    path = Path(path)
+    suffix = file_suffix(path)
+    if suffix is None:
+        raise ConfigError(f"input {path}: unsupported file type (expected one of {SUFFIXES})")
+    if suffix == ".parquet":
+        yield from iter_parquet_documents(
+            path, text_field=text_field, max_document_bytes=max_document_bytes
+        )
+        if progress is not None:
+            progress.done += path.stat().st_size
+        return
+    with open(path, "rb") as raw:
+        start = progress.done if progress is not None else 0
+
+        def tick() -> None:
+            if progress is not None:
+                progress.done = start + raw.tell()
+
+        yield from _text_documents(
+            path,
+            _open_text(path, raw),
+            suffix,
+            text_field,
+            txt_mode,
+            max_document_bytes,
+            lambda lineno: f"{path}:{lineno}",
+            tick,
+        )
+        if progress is not None:
+            progress.done = start + path.stat().st_size
+
+
+def iter_range_documents(
+    path: str | os.PathLike[str],
+    start: int,
+    end: int,
+    *,
+    text_field: str = "text",
+    txt_mode: str = "line",
+    max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES,
+) -> Iterator[str]:
+    """Yield the documents of bytes ``[start, end)`` of an uncompressed ``.txt`` / ``.jsonl``
+    file, with exactly :func:`iter_file_documents`' rules; ``start`` must begin a line (0, or
+    just after a ``\\n``). Errors name the line of the file, counted from its start.
+
+    Concatenating the documents of consecutive ranges that cover a file gives the file's."""
+    if txt_mode not in ("line", "file"):
+        raise ConfigError(f"txt_mode must be 'line' or 'file', got {txt_mode!r}")
+    path = Path(path)
+    suffix = file_suffix(path)
+    if suffix not in (".txt", ".jsonl"):
+        raise ConfigError(f"input {path}: a byte range needs an uncompressed .txt or .jsonl file")
+    if not 0 <= start <= end:
+        raise ConfigError(f"input {path}: invalid byte range [{start}, {end})")
+    with open(path, "rb") as raw:
+        before: list[int] = []
+
+        def name(lineno: int) -> str:
+            if not before:  # counted only for an error message
+                before.append(_count_lines(path, start))
+            return f"{path}:{before[0] + lineno}"
+
+        raw.seek(start)
+        text = _open_text(path, io.BufferedReader(_ByteRange(raw, end - start)))
+        yield from _text_documents(
+            path, text, suffix, text_field, txt_mode, max_document_bytes, name, None
+        )
+
+
+def _text_documents(
+    path: Path,
+    f: io.TextIOBase,
+    suffix: str,
+    text_field: str,
+    txt_mode: str,
+    max_document_bytes: int,
+    name: Callable[[int], str],
+    tick: Callable[[], None] | None,
+) -> Iterator[str]:
+    """The documents of an open ``.txt`` / ``.jsonl`` text stream (closed afterwards)."""
+    try:
+        with f:
+            if txt_mode == "file" and suffix in (".txt", ".txt.gz"):
+                text = f.read(max_document_bytes + 1)
+                check_document_size(text, max_document_bytes, str(path))
+                yield text
+            elif suffix in (".txt", ".txt.gz"):
+                for lineno, text in _bounded_lines(f, max_document_bytes, name):
+                    if tick is not None and not lineno % _PROGRESS_LINES:
+                        tick()
+                    yield text
+            else:
+                record_limit = json_record_limit(max_document_bytes)
+                for lineno, line in _bounded_lines(f, record_limit, name, "JSON record"):
+                    if tick is not None and not lineno % _PROGRESS_LINES:
+                        tick()
+                    if line.strip():
+                        text = _json_text(line, lambda: name(lineno), text_field)  # noqa: B023
+                        if len(text) * 4 > max_document_bytes:
+                            check_document_size(text, max_document_bytes, name(lineno))
+                        yield text
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not valid UTF-8 text: {exc}") from None
+    except (gzip.BadGzipFile, EOFError) as exc:
+        raise ConfigError(f"{path}: not a valid gzip file: {exc}") from None
+
+
+class _ByteRange(io.RawIOBase):
+    """The next ``size`` bytes of an open binary file, as a stream of their own (the file
+    itself is left open)."""
+
+    def __init__(self, raw: io.BufferedIOBase, size: int) -> None:
+        self._raw = raw
+        self._left = size
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        n = min(len(buffer), self._left)
+        if n <= 0:
+            return 0
+        got = self._raw.readinto(memoryview(buffer).cast("B")[:n])
+        self._left -= got
+        return got
+
+
+def _count_lines(path: Path, end: int) -> int:
+    """Lines in bytes ``[0, end)`` of ``raw`` split as universal newlines (``\\n``, ``\\r\\n``,
+    a lone ``\\r``), ``end`` being just after a line ending; read in blocks, never whole lines."""
+    lines = 0
+    left = end
+    carried_cr = False
+    with open(path, "rb") as raw:
+        while left > 0:
+            block = raw.read(min(left, 1 << 20))
+            if not block:
+                break
+            left -= len(block)
+            lines += block.count(b"\n") + block.count(b"\r") - block.count(b"\r\n")
+            if carried_cr and block.startswith(b"\n"):
+                lines -= 1  # a \r\n split across blocks: counted once, as its \r
+            carried_cr = block.endswith(b"\r")
+    return lines
+
+
+def iter_documents(
+    inputs: Sequence[str | os.PathLike[str]],
+    *,
+    text_field: str = "text",
+    txt_mode: str = "line",
+    max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES,
+    follow_symlinks: bool = False,
+    progress: InputProgress | None = None,
+) -> Iterator[str]:
+    """Yield the documents of ``inputs`` in order (see the module docstring for the formats).
+
+    With ``progress``, its ``total`` is set to the input files' size and ``done`` advances as
+    they are read.
+    """
+    if txt_mode not in ("line", "file"):
+        raise ConfigError(f"txt_mode must be 'line' or 'file', got {txt_mode!r}")
+    check_max_document_bytes(max_document_bytes)
+    files = expand_inputs(inputs, follow_symlinks=follow_symlinks)
+    if progress is not None:
+        progress.total = sum(p.stat().st_size for p in files)
+    for path in files:
+        yield from iter_file_documents(
+            path,
+            text_field=text_field,
+            txt_mode=txt_mode,
+            max_document_bytes=max_document_bytes,
+            progress=progress,
+        )
+
+
+def check_max_document_bytes(value: Any) -> int:
+    """``value`` as a valid ``max_document_bytes`` (an integer >= 1), else ConfigError."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"max_document_bytes must be an integer >= 1, got {value!r}")
+    return value
+
+
+def open_parquet(path: Path, text_field: str) -> Any:
+    """A ``pyarrow.parquet.ParquetFile`` that has a ``text_field`` column, or a clear error."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as exc:
+        raise ConfigError(
+            f"{path}: reading parquet needs pyarrow: pip install 'asyncflat[convert]'"
+        ) from exc
+    parquet = pq.ParquetFile(path)
+    names = parquet.schema_arrow.names
+    if text_field not in names:
+        raise ConfigError(f"{path}: no column {text_field!r} (columns: {', '.join(names)})")
+    return parquet
+
+
+def iter_parquet_documents(
+    path: str | os.PathLike[str],
+    *,
+    text_field: str = "text",
+    max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES,
+    row_group: int | None = None,
+) -> Iterator[str]:
+    """Yield the documents of a ``.parquet`` file, or of one of its row groups, with exactly
+    :func:`iter_file_documents`' rules (errors name the row of the file)."""
+    path = Path(path)
+    parquet = open_parquet(path, text_field)
+    row = 0
+    groups = None
+    if row_group is not None:
+        meta = parquet.metadata
+        if not 0 <= row_group < meta.num_row_groups:
+            raise ConfigError(f"{path}: no row group {row_group}")
+        row = sum(meta.row_group(i).num_rows for i in range(row_group))
+        groups = [row_group]
+    batches = parquet.iter_batches(
+        batch_size=_PARQUET_BATCH_ROWS, row_groups=groups, columns=[text_field]
+    )
+    for batch in batches:
+        for value in batch.column(0).to_pylist():
+            where = f"{path} row {row}"
+            text = _text_value(value, where, text_field)
+            check_document_size(text, max_document_bytes, where)
+            yield text
+            row += 1

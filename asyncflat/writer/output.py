@@ -1,0 +1,424 @@
+"""Where a writer's objects go, and how a finished dataset is committed there.
+
+Two kinds of output, one interface (:class:`Output`: a zarr ``store`` to write into, then
+``commit()`` or ``abort()``):
+
+* :class:`LocalOutput`, a local path: everything is written into a staging directory beside the
+  target (``<path>.partial-<random>``) which ``commit()`` renames into place, so a crash leaves
+  the previous dataset or nothing, never a half-written store.
+* :class:`ObjectOutput`, any other fsspec URL (``gs://``, ``s3://``, ``memory://``): an object
+  store has no rename, so chunks are written at their final keys while every metadata object
+  (``zarr.json``, ``.zarray``, ``.zgroup``, ``.zattrs``) is held back in memory and written by
+  ``commit()`` last, arrays first and the root group's very last. A reader therefore finds no
+  dataset (no root metadata) until the commit, then a complete one. Replacing an existing
+  dataset removes its root metadata first, then the rest, before any new object is written.
+
+Both wrap their store in :class:`GuardedStore`, which turns an ``OSError`` of a write (a full
+disk, a permission error) into a :class:`StorageError` naming the object, and which ``stop()``
+fences: no new write starts, and the call returns only when the writes in flight have ended, so
+removing the staging directory afterwards is final (zarr's sync API returns on the first failed
+chunk write while its other writes of the same call are still running and would recreate it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import secrets
+import shutil
+import threading
+import time
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+from zarr.abc.store import ByteRequest, Store
+from zarr.core.buffer import Buffer, BufferPrototype
+from zarr.core.sync import sync
+from zarr.storage import FsspecStore, LocalStore, WrapperStore
+
+from asyncflat.errors import (
+    AsyncflatError,
+    ConfigError,
+    StorageError,
+    install_log_redaction,
+    option_secrets,
+)
+from asyncflat.storage.filesystems import is_remote
+from asyncflat.storage.obstore_client import without_client
+
+__all__ = [
+    "GuardedStore",
+    "LocalOutput",
+    "ObjectOutput",
+    "Output",
+    "OutputExistsError",
+    "display_url",
+    "is_remote",
+    "open_output",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Object names that hold zarr metadata (format 3, then format 2).
+METADATA_NAMES = frozenset({"zarr.json", ".zgroup", ".zarray", ".zattrs", ".zmetadata"})
+#: Top-level and split-level names of a flat-tokens store: a directory holding nothing else is
+#: one, and ``overwrite`` may replace it. Anything else is refused, so a mistyped ``-o`` never
+#: deletes a user's files.
+_ROOT_NAMES = METADATA_NAMES | {"train", "validation"}
+_SPLIT_NAMES = METADATA_NAMES | {"encoded_tokens", "seq_starts"}
+#: How long ``stop()`` waits for writes in flight before giving up on them.
+_STOP_WAIT_S = 120.0
+
+
+class OutputExistsError(ConfigError):
+    """The output path already holds something and replacing it was not asked for."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(f"{where} already exists (pass overwrite=True to replace it)")
+        self.where = where
+
+
+def display_url(url: str) -> str:
+    """``url`` as shown in messages: a ``user:password@`` part becomes ``user:***@``."""
+    return re.sub(r"^([a-zA-Z][\w+.-]*://[^/@:]*):[^/@]*@", r"\1:***@", url)
+
+
+def _storage_error(exc: Exception, what: str) -> StorageError:
+    if isinstance(exc, OSError) and exc.errno is not None:
+        reason = f"{exc.strerror or exc} ({type(exc).__name__}, errno {exc.errno})"
+    else:
+        reason = f"{type(exc).__name__}: {exc}"
+    return StorageError(f"{what}: {reason}")
+
+
+class GuardedStore(WrapperStore[Store]):
+    """A store whose writes name the object on failure, can be fenced, and may hold back metadata.
+
+    ``display`` is the output's name in messages. With ``defer_metadata`` every metadata object
+    is kept in :attr:`deferred` (and served from there to zarr) instead of being written.
+    """
+
+    def __init__(self, store: Store, *, display: str, defer_metadata: bool = False) -> None:
+        super().__init__(store)
+        self.display = display.rstrip("/")
+        self.defer_metadata = defer_metadata
+        self.deferred: dict[str, Buffer] = {}
+        self._cond = threading.Condition()
+        self._in_flight = 0
+        self._stopped = False
+
+    def _with_store(self, store: Store) -> GuardedStore:
+        return GuardedStore(store, display=self.display, defer_metadata=self.defer_metadata)
+
+    def _is_deferred(self, key: str) -> bool:
+        return self.defer_metadata and key.rsplit("/", 1)[-1] in METADATA_NAMES
+
+    async def set(self, key: str, value: Buffer) -> None:
+        if self._is_deferred(key):
+            self.deferred[key] = value
+            return
+        with self._cond:
+            if self._stopped:
+                raise StorageError(f"{self.display}/{key}: not written, the writer was stopped")
+            self._in_flight += 1
+        try:
+            await self._store.set(key, value)
+        except AsyncflatError:
+            raise
+        except Exception as exc:  # gcsfs's HttpError is no OSError
+            raise _storage_error(exc, f"cannot write {self.display}/{key}") from exc
+        finally:
+            with self._cond:
+                self._in_flight -= 1
+                self._cond.notify_all()
+
+    async def set_if_not_exists(self, key: str, value: Buffer) -> None:
+        if self._is_deferred(key):
+            self.deferred.setdefault(key, value)
+            return
+        if not await self.exists(key):
+            await self.set(key, value)
+
+    async def _set_many(self, values: Iterable[tuple[str, Buffer]]) -> None:
+        await asyncio.gather(*(self.set(key, value) for key, value in values))
+
+    async def get(
+        self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None
+    ) -> Buffer | None:
+        if self._is_deferred(key):
+            value = self.deferred.get(key)
+            if value is None or byte_range is None:
+                return value
+            return await _slice(value, byte_range)
+        return await self._store.get(key, prototype, byte_range)
+
+    async def exists(self, key: str) -> bool:
+        if self._is_deferred(key):
+            return key in self.deferred
+        return await self._store.exists(key)
+
+    async def delete(self, key: str) -> None:
+        if self._is_deferred(key):
+            self.deferred.pop(key, None)
+            return
+        await self._store.delete(key)
+
+    def stop(self) -> None:
+        """Refuse new writes and wait (bounded) until the writes in flight have ended."""
+        deadline = time.monotonic() + _STOP_WAIT_S
+        with self._cond:
+            self._stopped = True
+            while self._in_flight:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    logger.warning(
+                        "%s: %d writes still in flight after %.0f s; removing the output anyway",
+                        self.display,
+                        self._in_flight,
+                        _STOP_WAIT_S,
+                    )
+                    return
+                self._cond.wait(left)
+
+
+async def _slice(value: Buffer, byte_range: ByteRequest) -> Buffer:
+    from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteRequest
+
+    if isinstance(byte_range, RangeByteRequest):
+        return value[byte_range.start : byte_range.end]
+    if isinstance(byte_range, OffsetByteRequest):
+        return value[byte_range.offset :]
+    if isinstance(byte_range, SuffixByteRequest):
+        return value[len(value) - byte_range.suffix :]
+    raise TypeError(f"unexpected byte range {byte_range!r}")
+
+
+def _check_replaceable(where: str, top: list[str], below: dict[str, list[str]]) -> None:
+    """Refuse to overwrite anything but a flat-tokens store (by its names) or an empty directory."""
+    foreign = sorted(set(top) - _ROOT_NAMES)
+    for split, names in below.items():
+        foreign += sorted(f"{split}/{n}" for n in set(names) - _SPLIT_NAMES)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (
+            f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+        )
+        raise ConfigError(
+            f"{where} exists and is not a flat-tokens store (it holds {shown}); overwrite only "
+            "replaces a flat-tokens store or an empty directory: remove it yourself or choose "
+            "another output path"
+        )
+
+
+class Output:
+    """The target of one writer: a zarr ``store`` to write into, then ``commit`` or ``abort``."""
+
+    display: str
+    store: GuardedStore
+
+    def commit(self) -> None:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        raise NotImplementedError
+
+
+class LocalOutput(Output):
+    """A local directory, written into a staging directory beside it and renamed into place."""
+
+    def __init__(self, path: str, *, overwrite: bool) -> None:
+        self.path = os.path.abspath(path)
+        self.display = self.path
+        self.overwrite = overwrite
+        self._check_target()
+        parent = os.path.dirname(self.path)
+        try:
+            os.makedirs(parent, exist_ok=True)
+        except OSError as exc:
+            raise _storage_error(exc, f"cannot create the parent directory {parent}") from exc
+        self.staging = f"{self.path}.partial-{secrets.token_hex(6)}"
+        try:
+            os.mkdir(self.staging)
+        except OSError as exc:
+            raise _storage_error(exc, f"cannot create {self.staging}") from exc
+        self.store = GuardedStore(LocalStore(self.staging), display=self.display)
+        # If the writer is dropped without commit()/abort(), still remove the staging directory.
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self.staging, ignore_errors=True)
+
+    def _check_target(self) -> None:
+        if not os.path.lexists(self.path):
+            return
+        if not self.overwrite:
+            raise OutputExistsError(self.path)
+        if os.path.islink(self.path) or not os.path.isdir(self.path):
+            kind = "a symlink" if os.path.islink(self.path) else "a file"
+            raise ConfigError(
+                f"{self.path} exists and is {kind}, not a flat-tokens store; overwrite only "
+                "replaces a flat-tokens store or an empty directory"
+            )
+        top = os.listdir(self.path)
+        below = {
+            name: os.listdir(os.path.join(self.path, name))
+            for name in top
+            if name in ("train", "validation") and os.path.isdir(os.path.join(self.path, name))
+        }
+        _check_replaceable(self.path, top, below)
+
+    def commit(self) -> None:
+        try:
+            _fsync_tree(self.staging)
+            self._check_target()
+            old = None
+            if os.path.lexists(self.path):
+                old = f"{self.path}.old-{secrets.token_hex(6)}"
+                os.rename(self.path, old)
+            try:
+                os.rename(self.staging, self.path)
+            except BaseException:
+                if old is not None:
+                    os.rename(old, self.path)  # put the previous dataset back
+                raise
+            _fsync_dir(os.path.dirname(self.path))
+        except OSError as exc:
+            if isinstance(exc, StorageError):
+                raise
+            raise _storage_error(exc, f"cannot commit {self.path}") from exc
+        self._cleanup.detach()
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def abort(self) -> None:
+        self.store.stop()
+        self._cleanup()
+
+
+class ObjectOutput(Output):
+    """An fsspec URL: chunks at their final keys, metadata held back and written last."""
+
+    def __init__(
+        self, url: str, *, overwrite: bool, storage_options: dict[str, Any] | None
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.display = display_url(self.url)
+        options = {"skip_instance_cache": True, **without_client(storage_options)}
+        try:
+            raw = FsspecStore.from_url(self.url, storage_options=options)
+        except (ValueError, ImportError, TypeError) as exc:
+            raise ConfigError(
+                f"cannot write to {self.display}: {type(exc).__name__}: {exc}"
+            ) from None
+        self.store = GuardedStore(raw, display=self.display, defer_metadata=True)
+        self._raw = raw
+        self._committed = self._aborted = False
+        try:
+            self._run(self._prepare(overwrite))
+        except BaseException:
+            self._close()
+            raise
+
+    def _run(self, coro: Any) -> Any:
+        try:
+            return sync(coro)
+        except AsyncflatError:
+            raise
+        except Exception as exc:  # filesystems raise their own error types
+            raise _storage_error(exc, self.display) from exc
+
+    async def _names(self, prefix: str) -> list[str]:
+        return [name async for name in self._raw.list_dir(prefix)]
+
+    async def _prepare(self, overwrite: bool) -> None:
+        top = await self._names("")
+        if not top:
+            return
+        if not overwrite:
+            raise OutputExistsError(self.display)
+        below: dict[str, list[str]] = {
+            s: await self._names(s) for s in ("train", "validation") if s in top
+        }
+        _check_replaceable(self.display, top, below)
+        # A reader must never see the old root with new chunks: the root's metadata goes first.
+        for name in sorted(METADATA_NAMES & set(top)):
+            await self._raw.delete(name)
+        await self._raw.delete_dir("")
+        logger.info("%s: removed the previous dataset", self.display)
+
+    def commit(self) -> None:
+        try:
+            self._run(self._write_metadata())
+            self._committed = True
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        try:
+            sync(_close_filesystem(self._raw.fs))
+        except Exception as exc:  # noqa: BLE001 -- closing sessions is best effort
+            logger.debug("%s: closing the filesystem failed: %s", self.display, exc)
+
+    async def _write_metadata(self) -> None:
+        # Deepest first; within the root, zarr.json / .zgroup after .zattrs: a reader opening
+        # the root finds it only when everything below it is in place.
+        def order(key: str) -> tuple[int, int]:
+            name = key.rsplit("/", 1)[-1]
+            return (-key.count("/"), name in ("zarr.json", ".zgroup"))
+
+        for key in sorted(self.store.deferred, key=order):
+            await self.store._store.set(key, self.store.deferred[key])
+
+    def abort(self) -> None:
+        self.store.stop()
+        if self._committed or self._aborted:
+            return  # a committed dataset is not this writer's to remove any more
+        self._aborted = True
+        try:
+            self._run(self._raw.delete_dir(""))
+        except Exception as exc:  # noqa: BLE001 -- best effort: the abort's cause is what to report
+            logger.warning("%s: could not remove the partial output: %s", self.display, exc)
+        self._close()
+
+
+def open_output(
+    path: str | os.PathLike[str], *, overwrite: bool, storage_options: dict[str, Any] | None
+) -> Output:
+    """The output for a local path, a ``file://`` URL or any other fsspec URL."""
+    text = os.fspath(path)
+    if is_remote(text):
+        # fsspec's and the cloud clients' own log records show the URL they were given
+        install_log_redaction(option_secrets(storage_options))
+        return ObjectOutput(text, overwrite=overwrite, storage_options=storage_options)
+    if storage_options:
+        raise ConfigError(
+            f"storage_options are for fsspec URLs; {text} is a local path (got "
+            f"{len(storage_options)} options)"
+        )
+    return LocalOutput(text.removeprefix("file://"), overwrite=overwrite)
+
+
+async def _close_filesystem(fs: Any) -> None:
+    """Close the HTTP sessions of ``fs`` on zarr's loop (the one that made them)."""
+    from asyncflat.storage.filesystems import close_filesystem
+
+    await close_filesystem(getattr(fs, "sync_fs", fs))  # unwrap fsspec's sync-filesystem wrapper
+
+
+def _fsync_tree(root: str) -> None:
+    """Flush every file and directory under ``root`` so the rename commits durable data."""
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for filename in filenames:
+            fd = os.open(os.path.join(dirpath, filename), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(dirpath)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
