@@ -181,10 +181,10 @@ def _get_kernel() -> _Kernel:
 def _load_kernel() -> _Kernel:
     """Compile the machine-code kernel (llvmlite is imported only here)."""
     started = time.perf_counter()
-    from asyncflat.plan import kernel
+    from asyncflat.plan import kernel as compiled_kernel
 
-    compiled = kernel.compile_kernel()
-    chunk = kernel.CHUNK
+    compiled = compiled_kernel.compile_kernel()
+    chunk = compiled_kernel.CHUNK
     logger.debug("compiled the permutation kernel in %.3fs", time.perf_counter() - started)
 
     def kernel(k0: np.uint64, k1: np.uint64, result: np.ndarray) -> None:
