@@ -682,12 +682,3 @@ def test_boundary_worst() -> None:
     lat = [9.0, 1, 2, 7, 1, 1, 3, 1]
     np.testing.assert_array_equal(boundary_worst(lat, [3, 6, 99]), [7, 3])
     np.testing.assert_array_equal(boundary_worst(lat, [0, 1]), [9 * 0 + 7])
-
-
-def test_asyncflat_inspect_is_a_deprecated_alias() -> None:
-    import importlib
-
-    sys.modules.pop("asyncflat.inspection", None)
-    with pytest.warns(DeprecationWarning, match="asyncflat.inspection"):
-        alias = importlib.import_module("asyncflat.inspection")
-    assert alias.verify_split is verify_split and alias.describe_split is describe_split
