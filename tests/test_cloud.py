@@ -37,7 +37,9 @@ from asyncflat import (
     TokenBatchParams,
     TransientStorageError,
 )
-from asyncflat.source.zarr_source import AdaptiveLimiter, IOCounters, _close_filesystem, _filesystem
+from asyncflat.storage.counters import IOCounters
+from asyncflat.storage.filesystems import close_filesystem, filesystem
+from asyncflat.storage.limiter import AdaptiveLimiter
 from asyncflat.storage.retry import is_throttle, is_transient
 
 BUCKET = "asyncflat-test"
@@ -95,11 +97,11 @@ class Backend:
         """Run ``await fn(fs)`` with a fresh asynchronous filesystem, closed afterwards."""
 
         async def main() -> Any:
-            fs, _ = _filesystem(self.url(""), self.server.storage_options())
+            fs, _ = filesystem(self.url(""), self.server.storage_options())
             try:
                 return await fn(fs)
             finally:
-                await _close_filesystem(fs)
+                await close_filesystem(fs)
 
         return asyncio.run(main())
 
@@ -481,8 +483,8 @@ def test_filesystems_own_retries_are_off_unless_configured() -> None:
     import s3fs
 
     async def make(url: str, options: dict[str, Any]) -> Any:
-        fs, _ = _filesystem(url, options)
-        await _close_filesystem(fs)
+        fs, _ = filesystem(url, options)
+        await close_filesystem(fs)
         return fs
 
     raw = gcsfs.GCSFileSystem._request.__wrapped__

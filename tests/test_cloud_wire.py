@@ -18,7 +18,7 @@ from helpers.servers import TcpProxy
 import asyncflat
 from asyncflat import EngineOptions, FlatTokensParams, ShufflingLoader, TokenBatchParams
 from asyncflat.format.split import metadata_keys
-from asyncflat.source.zarr_source import _close_filesystem, _filesystem
+from asyncflat.storage.filesystems import close_filesystem, filesystem
 from asyncflat.storage.limiter import demand_headroom
 
 pytestmark = pytest.mark.cloud
@@ -63,14 +63,14 @@ def backend(
         )
 
     async def upload() -> None:
-        fs, _ = _filesystem(backend.url(""), backend.options())
+        fs, _ = filesystem(backend.url(""), backend.options())
         try:
             for fmt in (2, 3):
                 await fs._put(
                     str(root / f"v{fmt}.zarr"), f"{BUCKET}/wire/v{fmt}.zarr", recursive=True
                 )
         finally:
-            await _close_filesystem(fs)
+            await close_filesystem(fs)
 
     asyncio.run(upload())
     yield backend
@@ -104,7 +104,7 @@ def test_the_pool_size_never_overrides_the_callers(backend: Backend) -> None:
             opts["config_kwargs"] = {"max_pool_connections": 3}
         else:
             opts["session_kwargs"] = {"trust_env": False}
-        fs, _ = _filesystem(backend.url(""), opts, max_connections=400)
+        fs, _ = filesystem(backend.url(""), opts, max_connections=400)
         try:
             if backend.name == "s3":
                 client = await fs.set_session()
@@ -112,7 +112,7 @@ def test_the_pool_size_never_overrides_the_callers(backend: Backend) -> None:
             session = await fs._set_session()
             return session.connector.limit
         finally:
-            await _close_filesystem(fs)
+            await close_filesystem(fs)
 
     # S3: the caller's 3 stays. GCS: the caller's session options stay, the pool is raised.
     assert asyncio.run(main()) == (3 if backend.name == "s3" else 400)
@@ -127,9 +127,9 @@ def test_s3_filesystems_share_botocore_models_not_sessions(s3_server: Any) -> No
     backend = Backend("s3", s3_server)
 
     async def main() -> tuple[Any, Any, Any, Any]:
-        made = [_filesystem(backend.url(""), backend.options()) for _ in range(2)]
+        made = [filesystem(backend.url(""), backend.options()) for _ in range(2)]
         own = aiobotocore.session.AioSession()
-        mine, _ = _filesystem(backend.url(""), {**backend.options(), "session": own})
+        mine, _ = filesystem(backend.url(""), {**backend.options(), "session": own})
         try:
             for fs, _ in made:
                 await fs._ls(BUCKET)  # the client is made from the session, and works
@@ -138,8 +138,8 @@ def test_s3_filesystems_share_botocore_models_not_sessions(s3_server: Any) -> No
             return first.session, second.session, mine.session, own
         finally:
             for fs, _ in made:
-                await _close_filesystem(fs)
-            await _close_filesystem(mine)
+                await close_filesystem(fs)
+            await close_filesystem(mine)
 
     first, second, mine, own = asyncio.run(main())
     assert first is not second  # never one session (credentials, locks) for two loops
@@ -158,10 +158,10 @@ def test_s3_filesystems_share_botocore_models_per_data_path(
     backend = Backend("s3", s3_server)
 
     async def main() -> tuple[Any, Any]:
-        plain, _ = _filesystem(backend.url(""), backend.options())
+        plain, _ = filesystem(backend.url(""), backend.options())
         monkeypatch.setenv("AWS_DATA_PATH", str(tmp_path))
-        custom, _ = _filesystem(backend.url(""), backend.options())
-        again, _ = _filesystem(backend.url(""), backend.options())
+        custom, _ = filesystem(backend.url(""), backend.options())
+        again, _ = filesystem(backend.url(""), backend.options())
         try:
             assert again.session.get_component("data_loader") is custom.session.get_component(
                 "data_loader"
@@ -171,7 +171,7 @@ def test_s3_filesystems_share_botocore_models_per_data_path(
             )
         finally:
             for fs in (plain, custom, again):
-                await _close_filesystem(fs)
+                await close_filesystem(fs)
 
     default, custom = asyncio.run(main())
     assert custom is not default

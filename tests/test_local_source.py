@@ -1,6 +1,6 @@
 """A plain local split is opened and read without zarr, and serves exactly the oracle's batches.
 
-The zarr-free path (``asyncflat/local_source.py``) exists for start-up time: a restart's first
+The zarr-free path (``asyncflat/source/local_source.py``) exists for start-up time: a restart's first
 batch must not pay zarr's import. These tests check that it is taken where it should be (and
 zarr is then never imported), that it serves the reference loader's batches on every layout it
 accepts, that anything else falls back to zarr's reader with zarr's errors, and that hostile

@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 from conftest import random_sequences
 
-import asyncflat.source.zarr_source
+import asyncflat.storage.local_files
 from asyncflat import CorruptChunkError, FlatTokensWriter
 from asyncflat.format.codec import encode_sequences
-from asyncflat.source.zarr_source import TokenSource, ZarrTokenSource
+from asyncflat.source.protocol import TokenSource
+from asyncflat.source.zarr_source import ZarrTokenSource
 
 CHUNK = 4096
 
@@ -295,7 +296,7 @@ def test_damaged_blocks_read_by_range_are_a_corrupt_chunk_error(tmp_path: Path) 
     Path(target).write_bytes(bytes(data))
 
     ranged: list[str] = []
-    real_pread_into = asyncflat.source.zarr_source.pread_into
+    real_pread_into = asyncflat.storage.local_files.pread_into
 
     def spy(root: str, key: str, *args: Any, **kwargs: Any) -> None:
         ranged.append(key)
@@ -313,7 +314,7 @@ def test_damaged_blocks_read_by_range_are_a_corrupt_chunk_error(tmp_path: Path) 
         await source.aclose()
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(asyncflat.source.zarr_source, "pread_into", spy)
+        patch.setattr(asyncflat.storage.local_files, "pread_into", spy)
         run(main)
     assert ranged and all(key.endswith(("/1", ".1")) for key in ranged)  # read by range
 

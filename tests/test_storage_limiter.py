@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from asyncflat.storage import AdaptiveLimiter, IOCounters
-from asyncflat.storage.limiter import DEMAND, demand_headroom, pool_size
+from asyncflat.storage.limiter import demand, demand_headroom, pool_size
 
 
 def test_one_burst_of_throttling_halves_the_limit_once_then_it_recovers() -> None:
@@ -58,27 +58,27 @@ def test_demand_requests_pass_queued_ones_and_use_the_headroom() -> None:
         first = await asyncio.wait_for(limiter.acquire(demand=True), 1)
         assert limiter.in_flight == 5
         # ...a second one waits, but ahead of the three queued before it.
-        token = DEMAND.set(True)  # the default comes from the task's context
-        try:
+        with demand():  # the default comes from the task's context, which the task copies
             second = asyncio.ensure_future(limiter.acquire())
-        finally:
-            DEMAND.reset(token)
+        late = asyncio.ensure_future(limiter.acquire())  # started after it: a plain request
         await asyncio.sleep(0)
         assert not second.done()
         limiter.release(held.pop(), ok=True, throttled=False)
         await asyncio.sleep(0)
-        assert second.done() and not any(q.done() for q in queued)
+        assert second.done() and not any(q.done() for q in (*queued, late))
         # Once no demand request waits, the others get the slots under the limit.
         limiter.release(first, ok=True, throttled=False)
         limiter.release(second.result(), ok=True, throttled=False)
         await asyncio.sleep(0)
         assert [q.done() for q in queued] == [True, False, False]  # 3 held + 1: at the limit
+        assert not late.done()
         assert limiter.in_flight == 4
         for epoch in [*held, queued[0].result()]:
             limiter.release(epoch, ok=True, throttled=False)
         await asyncio.sleep(0)
         assert queued[1].done() and queued[2].done()
-        for q in queued[1:]:
+        assert late.done()  # last in line: a plain request queued behind the three
+        for q in [*queued[1:], late]:
             limiter.release(q.result(), ok=True, throttled=False)
         assert limiter.in_flight == 0
 

@@ -21,7 +21,7 @@ import pytest
 import zarr
 from conftest import random_sequences
 
-import asyncflat.source.zarr_source
+import asyncflat.storage.local_files
 from asyncflat import CorruptChunkError, FlatTokensWriter
 from asyncflat.format.codec import encode_sequences
 from asyncflat.source.zarr_source import ZarrTokenSource
@@ -62,8 +62,8 @@ def read_rows(
     of chunk 1. Returns the files ``pread`` was asked for and the rows read (or the error)."""
     calls: list[tuple[str, str]] = []
     real_pread, real_pread_into = (
-        asyncflat.source.zarr_source.pread,
-        asyncflat.source.zarr_source.pread_into,
+        asyncflat.storage.local_files.pread,
+        asyncflat.storage.local_files.pread_into,
     )
 
     def spy(root: str, key: str, *args: Any, **kwargs: Any) -> bytes:
@@ -74,8 +74,8 @@ def read_rows(
         calls.append((root, key))
         real_pread_into(root, key, *args, **kwargs)
 
-    monkeypatch.setattr(asyncflat.source.zarr_source, "pread", spy)
-    monkeypatch.setattr(asyncflat.source.zarr_source, "pread_into", spy_into)
+    monkeypatch.setattr(asyncflat.storage.local_files, "pread", spy)
+    monkeypatch.setattr(asyncflat.storage.local_files, "pread_into", spy_into)
 
     async def main() -> Any:
         source = await ZarrTokenSource.open(str(path), "train")

@@ -22,9 +22,10 @@ One job per module:
 * :mod:`.core`: the :class:`Engine` that composes them: ``gather`` (on the loop), ``try_gather``
   (from the caller's thread, for finished buffers), ``stats``, ``interval_stats``, ``aclose``.
 
-The engine reads through a :class:`~asyncflat.source.zarr_source.TokenSource`: the reader decides how to
-decode (direct Blosc, raw, or zarr) and owns its caches; the engine decides what to read, in
-which order, and when a buffer may be written.
+The engine reads through a :class:`~asyncflat.source.protocol.TokenSource` (and imports nothing
+else of the reader, nor any storage layer): the reader decides how to decode (direct Blosc, raw,
+or zarr) and owns its caches; the engine decides what to read, in which order, and when a buffer
+may be written.
 
 The in-buffer shuffle is never materialised: a gather reads buffer row ``perm[position]``.
 

@@ -4,7 +4,7 @@ It composes the pieces of this package: the fill table and its buffers (:mod:`.t
 :mod:`.fill`), the unit scheduler (:mod:`.scheduler`) and the reads its workers run
 (:mod:`.units`), what a load does about each fill it reads (:mod:`.waiting`), row reads for
 loads ahead of their blocks (:mod:`.rows`) and the figures (:mod:`.recorder`, :mod:`.stats`),
-over a :class:`~asyncflat.source.zarr_source.TokenSource`.
+over a :class:`~asyncflat.source.protocol.TokenSource`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from asyncflat.engine.units import UnitReader, inflight_budget
 from asyncflat.engine.waiting import FillWaiter
 from asyncflat.errors import LoaderClosedError
 from asyncflat.plan.shuffle import ShufflePlan
-from asyncflat.source.zarr_source import TokenSource
+from asyncflat.source.protocol import TokenSource
 
 __all__ = ["Engine"]
 

@@ -26,7 +26,7 @@ import numpy as np
 from asyncflat.engine.stats import FillProgress
 from asyncflat.errors import DatasetFormatError
 from asyncflat.plan.shuffle import ShufflePlan
-from asyncflat.source.zarr_source import TokenSource
+from asyncflat.source.protocol import TokenSource
 
 __all__ = [
     "EXTRA_BUFFERS",

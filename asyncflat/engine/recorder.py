@@ -26,7 +26,7 @@ from asyncflat.engine.stats import (
     StepRate,
 )
 from asyncflat.plan.coverage import format_bytes
-from asyncflat.storage.counters import IOCounters
+from asyncflat.source.protocol import ReadCounters
 
 __all__ = ["Recorder"]
 
@@ -113,7 +113,7 @@ class Recorder:
         fills: Iterable[Fill],
         allocations: int,
         workers: _Workers,
-        io: IOCounters,
+        io: ReadCounters,
         streams: tuple[int, ...],
     ) -> EngineStats:
         steps, waits = self.steps.since(0)

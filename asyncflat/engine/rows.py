@@ -2,7 +2,7 @@
 
 A step's rows are scattered over most of a buffer's blocks (the in-buffer permutation), so
 waiting for whole blocks after a resume or behind a late fill would cost most of a fill; a few
-rows cost a few small reads (:meth:`~asyncflat.source.zarr_source.TokenSource.read_items`: for Blosc, the
+rows cost a few small reads (:meth:`~asyncflat.source.protocol.TokenSource.read_items`: for Blosc, the
 frame's header and block table, shared, and the compressed blocks holding the row).
 """
 
@@ -17,8 +17,7 @@ import numpy as np
 from asyncflat.engine.fill import Fill
 from asyncflat.engine.scheduler import UnitScheduler
 from asyncflat.plan.shuffle import ShufflePlan
-from asyncflat.source.zarr_source import TokenSource
-from asyncflat.storage.limiter import DEMAND
+from asyncflat.source.protocol import TokenSource
 
 __all__ = ["RowReader"]
 
@@ -28,8 +27,9 @@ class RowReader:
     others read from storage while the fill goes on.
 
     The fill keeps streaming while a load's rows are read: behind a network the row reads are
-    demand requests, which the store's limiter serves first
-    (:data:`~asyncflat.storage.limiter.DEMAND`), so they never queue behind the fill's. A fill
+    demand requests, which the store serves first
+    (:meth:`~asyncflat.source.protocol.TokenSource.demand`), so they never queue behind the
+    fill's. A fill
     that has not started yet waits for the load's rows (one round trip, or a few hundred
     microseconds of CPU), so that its requests do not reach the store, nor its decodes the CPU,
     ahead of them: the first batch after a resume costs just its rows. On a local store only
@@ -63,8 +63,7 @@ class RowReader:
         out[have] = fill.buffer[buffer_rows[have]]
         missing = np.flatnonzero(~have)
         # The load waits on these reads: first in line at the store (the tasks copy the flag).
-        demand = DEMAND.set(True)
-        try:
+        with self._source.demand():
             # A fill none of whose reads has started (a resume, start-up) waits until the load's
             # rows are read: its requests would otherwise reach the store first.
             pause = not fill.reads_started
@@ -77,8 +76,6 @@ class RowReader:
                     await reads
                 finally:
                     self._pending.discard(reads)
-        finally:
-            DEMAND.reset(demand)
         return len(missing)
 
     @property
@@ -101,16 +98,13 @@ class RowReader:
             self._forget_ahead(other)  # no load reads rows of these one by one any more
         mine = self._ahead.setdefault(fill, {})
         spb = self._plan.sequences_per_read_block
-        demand = DEMAND.set(True)  # the tasks copy the flag
-        try:
+        with self._source.demand():  # the tasks copy the flag
             for row in np.unique(buffer_rows).tolist():
                 if row in mine or fill.ready[row // spb].is_set():
                     continue
                 task = asyncio.ensure_future(self._read_alone(fill, row))
                 task.add_done_callback(_retrieve)
                 mine[row] = task
-        finally:
-            DEMAND.reset(demand)
 
     async def _read_alone(self, fill: Fill, buffer_row: int) -> np.ndarray:
         # Yield first: these tasks are created while a load is being served, so their first

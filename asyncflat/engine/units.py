@@ -14,8 +14,7 @@ from asyncflat.engine.fill import FillWriter, Unit, read_unpacked_rows
 from asyncflat.engine.heap import trim_later
 from asyncflat.engine.recorder import Recorder, log
 from asyncflat.plan.shuffle import ShufflePlan
-from asyncflat.source.zarr_source import TokenSource
-from asyncflat.storage.limiter import DEMAND
+from asyncflat.source.protocol import TokenSource
 
 __all__ = ["UnitReader", "inflight_budget", "inflight_budget_for"]
 
@@ -63,10 +62,10 @@ class UnitReader:
     async def run(self, unit: Unit) -> None:
         fill = unit.fill
         waiting = self.waiting_step
-        # A unit the waiting load needs goes ahead of every other request at the store.
-        demand = DEMAND.set(waiting is not None and unit.priority <= waiting)
         try:
-            await self._read(unit)
+            # A unit the waiting load needs goes ahead of every other request at the store.
+            with self._source.demand(waiting is not None and unit.priority <= waiting):
+                await self._read(unit)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - kept by the fill, raised by the load needing it
@@ -80,8 +79,6 @@ class UnitReader:
             )
             fill.fail(exc)
             return
-        finally:
-            DEMAND.reset(demand)
         if fill.cancelled:
             return
         fill.unit_done(unit)

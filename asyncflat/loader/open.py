@@ -15,7 +15,8 @@ from asyncflat.errors import ConfigError
 from asyncflat.plan.coverage import dropped_warning, format_bytes
 from asyncflat.plan.permutation import warm_up as warm_up_permutation
 from asyncflat.plan.shuffle import ShufflePlan
-from asyncflat.source.zarr_source import StoreWrapper, TokenSource, ZarrTokenSource
+from asyncflat.source.protocol import StoreWrapper, TokenSource
+from asyncflat.source.zarr_source import ZarrTokenSource
 from asyncflat.storage.local_files import is_url
 
 __all__ = ["open_engine"]

@@ -50,7 +50,7 @@ from asyncflat.loader.load_ahead import NOT_READY, LoadAhead
 from asyncflat.loader.mixture.config import MixtureParams
 from asyncflat.loader.open import open_engine
 from asyncflat.plan.shuffle import ShufflePlan
-from asyncflat.source.zarr_source import StoreWrapper, TokenSource
+from asyncflat.source.protocol import StoreWrapper, TokenSource
 
 # TokenBatch, default_sharding and check_batch_sharding live in asyncflat.loader.batch; re-exported here
 # for code that imported them from this module.
@@ -78,7 +78,7 @@ class ShufflingLoader:
     :class:`~asyncflat.loader.batch.TokenBatch`, and any dataclass or pytree with those two fields works
     (e.g. seqax's own ``TokenBatch``). Use as a context manager (or call :meth:`close`) so the
     engine's thread and buffers go away. ``source`` injects a
-    :class:`~asyncflat.source.zarr_source.TokenSource` (tests); ``store_wrapper`` wraps the zarr store (fault
+    :class:`~asyncflat.source.protocol.TokenSource` (tests); ``store_wrapper`` wraps the zarr store (fault
     injection, instrumentation). ``epoch`` selects the pass over the split: 0 is seqax's order,
     ``e > 0`` another deterministic order (:func:`asyncflat.plan.shuffle.epoch_seed`);
     :func:`asyncflat.iter_epochs` runs several passes. Given a

@@ -1,12 +1,14 @@
 """The reader of a plain local split, without zarr: a restart's first batch costs only its reads.
 
-:class:`LocalTokenSource` is a :class:`~asyncflat.source.zarr_source.ZarrTokenSource` whose split was opened
-by :func:`~asyncflat.storage.local_split.parse_local_split` instead of zarr, and whose chunk
-objects are read straight from their files (:mod:`asyncflat.storage.local_files`). Everything
-above the object reads (partial Blosc decoding, shared whole-chunk reads, crc32c, row reads) is
-the same code. Every object is checked as the guarded store checks it: a regular file inside the
-store, no larger than a legal encoding of its chunk, refused when missing or truncated, and its
-bytes checked by the array's :class:`~asyncflat.storage.gate.ChunkGate` before any decoder.
+:class:`LocalTokenSource` reads a split opened by
+:func:`~asyncflat.storage.local_split.parse_local_split` instead of zarr, its chunk objects read
+straight from their files (:mod:`asyncflat.storage.local_files`). Everything above the object
+reads (partial Blosc decoding, shared whole-chunk reads, crc32c, row reads) is the
+:class:`~asyncflat.source.chunk_reader.ChunkReader` that
+:class:`~asyncflat.source.zarr_source.ZarrTokenSource` uses too. Every object is checked as the
+guarded store checks it: a regular file inside the store, no larger than a legal encoding of its
+chunk, refused when missing or truncated, and its bytes checked by the array's
+:class:`~asyncflat.storage.gate.ChunkGate` before any decoder.
 
 :meth:`LocalTokenSource.open_plain` answers None for anything it does not recognise (another
 layout, a store wrapper, an invalid split): the caller opens it through zarr instead, which
@@ -16,21 +18,24 @@ reports what is wrong.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import numpy as np
 
 from asyncflat.config import RetryPolicy, redact_url
 from asyncflat.errors import AsyncflatError, CorruptChunkError, TransientStorageError
-from asyncflat.source.zarr_source import ZarrTokenSource
+from asyncflat.source.chunk_reader import ChunkReader
+from asyncflat.source.protocol import Targets, UnitWriter
 from asyncflat.storage import blosc as _blosc
+from asyncflat.storage import local_files
 from asyncflat.storage.chunks import without_crc32c
 from asyncflat.storage.counters import IOCounters
 from asyncflat.storage.gate import ChunkRejected
-from asyncflat.storage.local_files import pread_into, read_object
 from asyncflat.storage.local_split import LocalArray, LocalSplit, parse_local_split
 
 __all__ = ["LocalTokenSource"]
@@ -38,27 +43,95 @@ __all__ = ["LocalTokenSource"]
 log = logging.getLogger(__name__)
 
 
-class LocalTokenSource(ZarrTokenSource):
-    """A :class:`~asyncflat.source.zarr_source.TokenSource` over a plain local split, read without zarr."""
+class _LocalObjects:
+    """The chunk objects of a plain local split, read from their files on a thread (a slow or
+    hung disk must not stall the loop), checked and counted."""
+
+    def __init__(self, split: LocalSplit, name: str, io: IOCounters) -> None:
+        self._split, self._name, self._io = split, name, io
+
+    def key(self, chunk_id: int) -> str:
+        return self._split.encoded_tokens.key(chunk_id)
+
+    def max_object_bytes(self, key: str) -> int | None:
+        return self._split.encoded_tokens.gate.max_object_bytes
+
+    async def fetch(self, key: str, byte_range: tuple[int, int] | None = None) -> np.ndarray:
+        """Bytes of an ``encoded_tokens`` object: whole and checked, or ``[lo, hi)``."""
+        if byte_range is None:
+            return await self.whole(key, self._split.encoded_tokens)
+        lo, hi = byte_range
+        out = np.empty(hi - lo, np.uint8)
+        read = functools.partial(
+            local_files.pread_into,
+            self._split.root,
+            key,
+            lo,
+            memoryview(out),  # type: ignore[arg-type]  # numpy buffers
+            name=self._name,
+            max_object_bytes=self.max_object_bytes(key),
+        )
+        await self._counted(lambda: (read(), out)[1])
+        return out
+
+    async def whole(self, key: str, array: LocalArray) -> np.ndarray:
+        """Object ``key`` of ``array``, whole, checked by its gate before any decoder sees it."""
+        return await self._counted(functools.partial(self._read_whole, key, array))
+
+    async def _counted(self, read: Callable[[], np.ndarray]) -> np.ndarray:
+        io = self._io
+        io.in_flight += 1
+        io.peak_in_flight = max(io.peak_in_flight, io.in_flight)
+        try:
+            data = await asyncio.get_running_loop().run_in_executor(None, read)
+        finally:
+            io.in_flight -= 1
+        io.requests += 1
+        io.bytes_read += data.nbytes
+        return data
+
+    def _read_whole(self, key: str, array: LocalArray) -> np.ndarray:
+        gate = array.gate
+        root = self._split.root
+        data = local_files.read_object(root, key, name=self._name, max_bytes=gate.max_object_bytes)
+        assert data is not None  # missing objects raise
+        try:
+            gate.check(memoryview(data))  # type: ignore[arg-type]  # numpy buffers
+        except ChunkRejected as exc:
+            raise CorruptChunkError(
+                f"{os.path.join(root, key)} (whole object; dataset {self._name}): "
+                f"chunk object of {gate.array} does not decode (refused before decoding: {exc})"
+            ) from None
+        return data
+
+
+class LocalTokenSource:
+    """A :class:`~asyncflat.source.protocol.TokenSource` over a plain local split, read without
+    zarr."""
 
     def __init__(self, split: LocalSplit, name: str) -> None:
-        self._arrays = None  # type: ignore[assignment]  # no zarr arrays: see the hooks below
-        self._store = None
-        self._guard = None
         self._split = split
         tokens, starts = split.encoded_tokens, split.seq_starts
-        self._setup(
-            f"{redact_url(name).rstrip('/')}/{split.split}",
-            tokens.length,
-            starts.length - 1,
-            split.max_token_id,
-            tokens.chunk,
-            IOCounters(),
+        self.io = IOCounters()
+        self.name = f"{redact_url(name).rstrip('/')}/{split.split}"
+        self.token_count = tokens.length
+        self.sequence_count = starts.length - 1
+        self.max_token_id = split.max_token_id
+        self.token_chunk = tokens.chunk
+        self.remote = False
+        self._objects = _LocalObjects(split, self.name, self.io)
+        self._reader = ChunkReader(
+            self._objects,
+            name=self.name,
+            io=self.io,
+            token_count=self.token_count,
+            token_chunk=self.token_chunk,
             codec=tokens.codec,
             checksum=tokens.checksum,
             remote=False,
-            local=split.root,
+            local_root=split.root,
         )
+        self.partial_reads = self._reader.partial_reads
 
     @classmethod
     async def open_plain(
@@ -102,61 +175,7 @@ class LocalTokenSource(ZarrTokenSource):
         )
         return int(first[0]), int(last[0])
 
-    # -- the object reads the shared code calls ------------------------------------------------
-
-    def _chunk_key(self, chunk_id: int) -> str:
-        return self._split.encoded_tokens.key(chunk_id)
-
-    def _max_object_bytes(self, key: str) -> int | None:
-        return self._split.encoded_tokens.gate.max_object_bytes
-
-    async def _fetch(self, key: str, byte_range: tuple[int, int] | None = None) -> np.ndarray:
-        """Bytes of an ``encoded_tokens`` object (whole and checked, or ``[lo, hi)``), read on
-        a thread: a slow or hung disk must not stall the loop."""
-        if byte_range is None:
-            array = self._split.encoded_tokens
-            return await self._counted(functools.partial(self._read_whole, key, array))
-        lo, hi = byte_range
-        out = np.empty(hi - lo, np.uint8)
-        read = functools.partial(
-            pread_into,
-            self._split.root,
-            key,
-            lo,
-            memoryview(out),  # type: ignore[arg-type]  # numpy buffers
-            name=self.name,
-            max_object_bytes=self._max_object_bytes(key),
-        )
-        await self._counted(lambda: (read(), out)[1])
-        return out
-
-    async def _counted(self, read: Callable[[], np.ndarray]) -> np.ndarray:
-        io = self.io
-        io.in_flight += 1
-        io.peak_in_flight = max(io.peak_in_flight, io.in_flight)
-        try:
-            data = await asyncio.get_running_loop().run_in_executor(None, read)
-        finally:
-            io.in_flight -= 1
-        io.requests += 1
-        io.bytes_read += data.nbytes
-        return data
-
-    def _read_whole(self, key: str, array: LocalArray) -> np.ndarray:
-        """Object ``key`` of ``array``, checked by its gate before any decoder sees it."""
-        gate = array.gate
-        data = read_object(self._split.root, key, name=self.name, max_bytes=gate.max_object_bytes)
-        assert data is not None  # missing objects raise
-        try:
-            gate.check(memoryview(data))  # type: ignore[arg-type]  # numpy buffers
-        except ChunkRejected as exc:
-            raise CorruptChunkError(
-                f"{os.path.join(self._split.root, key)} (whole object; dataset {self.name}): "
-                f"chunk object of {gate.array} does not decode (refused before decoding: {exc})"
-            ) from None
-        return data
-
-    # -- plain ranges --------------------------------------------------------------------------
+    # -- reads ---------------------------------------------------------------------------------
 
     async def read_tokens(self, start: int, stop: int) -> np.ndarray:
         out = np.empty(max(stop - start, 0), np.uint32)
@@ -171,6 +190,16 @@ class LocalTokenSource(ZarrTokenSource):
         self.io.bytes_decoded += out.nbytes
         return out
 
+    async def read_into(self, start: int, stop: int, targets: Targets, writer: UnitWriter) -> None:
+        await self._reader.read_into(start, stop, targets, writer)
+
+    async def read_items(self, chunk_id: int, first_item: int, out: np.ndarray) -> None:
+        await self._reader.read_items(chunk_id, first_item, out)
+
+    def demand(self, needed: bool = True) -> AbstractContextManager[None]:
+        """Nothing to mark: no limiter queues this reader's requests (each starts at once)."""
+        return contextlib.nullcontext()
+
     async def read_seq_starts(self, start: int, stop: int) -> np.ndarray:
         array = self._split.seq_starts
         out = np.empty(max(stop - start, 0), np.uint64)
@@ -181,7 +210,7 @@ class LocalTokenSource(ZarrTokenSource):
             key = array.key(chunk_id)
             where = f"{self.name} seq_starts[{lo}:{hi}]"
             try:
-                data = await self._counted(functools.partial(self._read_whole, key, array))
+                data = await self._objects.whole(key, array)
                 values = await asyncio.get_running_loop().run_in_executor(
                     None, self._decode_starts, data, array, key
                 )
@@ -216,5 +245,4 @@ class LocalTokenSource(ZarrTokenSource):
 
     async def aclose(self) -> None:
         """Forget cached frames and layouts (no store to close; idempotent)."""
-        await self._layouts.aclose()
-        await self._chunks.aclose()
+        await self._reader.aclose()

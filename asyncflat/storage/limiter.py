@@ -5,18 +5,31 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import contextvars
 import logging
+from collections.abc import Iterator
 from typing import Protocol
 
-__all__ = ["DEMAND", "AdaptiveLimiter", "demand_headroom", "pool_size"]
+__all__ = ["AdaptiveLimiter", "demand", "demand_headroom", "pool_size"]
 
 log = logging.getLogger(__name__)
 
 #: True in the tasks whose requests a waiting ``load()`` needs right now (its rows read one by
 #: one, the units it waits for): they take a free slot before any other request, and may use
 #: a few slots above the limit (:func:`demand_headroom`), so they never queue behind a fill.
-DEMAND: contextvars.ContextVar[bool] = contextvars.ContextVar("asyncflat_demand", default=False)
+_DEMAND: contextvars.ContextVar[bool] = contextvars.ContextVar("asyncflat_demand", default=False)
+
+
+@contextlib.contextmanager
+def demand(needed: bool = True) -> Iterator[None]:
+    """While inside: this task's requests (and those of the tasks it starts meanwhile, which
+    copy its context) are demand requests when ``needed``, plain ones when not."""
+    token = _DEMAND.set(needed)
+    try:
+        yield
+    finally:
+        _DEMAND.reset(token)
 
 
 def demand_headroom(maximum: int) -> int:
@@ -66,9 +79,10 @@ class AdaptiveLimiter:
 
     async def acquire(self, *, demand: bool | None = None) -> int:
         """Wait for a slot; returns the epoch to pass to :meth:`release`. ``demand``: a
-        waiting load needs this request (default: :data:`DEMAND` of the calling task)."""
+        waiting load needs this request (default: whether the calling task is inside
+        :func:`demand`)."""
         if demand is None:
-            demand = DEMAND.get()
+            demand = _DEMAND.get()
         queue = self._demand if demand else self._waiters
         while not self._admits(demand):
             waiter = asyncio.get_running_loop().create_future()

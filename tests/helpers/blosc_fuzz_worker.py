@@ -9,7 +9,7 @@ decode (the oracle).
 
 ``asyncflat/storage/blosc.py`` is loaded by its path, without the package (whose ``__init__``
 imports jax: seconds per process). Its ``BloscError`` is what the reader turns into
-``CorruptChunkError`` naming the object (``ZarrTokenSource._decode``).
+``CorruptChunkError`` naming the object (``asyncflat.source.chunk_reader.decode``).
 """
 
 from __future__ import annotations

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import numpy as np
 
-from asyncflat.source.zarr_source import IOCounters, Targets, TokenSource, UnitWriter
+from asyncflat.source.protocol import Targets, TokenSource, UnitWriter
+from asyncflat.storage.counters import IOCounters
 
 SEQ_LEN = 8
 
@@ -93,6 +96,9 @@ class FakeSource:
             await asyncio.sleep(self.item_latency_s)
         start = chunk_id * self.token_chunk + first_item
         out[:] = self.tokens[start : start + len(out)]
+
+    def demand(self, needed: bool = True) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()  # no store: nothing to put first
 
     async def aclose(self) -> None:
         self.closed = True

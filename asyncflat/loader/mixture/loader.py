@@ -49,7 +49,7 @@ from asyncflat.loader.mixture.stats import MixtureSourceStats, MixtureStats, mix
 from asyncflat.loader.open import open_engine
 from asyncflat.plan.mixture import Assignment
 from asyncflat.plan.shuffle import ShufflePlan
-from asyncflat.source.zarr_source import StoreWrapper
+from asyncflat.source.protocol import StoreWrapper
 
 __all__ = ["MixtureLoader", "MixtureSourceStats", "MixtureStats"]
 

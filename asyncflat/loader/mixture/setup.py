@@ -11,7 +11,7 @@ from asyncflat.loader.mixture.config import MixtureParams, MixtureSource
 from asyncflat.loader.mixture.passes import SourceState
 from asyncflat.plan.coverage import format_bytes
 from asyncflat.plan.mixture import Assignment
-from asyncflat.source.zarr_source import StoreWrapper
+from asyncflat.source.protocol import StoreWrapper
 
 __all__ = ["check_budget", "default_step_count", "log_sources", "store_wrappers"]
 
