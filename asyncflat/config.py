@@ -30,6 +30,22 @@ __all__ = [
 ]
 
 
+#: storage_options key (asyncflat's, never passed to a filesystem): which client reads.
+CLIENT_OPTION = "client"
+CLIENTS = ("fsspec", "obstore")
+
+
+def client_of(storage_options: Mapping[str, Any] | None) -> str:
+    """The client ``storage_options`` asks for (``fsspec`` unless it says otherwise)."""
+    client = (storage_options or {}).get(CLIENT_OPTION, "fsspec")
+    if client not in CLIENTS:
+        raise ConfigError(
+            f"storage_options[{CLIENT_OPTION!r}] must be one of {', '.join(CLIENTS)}, "
+            f"got {client!r}"
+        )
+    return str(client)
+
+
 def _int_field(owner: object, name: str, *, minimum: int) -> None:
     """Normalise ``owner.name`` to a Python int >= minimum, or raise ConfigError naming it."""
     value = getattr(owner, name)
@@ -155,8 +171,6 @@ class FlatTokensParams:
                     "FlatTokensParams.storage_options must be a mapping of fsspec options or None, "
                     f"got {type(self.storage_options).__name__}"
                 )
-            from asyncflat.storage.obstore_client import client_of
-
             client_of(self.storage_options)  # a misspelt client fails here, not at first read
             # A private copy: the frozen config must not change when the caller's dict does.
             object.__setattr__(self, "storage_options", dict(self.storage_options))

@@ -25,18 +25,18 @@ from asyncflat.errors import (
 )
 from asyncflat.format.codec import SPLITS, TOKEN_ID_LIMIT, decode, encode_sequences
 from asyncflat.format.split import SplitArrays, _guarded, open_split
+from asyncflat.storage.guarded import guard_store
 
 NAME = "STORE<test>"  # a display name that cannot be confused with anything zarr prints
 
 
 def open_local(path: Path | str, split: str = "train", name: str = NAME) -> SplitArrays:
-    return asyncio.run(
-        open_split(zarr.storage.LocalStore(str(path), read_only=True), split, name=name)
-    )
+    return open_with(zarr.storage.LocalStore(str(path), read_only=True), split, name)
 
 
-def open_with(store: Any, split: str = "train") -> SplitArrays:
-    return asyncio.run(open_split(store, split, name=NAME))
+def open_with(store: Any, split: str = "train", name: str = NAME) -> SplitArrays:
+    guarded = guard_store(store, name, allow_missing=True)
+    return asyncio.run(open_split(guarded, split, name=name))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -431,7 +431,9 @@ def test_an_open_cancelled_at_any_point_leaves_no_coroutine_unawaited(tmp_path: 
 
     path = tmp_path / "d.zarr"
     asyncflat.write_flat_tokens(path, {"train": [[1, 2, 3], [4, 5]]}, zarr_format=3)
-    store = zarr.storage.LocalStore(str(path), read_only=True)
+    store = guard_store(
+        zarr.storage.LocalStore(str(path), read_only=True), NAME, allow_missing=True
+    )
 
     async def cancel_after(ticks: int) -> bool:
         task = asyncio.ensure_future(open_split(store, "train", name=NAME))

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from asyncflat import ConfigError, FlatTokensParams, FlatTokensWriter
+from asyncflat.config import client_of
 from asyncflat.storage.filesystems import filesystem, make_store
-from asyncflat.storage.obstore_client import client_of
 from asyncflat.storage.retry import is_throttle, is_transient
 
 obstore = pytest.importorskip("obstore")

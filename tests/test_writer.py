@@ -28,6 +28,7 @@ from asyncflat.errors import (
 )
 from asyncflat.format.codec import decode
 from asyncflat.format.split import SplitArrays, open_split
+from asyncflat.storage.guarded import guard_store
 from asyncflat.writer.flat_tokens import FlatTokensWriter, write_flat_tokens
 
 # (zarr_format, chunk_tokens, shard_tokens)
@@ -43,9 +44,9 @@ LAYOUTS = [
 
 
 def open_local(path: Path, split: str = "train") -> SplitArrays:
-    return asyncio.run(
-        open_split(zarr.storage.LocalStore(str(path), read_only=True), split, name=str(path))
-    )
+    raw = zarr.storage.LocalStore(str(path), read_only=True)
+    store = guard_store(raw, str(path), allow_missing=True)
+    return asyncio.run(open_split(store, split, name=str(path)))
 
 
 def read_back(path: Path, split: str) -> list[np.ndarray]:

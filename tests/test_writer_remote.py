@@ -24,6 +24,7 @@ from asyncflat.errors import ConfigError, DatasetFormatError, StorageError
 from asyncflat.format.codec import SPLITS
 from asyncflat.format.split import open_split
 from asyncflat.storage.filesystems import close_filesystem, make_store
+from asyncflat.storage.guarded import guard_store
 from asyncflat.writer.flat_tokens import FlatTokensWriter, OutputExistsError, write_flat_tokens
 
 BUCKET = "asyncflat-test"
@@ -67,7 +68,7 @@ def read_split(url: str, options: dict[str, Any] | None, split: str) -> dict[str
     """A split read through asyncflat's format module: both arrays and max_token_id."""
 
     async def read(store: Any) -> dict[str, Any]:
-        arrays = await open_split(store, split, name=url)
+        arrays = await open_split(guard_store(store, url, allow_missing=True), split, name=url)
         return {
             "encoded_tokens": await arrays.encoded_tokens.getitem(slice(None)),
             "seq_starts": await arrays.seq_starts.getitem(slice(None)),

@@ -12,8 +12,9 @@ import asyncio
 import contextlib
 import dataclasses
 import operator
-from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from collections.abc import Awaitable, Iterable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
@@ -33,9 +34,7 @@ if TYPE_CHECKING:
     import zarr
     from zarr.abc.store import Store
 
-    from asyncflat.storage.guarded import GuardedStore
-
-__all__ = ["SplitArrays", "metadata_keys", "open_split"]
+__all__ = ["SplitArrays", "StoreChecks", "metadata_keys", "open_split"]
 
 _T = TypeVar("_T")
 
@@ -43,6 +42,18 @@ _T = TypeVar("_T")
 # --------------------------------------------------------------------------------------------
 # Opening a split
 # --------------------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class StoreChecks(Protocol):
+    """What :func:`open_split` needs of its store beside zarr's interface: the guarded store's
+    (:class:`asyncflat.storage.guarded.GuardedStore`) metadata prefetch and chunk checks."""
+
+    def prefetching(
+        self, keys: Iterable[str]
+    ) -> AbstractContextManager[dict[str, asyncio.Future[Any]]]: ...
+
+    def gate_arrays(self, arrays: Iterable[Any]) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,26 +85,31 @@ async def open_split(store: Store, split: str, *, name: str) -> SplitArrays:
     a multi-terabyte store costs a handful of small requests. ``name`` is how the store is shown
     in error messages (a path or URL). Zarr format 2 and 3 are detected automatically.
 
+    ``store`` is a guarded store (:func:`asyncflat.storage.guarded.guard_store`, or the
+    reader's own): every chunk byte is checked before a decoder sees it, whoever opens the
+    split, and its ``prefetching`` requests the metadata documents at once. Any other store is
+    a TypeError.
+
     Raises :class:`ConfigError` for a split other than ``"train"``/``"validation"``,
     :class:`DatasetFormatError` (or its subclass :class:`CorruptChunkError` for bytes that do
     not decode) for a store that is not a valid split, and :class:`StorageError` when the store
     itself fails with an I/O error; the message names the store, the split or array, and what
     was expected versus found.
     """
-    from asyncflat.storage.guarded import GuardedStore, guard_store  # zarr: imported when used
-
     install_log_redaction()
     name = redact(name)
     if split not in SPLITS:
         raise ConfigError(f"split must be one of {SPLITS}, got {split!r} (store {name})")
     where = f"{name.rstrip('/')}/{split}"
-    if not isinstance(store, GuardedStore):
-        # Every chunk byte is checked before a decoder sees it, whoever opens the split.
-        store = guard_store(store, name, allow_missing=True)
+    if not isinstance(store, StoreChecks):  # a store whose bytes nobody checks before decoding
+        raise TypeError(
+            f"open_split reads through a guarded store (asyncflat.storage.guarded.guard_store), "
+            f"got {type(store).__name__}"
+        )
     # Every metadata object either format may hold, requested at once: zarr's walk down the
     # hierarchy (and its probes of the other format) is then served without a round trip.
     with store.prefetching(metadata_keys(split)) as fetched:
-        return await _open_split(store, split, name, where, fetched)
+        return await _open_split(store, store, split, name, where, fetched)
 
 
 def metadata_keys(split: str) -> list[str]:
@@ -109,7 +125,12 @@ def metadata_keys(split: str) -> list[str]:
 
 
 async def _open_split(
-    store: GuardedStore, split: str, name: str, where: str, fetched: dict[str, Any]
+    store: Store,
+    checks: StoreChecks,
+    split: str,
+    name: str,
+    where: str,
+    fetched: dict[str, Any],
 ) -> SplitArrays:
     import zarr
     import zarr.api.asynchronous as zarr_async
@@ -146,7 +167,7 @@ async def _open_split(
         _check_chunking(array, f"{where}/{key}")
     # From here on, chunk objects of both arrays are checked against their metadata (sizes,
     # Blosc headers and block tables, decoded sizes) before zarr decodes any of them.
-    store.gate_arrays((encoded_tokens, seq_starts))
+    checks.gate_arrays((encoded_tokens, seq_starts))
 
     if "max_token_id" not in group.attrs:
         raise DatasetFormatError(f"{where}: missing group attribute 'max_token_id'")

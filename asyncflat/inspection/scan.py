@@ -22,6 +22,7 @@ from asyncflat.errors import (
 from asyncflat.format.split import SplitArrays, open_split
 from asyncflat.source.zarr_source import ZarrTokenSource
 from asyncflat.storage.filesystems import close_store, construction_error, make_store
+from asyncflat.storage.guarded import guard_store
 
 #: Tokens / seq_starts entries read per request while scanning (rounded to whole chunks):
 #: 16 MiB of tokens and 8 MiB of offsets, so a scan's memory stays bounded.
@@ -57,7 +58,8 @@ async def _open_arrays(
             None if carries_secret(exc, secrets) else exc
         )
     try:
-        return await open_split(store, split, name=filespec), store
+        guarded = guard_store(store, filespec, allow_missing=True)
+        return await open_split(guarded, split, name=filespec), store
     except BaseException:
         await close_store(store)
         raise

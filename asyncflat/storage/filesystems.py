@@ -27,6 +27,7 @@ from zarr.abc.store import ByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.storage import FsspecStore, LocalStore, WrapperStore
 
+from asyncflat.config import client_of
 from asyncflat.errors import (
     AsyncflatError,
     ConfigError,
@@ -38,7 +39,7 @@ from asyncflat.errors import (
     scrubbed,
 )
 from asyncflat.storage.local_files import file_kind, is_remote, is_url, pread, pread_into
-from asyncflat.storage.obstore_client import client_of, make_obstore_store, without_client
+from asyncflat.storage.obstore_client import make_obstore_store, without_client
 
 __all__ = [
     "OWN_RETRIES_OPTION",

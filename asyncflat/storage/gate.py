@@ -39,6 +39,7 @@ __all__ = [
     "METADATA_MAX_BYTES",
     "ChunkGate",
     "ChunkRejected",
+    "Compressor",
     "UnsupportedCodec",
     "check_blosc",
     "gate_for",
@@ -166,7 +167,10 @@ def _lzma() -> Any:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Compressor:
+class Compressor:
+    """What a chunk's compressor may produce, checked on its encoded bytes before it runs
+    (one per array; the zarr-free parser of a local split builds its own)."""
+
     name: str
     #: Decoded bytes the compressor may produce (the chunk, plus inner checksums).
     limit: int
@@ -221,7 +225,7 @@ class ChunkGate:
     array: str
     #: Decoded bytes of one chunk (``prod(chunk shape) * itemsize``).
     chunk_nbytes: int
-    compressor: _Compressor
+    compressor: Compressor
     #: Trailing crc32c checksums (zarr 3) around the compressed bytes.
     checksums: int = 0
     #: For a sharded array: the inner chunks' gate, their count, and where the index is.
@@ -344,12 +348,12 @@ def gate_for(array: Any) -> ChunkGate:
         filtered = bool(meta.filters)
         codec = meta.compressor
         if codec is None:
-            comp = _Compressor("raw", nbytes * (2 if filtered else 1), not filtered)
+            comp = Compressor("raw", nbytes * (2 if filtered else 1), not filtered)
         else:
             cid = str(getattr(codec, "codec_id", type(codec).__name__)).lower()
             if cid not in _V2_COMPRESSORS:
                 raise UnsupportedCodec(f"{name}: compressor {cid!r} cannot be bounded")
-            comp = _Compressor(cid, nbytes * (2 if filtered else 1), not filtered)
+            comp = Compressor(cid, nbytes * (2 if filtered else 1), not filtered)
         return ChunkGate(name, nbytes, comp)
     shape = tuple(meta.chunk_grid.chunk_shape)  # the shard's, for a sharded array
     return _v3_gate(name, list(meta.codecs), shape, itemsize)
@@ -389,7 +393,7 @@ def _v3_gate(
         return ChunkGate(
             name,
             nbytes,
-            _Compressor("raw", 0, False),
+            Compressor("raw", 0, False),
             inner=inner,
             inner_count=count,
             index_at_end=location == "end",
@@ -399,7 +403,7 @@ def _v3_gate(
     if len(compressors) > 1:
         raise UnsupportedCodec(f"{name}: more than one compressor cannot be bounded")
     if not compressors:
-        return ChunkGate(name, nbytes, _Compressor("raw", nbytes, not filtered), len(after))
+        return ChunkGate(name, nbytes, Compressor("raw", nbytes, not filtered), len(after))
     comp = compressors[0]
     position = after.index(comp)
     inner_crcs, outer_crcs = position, len(after) - position - 1
@@ -408,7 +412,7 @@ def _v3_gate(
         raise UnsupportedCodec(f"{name}: codec {type(comp).__name__} cannot be bounded")
     limit = nbytes + 4 * inner_crcs
     return ChunkGate(
-        name, nbytes, _Compressor(cname, limit, not filtered and not inner_crcs), outer_crcs
+        name, nbytes, Compressor(cname, limit, not filtered and not inner_crcs), outer_crcs
     )
 
 

@@ -39,6 +39,7 @@ from asyncflat.errors import (
     redact,
     scrubbed,
 )
+from asyncflat.format.codec import METADATA_FILES
 from asyncflat.storage.blosc import frame_problem
 from asyncflat.storage.counters import IOCounters
 from asyncflat.storage.gate import (
@@ -54,15 +55,19 @@ from asyncflat.storage.retry import is_throttle, retrying
 from asyncflat.storage.single_flight import SingleFlight
 
 __all__ = [
-    "METADATA_SUFFIXES",
     "GuardedStore",
-    "IOCounters",
     "PerKeyWrapperStore",
     "describe_range",
     "guard_store",
+    "is_metadata",
 ]
 
-METADATA_SUFFIXES = ("zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata")
+
+def is_metadata(key: str) -> bool:
+    """Whether store key ``key`` names a zarr metadata document (not a chunk object)."""
+    return key.rpartition("/")[2] in METADATA_FILES
+
+
 #: Suffix reads up to this size (zarr-3 shard indexes) are cached: the index of a shard is read
 #: once, not once per inner chunk. The dataset is read-only, so they cannot go stale.
 _SUFFIX_CACHE_MAX_BYTES = 1 << 16
@@ -229,7 +234,7 @@ class GuardedStore(PerKeyWrapperStore):
             return None  # the store reports it (missing chunk, or absent metadata)
         except OSError as exc:
             raise StorageError(f"reading {describe()} failed: {exc}") from None
-        metadata = key.endswith(METADATA_SUFFIXES)
+        metadata = is_metadata(key)
         error = DatasetFormatError if metadata else CorruptChunkError
         if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
             real = os.path.realpath(path)
@@ -361,13 +366,13 @@ class GuardedStore(PerKeyWrapperStore):
             ) from (None if carries_secret(exc, shared.secrets) else exc)
         io.requests += 1
         if buffer is None:
-            if not key.endswith(METADATA_SUFFIXES) and not shared.allow_missing:
+            if not is_metadata(key) and not shared.allow_missing:
                 # zarr would silently serve fill values for a lost chunk: refuse instead.
                 raise CorruptChunkError(
                     f"{describe()}: chunk object is missing from the store (404 / not found)"
                 )
             return None
-        if key.endswith(METADATA_SUFFIXES):
+        if is_metadata(key):
             if len(buffer) > METADATA_MAX_BYTES:
                 raise DatasetFormatError(
                     f"{describe()}: metadata has {len(buffer)} bytes, more than the "

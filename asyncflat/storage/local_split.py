@@ -19,7 +19,7 @@ import os
 from typing import Any
 
 from asyncflat.format.codec import MANY_CHUNKS, MIN_CHUNK_ELEMENTS, SPLITS, TOKEN_ID_LIMIT
-from asyncflat.storage.gate import METADATA_MAX_BYTES, ChunkGate, _Compressor
+from asyncflat.storage.gate import METADATA_MAX_BYTES, ChunkGate, Compressor
 from asyncflat.storage.local_files import read_object
 
 __all__ = ["LocalArray", "LocalSplit", "parse_local_split"]
@@ -246,7 +246,7 @@ def _array(
     # The gate zarr's open builds for these codecs (asyncflat.storage.gate.gate_for): a filter
     # doubles the bound and makes it inexact there, so it does here too.
     limit, exact = (2 * nbytes, False) if delta else (nbytes, True)
-    gate = ChunkGate(path, nbytes, _Compressor(codec, limit, exact), 1 if checksum else 0)
+    gate = ChunkGate(path, nbytes, Compressor(codec, limit, exact), 1 if checksum else 0)
     return LocalArray(path, length, chunk, itemsize, codec, checksum, delta, infix, gate)
 
 

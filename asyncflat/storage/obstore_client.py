@@ -19,14 +19,11 @@ import urllib.parse
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from asyncflat.config import CLIENT_OPTION, client_of
 from asyncflat.errors import ConfigError, error_text, redact
 
 if TYPE_CHECKING:
     from zarr.abc.store import Store
-
-#: storage_options key (asyncflat's, never passed to a filesystem): which client reads.
-CLIENT_OPTION = "client"
-CLIENTS = ("fsspec", "obstore")
 
 _S3_KEYS = {
     "endpoint_url": "endpoint",
@@ -35,17 +32,6 @@ _S3_KEYS = {
     "token": "session_token",
 }
 _GCS_KEYS = {"endpoint_url": "base_url"}
-
-
-def client_of(storage_options: Mapping[str, Any] | None) -> str:
-    """The client ``storage_options`` asks for (``fsspec`` unless it says otherwise)."""
-    client = (storage_options or {}).get(CLIENT_OPTION, "fsspec")
-    if client not in CLIENTS:
-        raise ConfigError(
-            f"storage_options[{CLIENT_OPTION!r}] must be one of {', '.join(CLIENTS)}, "
-            f"got {client!r}"
-        )
-    return str(client)
 
 
 def without_client(storage_options: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -49,7 +49,7 @@ from zarr.abc.store import ByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype
 
 from asyncflat.errors import ConfigError, TransientStorageError
-from asyncflat.storage.guarded import METADATA_SUFFIXES, PerKeyWrapperStore, describe_range
+from asyncflat.storage.guarded import PerKeyWrapperStore, describe_range, is_metadata
 
 __all__ = ["FaultCounts", "FaultyStore"]
 
@@ -247,7 +247,7 @@ class FaultyStore(PerKeyWrapperStore):
         if (
             buffer is not None
             and settings.corrupt_rate
-            and not key.endswith(METADATA_SUFFIXES)
+            and not is_metadata(key)
             and len(buffer) > 0
             and self._uniform("corrupt", key, where, attempt) < settings.corrupt_rate
         ):
