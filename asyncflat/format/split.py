@@ -14,7 +14,7 @@ import dataclasses
 import operator
 from collections.abc import Awaitable, Iterable
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast, runtime_checkable
 
 import numpy as np
 
@@ -109,7 +109,7 @@ async def open_split(store: Store, split: str, *, name: str) -> SplitArrays:
     # Every metadata object either format may hold, requested at once: zarr's walk down the
     # hierarchy (and its probes of the other format) is then served without a round trip.
     with store.prefetching(metadata_keys(split)) as fetched:
-        return await _open_split(store, store, split, name, where, fetched)
+        return await _open_split(store, split, name, where, fetched)
 
 
 def metadata_keys(split: str) -> list[str]:
@@ -125,12 +125,7 @@ def metadata_keys(split: str) -> list[str]:
 
 
 async def _open_split(
-    store: Store,
-    checks: StoreChecks,
-    split: str,
-    name: str,
-    where: str,
-    fetched: dict[str, Any],
+    store: Store, split: str, name: str, where: str, fetched: dict[str, Any]
 ) -> SplitArrays:
     import zarr
     import zarr.api.asynchronous as zarr_async
@@ -167,7 +162,7 @@ async def _open_split(
         _check_chunking(array, f"{where}/{key}")
     # From here on, chunk objects of both arrays are checked against their metadata (sizes,
     # Blosc headers and block tables, decoded sizes) before zarr decodes any of them.
-    checks.gate_arrays((encoded_tokens, seq_starts))
+    cast(StoreChecks, store).gate_arrays((encoded_tokens, seq_starts))
 
     if "max_token_id" not in group.attrs:
         raise DatasetFormatError(f"{where}: missing group attribute 'max_token_id'")

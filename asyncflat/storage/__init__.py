@@ -10,12 +10,16 @@
 * :mod:`.guarded`: the one gate every object request passes (limits, retries, counters, strict
   checks against missing, truncated or malformed chunk objects).
 * :mod:`.retry`: which failures are transient, and jittered exponential backoff to a deadline.
-* :mod:`.limiter`: the adaptive (AIMD) bound on requests in flight.
+* :mod:`.limiter`: the adaptive (AIMD) bound on requests in flight, and the lane of the
+  requests a waiting load needs (:func:`~asyncflat.storage.limiter.demand`).
+* :mod:`.gate`: what a chunk object may be, checked before any decoder runs.
 * :mod:`.blosc`: Blosc frames: header checks, block layouts, partial decoding into buffers.
 * :mod:`.chunks`: chunk objects the reader decodes itself (codec detection, ``Frame``, crc32c).
-* :mod:`.faults`: a store wrapper that injects latency, errors and damaged bytes (tests, benches).
+* :mod:`.single_flight`: one fetch per key shared by its callers, and a few results kept.
 
-The reader (:mod:`asyncflat.source.zarr_source`) sits on top of these; the engine never sees them.
+The readers (:mod:`asyncflat.source`) sit on top of these; the engine never sees them.
+
+May import: :mod:`asyncflat.format`, ``config`` and ``errors``.
 """
 
 from __future__ import annotations

@@ -121,40 +121,9 @@ def filesystem(
     opts.setdefault("skip_instance_cache", True)
     opts["asynchronous"] = True
     if protocol in ("s3", "s3a"):
-        config = dict(opts.get("config_kwargs") or {})
-        # botocore retries 3 (legacy) to 5 (standard) times on its own; one attempt each.
-        config.setdefault("retries", {"total_max_attempts": 1})
-        opts["config_kwargs"] = config
-        if max_connections is not None:
-            # botocore's pool (10) queues requests beyond it inside the client: the wire would
-            # never see more than 10 in flight.
-            config.setdefault("max_pool_connections", max_connections)
-        # s3fs's default (10) sends a HEAD before every whole-object GET, to split big objects
-        # into parallel parts; chunks are small: one GET each. Reads run concurrently anyway.
-        opts.setdefault("max_concurrency", 1)
-        if timeout_s is not None:
-            config.setdefault("connect_timeout", timeout_s)
-            config.setdefault("read_timeout", timeout_s)
+        _s3_options(opts, timeout_s, max_connections)
     elif protocol in ("gs", "gcs"):
-        import aiohttp
-
-        if timeout_s is not None and "requests_timeout" not in opts:
-            # Per socket operation: a connection that accepts and never answers, or stalls
-            # mid-body, fails after timeout_s instead of never (the attempt is bounded as a
-            # whole by BoundedStore as well).
-            opts["requests_timeout"] = aiohttp.ClientTimeout(
-                sock_connect=timeout_s, sock_read=timeout_s
-            )
-        session = dict(opts.get("session_kwargs") or {})
-        if (
-            max_connections is not None
-            and max_connections > AIOHTTP_DEFAULT_POOL
-            and "connector" not in session
-            and _loop_running()
-        ):
-            # gcsfs's session uses aiohttp's default pool (100 connections): raised above that.
-            session["connector"] = aiohttp.TCPConnector(limit=max_connections)
-            opts["session_kwargs"] = session
+        _gcs_options(opts, timeout_s, max_connections)
     try:
         fs, path = fsspec.url_to_fs(url, **opts)
     except Exception as exc:  # noqa: BLE001 - any constructor's error, re-raised scrubbed
@@ -165,6 +134,49 @@ def filesystem(
     set_own_retries(fs, own_retries or 1)
     share_botocore_models(fs)
     return fs, path
+
+
+def _s3_options(opts: dict[str, Any], timeout_s: float | None, max_connections: int | None) -> None:
+    """s3fs's options: one attempt per request, the pool and the socket timeouts (in place)."""
+    config = dict(opts.get("config_kwargs") or {})
+    # botocore retries 3 (legacy) to 5 (standard) times on its own; one attempt each.
+    config.setdefault("retries", {"total_max_attempts": 1})
+    opts["config_kwargs"] = config
+    if max_connections is not None:
+        # botocore's pool (10) queues requests beyond it inside the client: the wire would
+        # never see more than 10 in flight.
+        config.setdefault("max_pool_connections", max_connections)
+    # s3fs's default (10) sends a HEAD before every whole-object GET, to split big objects
+    # into parallel parts; chunks are small: one GET each. Reads run concurrently anyway.
+    opts.setdefault("max_concurrency", 1)
+    if timeout_s is not None:
+        config.setdefault("connect_timeout", timeout_s)
+        config.setdefault("read_timeout", timeout_s)
+
+
+def _gcs_options(
+    opts: dict[str, Any], timeout_s: float | None, max_connections: int | None
+) -> None:
+    """gcsfs's options: the socket timeouts and the connection pool (in place)."""
+    import aiohttp
+
+    if timeout_s is not None and "requests_timeout" not in opts:
+        # Per socket operation: a connection that accepts and never answers, or stalls
+        # mid-body, fails after timeout_s instead of never (the attempt is bounded as a
+        # whole by BoundedStore as well).
+        opts["requests_timeout"] = aiohttp.ClientTimeout(
+            sock_connect=timeout_s, sock_read=timeout_s
+        )
+    session = dict(opts.get("session_kwargs") or {})
+    if (
+        max_connections is not None
+        and max_connections > AIOHTTP_DEFAULT_POOL
+        and "connector" not in session
+        and _loop_running()
+    ):
+        # gcsfs's session uses aiohttp's default pool (100 connections): raised above that.
+        session["connector"] = aiohttp.TCPConnector(limit=max_connections)
+        opts["session_kwargs"] = session
 
 
 #: botocore's data loaders (the parsed JSON service models and endpoint rules), one per process

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+import contextvars
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -13,6 +13,9 @@ from asyncflat.source.protocol import Targets, TokenSource, UnitWriter
 from asyncflat.storage.counters import IOCounters
 
 SEQ_LEN = 8
+
+#: Inside FakeSource.demand() (tasks started there copy it, as the real store's flag).
+_IN_DEMAND: contextvars.ContextVar[bool] = contextvars.ContextVar("fake_demand", default=False)
 
 
 class FakeSource:
@@ -48,6 +51,7 @@ class FakeSource:
         self.in_flight = self.peak_in_flight = 0
         self.reads: list[tuple[int, int]] = []  # completed token reads, in completion order
         self.item_reads = 0
+        self.item_demands: list[bool] = []  # per read_items: made inside demand()?
         self.cancelled_reads = 0
         self.closed = False
 
@@ -92,13 +96,19 @@ class FakeSource:
     async def read_items(self, chunk_id: int, first_item: int, out: np.ndarray) -> None:
         assert self.partial_reads, "the engine asked for rows of a source that has no row reads"
         self.item_reads += 1
+        self.item_demands.append(_IN_DEMAND.get())
         if self.item_latency_s:
             await asyncio.sleep(self.item_latency_s)
         start = chunk_id * self.token_chunk + first_item
         out[:] = self.tokens[start : start + len(out)]
 
-    def demand(self, needed: bool = True) -> AbstractContextManager[None]:
-        return contextlib.nullcontext()  # no store: nothing to put first
+    @contextlib.contextmanager
+    def demand(self, needed: bool = True) -> Iterator[None]:
+        token = _IN_DEMAND.set(needed)
+        try:
+            yield
+        finally:
+            _IN_DEMAND.reset(token)
 
     async def aclose(self) -> None:
         self.closed = True
