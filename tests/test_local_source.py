@@ -9,6 +9,7 @@ objects are refused by it as by the guarded store.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -430,12 +431,18 @@ def test_a_damaged_seq_starts_chunk_is_refused_when_read(
     """Unpacked rows read ``seq_starts`` through the zarr-free reader: a chunk whose Blosc
     header lies about its size is refused before any decoder sees it."""
     path = written(tmp_path, sequences)
-    with ShufflingLoader("train", params(path, packing=False), BATCH) as loader:
-        source = source_of(loader)
+
+    async def main() -> None:
+        source = await LocalTokenSource.open_plain(str(path), "train")
         assert isinstance(source, LocalTokenSource)
         chunk = path / "train" / "seq_starts" / "c" / "0"
         frame = bytearray(chunk.read_bytes())
         frame[4:8] = (1 << 30).to_bytes(4, "little")  # decodes to 1 GiB, it says
         chunk.write_bytes(bytes(frame))
-        with pytest.raises(CorruptChunkError, match="refused before decoding"):
-            loader._runner.run(source.read_seq_starts(0, 10))
+        try:
+            with pytest.raises(CorruptChunkError, match="refused before decoding"):
+                await source.read_seq_starts(0, 10)
+        finally:
+            await source.aclose()
+
+    asyncio.run(main())
