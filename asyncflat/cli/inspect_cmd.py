@@ -174,8 +174,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                     print(f"  loader: {exc}")
             else:
                 entry["loader"] = figures.to_dict()
-                if figures.sizing_warning:
-                    log.warning("%s: %s", split, figures.sizing_warning)
+                if figures.sizing_warning:  # the loader's own warning, word for word
+                    log.warning("%s", figures.sizing_warning)
                 if not args.json:
                     _print_figures(figures, args, spb)
         if args.verify:
