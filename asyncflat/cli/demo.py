@@ -159,7 +159,16 @@ def add_parser(commands: Commands, parents: list[argparse.ArgumentParser]) -> No
         ".pdf; needs matplotlib)",
     )
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
-    demo.set_defaults(func=cmd_demo)
+    demo.set_defaults(func=cmd_demo, check_usage=_check_usage)
+
+
+def _check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--plot`` without matplotlib is a usage error (exit status 2), found before any work."""
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("demo --plot needs matplotlib: pip install matplotlib (or '.[dev]')")
 
 
 @dataclasses.dataclass

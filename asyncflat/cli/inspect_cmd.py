@@ -60,7 +60,33 @@ def add_parser(commands: Commands, parents: list[argparse.ArgumentParser]) -> No
     insp.add_argument("--verify", action="store_true", help="full scan of every invariant")
     insp.add_argument("--json", action="store_true", help="print everything as JSON")
     insp.add_argument("--no-progress", action="store_true", help="no progress bars")
-    insp.set_defaults(func=cmd_inspect)
+    insp.set_defaults(func=cmd_inspect, check_usage=_check_usage)
+
+
+def _check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Combinations argparse cannot express, reported as usage errors (exit status 2)."""
+    if (args.len is None) != (args.batch is None):
+        parser.error("inspect: --len and --batch go together (loader figures need both)")
+    if not args.mixture:
+        return
+    # the config file holds each source's loader parameters: these flags would be ignored
+    ignored = [
+        flag
+        for flag, given in (
+            ("--verify", args.verify),
+            ("--streams", args.streams != 1),
+            ("--read-blocks-per-buffer", args.read_blocks_per_buffer != 64),
+            ("--sequences-per-block", args.sequences_per_block is not None),
+            ("--seed", args.seed != 0),
+            ("--no-packing", args.no_packing),
+        )
+        if given
+    ]
+    if ignored:
+        parser.error(
+            f"inspect --mixture: {', '.join(ignored)} do not apply (each source's loader "
+            "parameters are in the config; --verify each source's store on its own)"
+        )
 
 
 def _print_summary(summary: Any) -> None:
