@@ -16,11 +16,17 @@ from conftest import random_sequences
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import asyncflat.inspection.scan as inspect_mod
-from asyncflat import FlatTokensParams, ShufflePlan, TokenBatchParams, write_flat_tokens
+from asyncflat import (
+    FlatTokensParams,
+    ShufflePlan,
+    ShufflingLoader,
+    TokenBatchParams,
+    write_flat_tokens,
+)
 from asyncflat.cli import main
 from asyncflat.errors import CorruptChunkError, DatasetFormatError
 from asyncflat.inspection import describe_split, loader_figures, verify_split
+from asyncflat.plan.coverage import coverage
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -333,14 +339,12 @@ def test_verify_corrupt_and_missing_chunks(tmp_path: Path, fmt: int) -> None:
 )
 def test_verify_finds_first_violation_across_windows(
     tmp_path_factory: pytest.TempPathFactory,
-    monkeypatch: pytest.MonkeyPatch,
     lengths: list[int],
     kind: str,
     where: float,
 ) -> None:
     # Tiny windows and chunks, so every check crosses window and chunk boundaries.
-    monkeypatch.setattr(inspect_mod, "_TOKEN_WINDOW", 16)
-    monkeypatch.setattr(inspect_mod, "_STARTS_WINDOW", 8)
+    windows = {"token_window": 16, "starts_window": 8}
     rng = np.random.default_rng(len(lengths))
     seqs = [rng.integers(0, 50, n) for n in lengths]
     path = tmp_path_factory.mktemp("prop") / "ds.zarr"
@@ -359,10 +363,11 @@ def test_verify_finds_first_violation_across_windows(
         starts[i] = starts[i - 1]
         match = rf"index {i}"
     else:
-        assert verify_split(str(path), "train").token_count == n
+        report = verify_split(str(path), "train", **windows)
+        assert report.token_count == n and report.token_reads == -(-n // 16)
         return
     with pytest.raises(DatasetFormatError, match=match):
-        verify_split(str(path), "train")
+        verify_split(str(path), "train", **windows)
 
 
 # -- bench ------------------------------------------------------------------------------------
@@ -625,7 +630,7 @@ def test_inspect_warns_when_rounding_drops_more_than_one_percent(
     dropped = 1 - plan.step_count * 8 * 128 / tokens
     assert dropped > 0.01
     assert f"dropped by rounding: {dropped:.1%} of the split's tokens" in out
-    assert "warning: the loader serves" in out and f"{dropped:.1%} are dropped" in out
+    assert f"warning: {path}/train: " in out and f"({dropped:.1%}) are never served" in out
     suggested = int(out.split("sequences_per_read_block=")[-1].split()[0])
     better = ShufflePlan.create(
         FlatTokensParams(str(path), 1, 4, suggested, 0, True),
@@ -633,18 +638,44 @@ def test_inspect_warns_when_rounding_drops_more_than_one_percent(
         token_count=tokens,
         sequence_count=len(seqs),
     )
-    assert better.dropped_fraction <= 0.01
+    assert coverage(better).dropped_fraction <= 0.01
     assert f"for a split of {tokens * 4 / 1024:.1f} KiB" in out
-    assert [r for r in caplog.records if r.levelno == logging.WARNING and "dropped" in r.message]
+    assert [
+        r for r in caplog.records if r.levelno == logging.WARNING and "never served" in r.message
+    ]
 
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="asyncflat"):
         rc, out, _ = run(capsys, *argv, "--sequences-per-block", str(suggested), "--json")
     figures = json.loads(out)["splits"]["train"]["loader"]
     assert rc == 0 and figures["sizing_warning"] is None
-    assert figures["dropped_fraction"] == pytest.approx(better.dropped_fraction)
+    assert figures["dropped_fraction"] == pytest.approx(coverage(better).dropped_fraction)
     assert figures["split_bytes"] == 4 * tokens
-    assert not [r for r in caplog.records if "dropped" in r.message]
+    assert not [r for r in caplog.records if "never served" in r.message]
+
+
+def test_inspect_and_the_loader_give_the_same_drop_warning(
+    dataset: tuple[Path, list[np.ndarray]],
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # One rule, one sentence: what inspect shows (and logs) is what the loader logs when built
+    # over the same split with the same parameters.
+    path, _ = dataset
+    argv = ["inspect", str(path), "--split", "train", "--len", "128", "--batch", "8"]
+    argv += ["--read-blocks-per-buffer", "4", "--sequences-per-block", "200", "--no-lengths"]
+    with caplog.at_level(logging.WARNING, logger="asyncflat"):
+        rc, out, _ = run(capsys, *argv, "--no-progress", "--json")
+    shown = json.loads(out)["splits"]["train"]["loader"]["sizing_warning"]
+    assert rc == 0 and shown and "never served" in shown
+    inspect_logged = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    caplog.clear()
+    params = FlatTokensParams(str(path), 1, 4, 200, 0, True)
+    with caplog.at_level(logging.WARNING, logger="asyncflat"):
+        with ShufflingLoader("train", params, TokenBatchParams(len=128, batch=8)):
+            pass
+    loader_logged = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert inspect_logged == loader_logged == [shown]
 
 
 # -- demo --plot, the deprecated module name ------------------------------------------------

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import importlib
 import io
 import json
 import os
@@ -19,12 +18,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import asyncflat.plan.permutation  # noqa: F401  (the package re-exports a function of the same name)
 from asyncflat.errors import ConfigError
-
-impl = sys.modules["asyncflat.plan.permutation"]
-kernel_module = importlib.import_module("asyncflat.plan.kernel")
-permutation = impl.permutation
+from asyncflat.plan.kernel import CHUNK
+from asyncflat.plan.permutation import (
+    PYTHON_BELOW,
+    YIELD_SLICE,
+    ensure_kernel,
+    kernel_status,
+    permutation,
+)
 
 GOLDEN = json.loads((Path(__file__).parent / "golden_permutations.json").read_text())
 REPO = Path(__file__).resolve().parent.parent
@@ -34,7 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 def _compiled_kernel() -> None:
     """Sizes from 2048 to 2**16 take the Python path until the kernel is compiled: compile it
     first, so that the tests below check the kernel (the Python path is checked on its own)."""
-    impl._get_kernel()
+    ensure_kernel()
 
 
 def slow_reference(seed: int, n: int) -> np.ndarray:
@@ -74,10 +76,10 @@ def test_matches_reference(seed: int, n: int) -> None:
 @pytest.mark.parametrize(
     ("seed", "n"),
     [
-        (0, impl._SMALL_N - 1),
-        (0, impl._SMALL_N),
-        (5, kernel_module.CHUNK),
-        (5, kernel_module.CHUNK + 1),
+        (0, PYTHON_BELOW - 1),
+        (0, PYTHON_BELOW),
+        (5, CHUNK),
+        (5, CHUNK + 1),
         (2**40 + 7, 70_001),
         (2**100, 65_537),
         (2**64 - 1, 131_075),
@@ -90,10 +92,9 @@ def test_matches_reference_at_boundaries(seed: int, n: int) -> None:
 
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 4, 5, 2047, 5000, 9999])
 def test_small_path_and_kernel_agree(n: int) -> None:
-    kernel_result = np.empty(n, np.uint32)
-    key = np.random.Philox(11).state["state"]["key"]
-    impl._get_kernel()(key[0], key[1], kernel_result)
-    small_result = impl._small_permutation(np.random.Philox(11), n)
+    kernel_result = permutation(11, n, method="kernel")
+    small_result = permutation(11, n, method="python")
+    assert kernel_result.dtype == small_result.dtype == np.uint32
     np.testing.assert_array_equal(kernel_result, small_result)
     np.testing.assert_array_equal(kernel_result, slow_reference(11, n))
 
@@ -122,11 +123,13 @@ def test_accepts_numpy_integers() -> None:
         (0.5, 10, "seed"),
         (None, 10, "seed"),
         (False, 10, "seed"),
+        (0, 10, "method"),
     ],
 )
 def test_rejects_bad_arguments(seed: object, n: object, name: str) -> None:
+    method = "numba" if name == "method" else "auto"
     with pytest.raises(ConfigError, match=rf"\b{name}\b") as info:
-        permutation(seed, n)  # type: ignore[arg-type]
+        permutation(seed, n, method=method)  # type: ignore[arg-type]
     assert isinstance(info.value, ValueError)
 
 
@@ -151,11 +154,10 @@ def test_first_call_in_a_fresh_process_is_cheap_and_needs_no_numba(tmp_path: Pat
     # CPU time, not wall time, so other processes on the machine do not make this flaky.
     script = (
         "import sys, time, warnings, numpy as np\n"
-        "import asyncflat.plan.permutation\n"
+        "from asyncflat.plan.permutation import permutation\n"
         "warnings.simplefilter('error')\n"
-        "impl = sys.modules['asyncflat.plan.permutation']\n"
         "start = time.process_time()\n"
-        "result = impl.permutation(7, 2**20)\n"
+        "result = permutation(7, 2**20)\n"
         "cpu = time.process_time() - start\n"
         "print(cpu, 'numba' in sys.modules, result[:4].tolist())\n"
     )
@@ -171,20 +173,26 @@ def test_first_call_in_a_fresh_process_is_cheap_and_needs_no_numba(tmp_path: Pat
 
 def test_concurrent_first_calls_share_one_compile() -> None:
     # Threads racing to the first call (and a background warm-up) all get the right answer from
-    # one compiled kernel.
+    # one compiled kernel: the compile's debug line is logged once, whatever runs after.
     script = (
-        "import sys, threading, numpy as np\n"
-        "import asyncflat.plan.permutation\n"
-        "impl = sys.modules['asyncflat.plan.permutation']\n"
-        "impl.warm_up(2**16 + 1)\n"
+        "import logging, sys, threading, numpy as np\n"
+        "from asyncflat.plan.permutation import kernel_status, permutation, warm_up\n"
+        "compiles = []\n"
+        "class Count(logging.Handler):\n"
+        "    def emit(self, record):\n"
+        "        if 'compiled the permutation kernel' in record.getMessage():\n"
+        "            compiles.append(record)\n"
+        "logger = logging.getLogger('asyncflat.plan.permutation')\n"
+        "logger.setLevel(logging.DEBUG)\n"
+        "logger.addHandler(Count())\n"
+        "warm_up(2**16 + 1)\n"
         "results = {}\n"
         "def work(seed):\n"
-        "    results[seed] = impl.permutation(seed, 2**16 + seed)\n"
+        "    results[seed] = permutation(seed, 2**16 + seed)\n"
         "threads = [threading.Thread(target=work, args=(s,)) for s in range(6)]\n"
         "[t.start() for t in threads]; [t.join() for t in threads]\n"
-        "kernel = impl._kernel\n"
-        "again = {s: impl.permutation(s, 2**16 + s) for s in range(6)}\n"
-        "assert impl._kernel is kernel\n"
+        "again = {s: permutation(s, 2**16 + s) for s in range(6)}\n"
+        "assert kernel_status() == 'ready' and len(compiles) == 1, compiles\n"
         "np.save(sys.stdout.buffer, np.concatenate([results[s] for s in range(6)]))\n"
     )
     full_env = {
@@ -203,18 +211,17 @@ def test_concurrent_first_calls_share_one_compile() -> None:
 def test_warm_up_returns_before_the_compile_finishes() -> None:
     # The loader calls warm_up in its constructor; the compile must not be on that path.
     script = (
-        "import sys, time\n"
-        "import asyncflat.plan.permutation\n"
-        "impl = sys.modules['asyncflat.plan.permutation']\n"
+        "import time\n"
+        "from asyncflat.plan.permutation import ensure_kernel, kernel_status, warm_up\n"
         "start = time.perf_counter()\n"
-        "impl.warm_up(2**20)\n"
+        "warm_up(2**20)\n"
         "returned = time.perf_counter() - start\n"
-        "compiled_at_return = impl._kernel is not None\n"
-        "impl._warm_up_thread.join(60)\n"
-        "print(returned, compiled_at_return, impl._kernel is not None)\n"
+        "at_return = kernel_status()\n"
+        "ensure_kernel()\n"  # waits for the background compile, does not start another
+        "print(returned, at_return, kernel_status())\n"
     )
-    returned_s, compiled_at_return, compiled_later = _run_fresh(script).split()
-    assert compiled_at_return == "False" and compiled_later == "True"
+    returned_s, at_return, later = _run_fresh(script).split()
+    assert at_return == "compiling" and later == "ready"
     assert float(returned_s) < 0.05
 
 
@@ -225,12 +232,11 @@ def test_sizes_up_to_2_16_never_compile_the_kernel() -> None:
     script = (
         "import sys\n"
         "import numpy as np\n"
-        "import asyncflat.plan.permutation\n"
-        "impl = sys.modules['asyncflat.plan.permutation']\n"
-        "impl.warm_up(2**16)\n"
-        "first = impl.permutation(3, 40_000)\n"
-        "edge = impl.permutation(4, 2**16)\n"
-        "assert impl._kernel is None and impl._warm_up_thread is None\n"
+        "from asyncflat.plan.permutation import kernel_status, permutation, warm_up\n"
+        "warm_up(2**16)\n"
+        "first = permutation(3, 40_000)\n"
+        "edge = permutation(4, 2**16)\n"
+        "assert kernel_status() == 'absent', kernel_status()\n"
         "assert 'llvmlite' not in sys.modules\n"
         "np.save(sys.stdout.buffer, np.concatenate([first, edge]))\n"
     )
@@ -248,10 +254,10 @@ def test_sizes_up_to_2_16_never_compile_the_kernel() -> None:
 
 def test_a_compiled_kernel_serves_small_sizes_identically() -> None:
     # Once the kernel exists (a larger permutation compiled it), small sizes take it too.
-    small = impl.permutation(9, 40_000)
-    impl._get_kernel()
-    assert impl._kernel is not None
-    np.testing.assert_array_equal(impl.permutation(9, 40_000), small)
+    small = permutation(9, 40_000, method="python")
+    ensure_kernel()
+    assert kernel_status() == "ready"
+    np.testing.assert_array_equal(permutation(9, 40_000), small)
     np.testing.assert_array_equal(small, slow_reference(9, 40_000))
 
 
@@ -260,23 +266,14 @@ def test_exit_waits_for_a_background_compile() -> None:
     # background thread then crashed short-lived processes (a restart that loaded one batch and
     # exited segfaulted in ~1 of 4 runs). The exit must wait for the compile to finish.
     script = (
-        "import atexit, sys\n"
-        "import asyncflat.plan.permutation\n"
-        "impl = sys.modules['asyncflat.plan.permutation']\n"
+        "import atexit\n"
+        "from asyncflat.plan.permutation import kernel_status, warm_up\n"
         "def report():\n"  # registered first, so it runs after the module's own exit hook
-        "    print(impl._warm_up_thread.is_alive(), impl._kernel is not None)\n"
+        "    print(kernel_status())\n"
         "atexit.register(report)\n"
-        "impl.warm_up(2**20)\n"  # starts the compile, then the script ends
+        "warm_up(2**20)\n"  # starts the compile, then the script ends
     )
-    assert _run_fresh(script).split() == ["False", "True"]
-
-
-def test_kernel_rejects_arrays_it_cannot_fill() -> None:
-    kernel = impl._get_kernel()
-    with pytest.raises(TypeError):
-        kernel(np.uint64(1), np.uint64(2), np.empty(10, np.int64))
-    with pytest.raises(TypeError):
-        kernel(np.uint64(1), np.uint64(2), np.empty(20, np.uint32)[::2])
+    assert _run_fresh(script).split() == ["ready"]
 
 
 def _python_loop_rate(seconds: float) -> float:
@@ -314,7 +311,7 @@ def test_releases_the_gil() -> None:
     # With a short switch interval, a worker holding the GIL through each ~25 ms call would leave
     # the main thread a few percent of its speed; with the GIL released it keeps most of it (half
     # if another process takes the second core). The best of three attempts absorbs noise.
-    impl._get_kernel()  # compile outside the measurement
+    ensure_kernel()  # compile outside the measurement
     interval = sys.getswitchinterval()
     sys.setswitchinterval(0.0005)
     try:
@@ -332,17 +329,11 @@ def test_releases_the_gil() -> None:
 
 
 @pytest.mark.parametrize("n", [0, 1, 255, 256, 257, 2047, 2048, 4097, 1 << 16])
-def test_yielding_the_gil_changes_nothing_of_the_result(
-    n: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(impl, "_kernel", None)  # the Python path, which is the one that yields
+def test_yielding_the_gil_changes_nothing_of_the_result(n: int) -> None:
     for seed in (0, 3, 2**64 + 5):
-        expected = (
-            slow_reference(seed, n)
-            if n <= 4097
-            else impl._small_permutation(np.random.Philox(seed), n)
-        )
-        got = permutation(seed, n, yield_gil=True)
+        expected = slow_reference(seed, n) if n <= 4097 else permutation(seed, n, method="kernel")
+        # the Python path, which is the one that yields
+        got = permutation(seed, n, yield_gil=True, method="python")
         assert got.dtype == np.uint32
         np.testing.assert_array_equal(got, expected)
 
@@ -375,15 +366,12 @@ def _other_thread_runs_during(compute: Any) -> int:
         worker.join()
 
 
-def test_a_yielding_permutation_lets_other_threads_run_meanwhile(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_yielding_permutation_lets_other_threads_run_meanwhile() -> None:
     """The Python path holds the GIL throughout (a trainer thread waits for all of it); with
     ``yield_gil`` it lets other threads in between slices of swaps."""
-    monkeypatch.setattr(impl, "_kernel", None)
     n = 1 << 15
-    plain = _other_thread_runs_during(lambda: permutation(5, n))
-    yielding = _other_thread_runs_during(lambda: permutation(5, n, yield_gil=True))
-    slices = n // impl.YIELD_SLICE
+    plain = _other_thread_runs_during(lambda: permutation(5, n, method="python"))
+    yielding = _other_thread_runs_during(lambda: permutation(5, n, yield_gil=True, method="python"))
+    slices = n // YIELD_SLICE
     assert yielding >= slices // 4, (yielding, plain, slices)
     assert plain < yielding // 4, (yielding, plain, slices)

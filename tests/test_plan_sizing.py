@@ -9,6 +9,11 @@ from hypothesis import strategies as st
 
 from asyncflat import FlatTokensParams, ShufflePlan, TokenBatchParams
 from asyncflat.errors import ConfigError
+from asyncflat.plan.coverage import coverage, dropped_warning
+
+
+def _dropped(plan: ShufflePlan) -> float:
+    return coverage(plan).dropped_fraction
 
 
 def _plan(tokens: int, spb: int, streams: int, batch: int, length: int) -> ShufflePlan | None:
@@ -27,10 +32,10 @@ def test_the_issue_example_warns_with_the_figure() -> None:
     # The README's parameters on a 2.82M-token corpus: 16 steps, 26% of the tokens dropped.
     plan = _plan(2_820_000, 512, 1, 64, 2048)
     assert plan is not None and plan.step_count == 16
-    assert abs(plan.dropped_fraction - (1 - 16 * 64 * 2048 / 2_820_000)) < 1e-12
-    warning = plan.sizing_warning()
+    assert abs(_dropped(plan) - (1 - 16 * 64 * 2048 / 2_820_000)) < 1e-12
+    warning = dropped_warning(plan, "corpus.zarr/train")
     assert warning is not None
-    assert "25.6% are dropped" in warning and "sequences_per_read_block=512" in warning
+    assert "(25.6%) are never served" in warning and "sequences_per_read_block=512" in warning
     assert "lower batch" in warning  # a partial batch alone is over 1% here
 
 
@@ -48,8 +53,8 @@ def test_the_advice_is_the_largest_block_that_fixes_it(
     plan = _plan(tokens, spb, streams, bips * streams, length)
     if plan is None:
         return
-    warning = plan.sizing_warning()
-    assert (warning is None) == (plan.dropped_fraction <= 0.01)
+    warning = dropped_warning(plan, "x")
+    assert (warning is None) == (_dropped(plan) <= 0.01)
     if warning is None:
         return
     named = [int(v) for v in re.findall(r"sequences_per_read_block=(\d+)", warning)]
@@ -57,20 +62,20 @@ def test_the_advice_is_the_largest_block_that_fixes_it(
     if "no smaller sequences_per_read_block drops less" in warning:
         for other_spb in range(1, spb):
             other = _plan(tokens, other_spb, streams, bips * streams, length)
-            assert other is None or other.dropped_fraction >= plan.dropped_fraction - 1e-12
+            assert other is None or _dropped(other) >= _dropped(plan) - 1e-12
         return
     suggested = named[-1]
     fixed = _plan(tokens, suggested, streams, bips * streams, length)
     assert fixed is not None and suggested < spb
     if "would drop at most 1%" in warning:
-        assert fixed.dropped_fraction <= 0.01
+        assert _dropped(fixed) <= 0.01
         for larger in range(suggested + 1, spb):  # and it is the largest that does
             other = _plan(tokens, larger, streams, bips * streams, length)
-            assert other is None or other.dropped_fraction > 0.01
+            assert other is None or _dropped(other) > 0.01
     else:  # nothing fixes it: the suggestion is the least bad
         for other_spb in range(1, spb):
             other = _plan(tokens, other_spb, streams, bips * streams, length)
-            assert other is None or other.dropped_fraction >= fixed.dropped_fraction - 1e-12
+            assert other is None or _dropped(other) >= _dropped(fixed) - 1e-12
 
 
 def test_without_packing_the_share_is_of_sequences() -> None:
@@ -80,5 +85,5 @@ def test_without_packing_the_share_is_of_sequences() -> None:
         token_count=0,
         sequence_count=1050,
     )
-    assert plan.dropped_fraction == 50 / 1050
-    assert "of the split's 1,050 sequences" in (plan.sizing_warning() or "")
+    assert _dropped(plan) == 50 / 1050
+    assert "x: 50 of 1,050 sequences (4.8%) are never served" in (dropped_warning(plan, "x") or "")

@@ -38,13 +38,17 @@ def test_coverage_splits_the_loss_by_cause() -> None:
     assert unpacked.dropped == sum(unpacked.lost.values())
 
 
-def test_warning_names_the_figure_and_the_parameter() -> None:
+def test_warning_names_the_figure_the_cause_and_the_fix() -> None:
     text = dropped_warning(_plan(1, 30, 10), "data.zarr/train")
     assert text is not None
-    assert "data.zarr/train: 160 of 1,600 tokens (10.0%) are never served" in text
-    assert "smaller FlatTokensParams.sequences_per_read_block" in text
-    text = dropped_warning(_plan(3, 20, 3), "x")
-    assert text is not None and "fewer FlatTokensParams.streams" in text
+    assert text.startswith("data.zarr/train: 160 of 1,600 tokens (10.0%) are never served")
+    assert "most of the loss (160 tokens) is the last partial read block" in text
+    # 25 rows per block: 4 blocks of the 100 rows, 10 batches of 10, nothing dropped
+    assert text.endswith("sequences_per_read_block=25 would drop at most 1%")
+    text = dropped_warning(_plan(3, 20, 3), "x")  # 5 blocks, 3 used: 40% dropped
+    assert text is not None
+    assert "(640 tokens) is read blocks beyond a multiple of streams" in text
+    assert text.endswith("sequences_per_read_block=11 would drop at most 1%")  # 99 of 100 rows
     assert dropped_warning(_plan(2, 10, 10), "x") is None  # nothing dropped
     # 1% is tolerated, more is not: 1000 of 1009 sequences served vs 1000 of 1011
     exact = FlatTokensParams("unused.zarr", 1, 2, 100, 0, False)
@@ -56,6 +60,22 @@ def test_warning_names_the_figure_and_the_parameter() -> None:
     )
     assert coverage(at_limit).dropped_fraction < 0.01 and dropped_warning(at_limit, "x") is None
     assert dropped_warning(over, "x") is not None
+
+
+def test_a_split_too_small_for_any_block_size_is_told_so() -> None:
+    too_few = "the split holds too few batches of {} x 16 for 1%, so lower batch or streams, or "
+    too_few += "use a larger split"
+    # 100 rows, batch 64: one batch whatever the block size, so 36% is always dropped.
+    text = dropped_warning(_plan(1, 30, 64), "x")
+    assert text is not None and "(36.0%)" in text
+    assert text.endswith("no smaller sequences_per_read_block drops less: " + too_few.format(64))
+    # 100 rows, batch 30, blocks of 60: 2 batches (40% dropped); blocks of 50 give 3, the most.
+    text = dropped_warning(_plan(1, 60, 30), "x")
+    assert text is not None and "(40.0%)" in text
+    assert text.endswith(
+        "the least any sequences_per_read_block drops here is 10.0% "
+        "(sequences_per_read_block=50); " + too_few.format(30)
+    )
 
 
 @pytest.fixture(scope="module")

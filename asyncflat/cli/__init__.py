@@ -22,9 +22,14 @@ command. Environment defaults: ``ASYNCFLAT_LOG_LEVEL`` (``DEBUG``, ``INFO``, ``W
 ``ERROR``: the level of asyncflat's own loggers when neither ``-v`` nor ``-q`` is given) and
 ``ASYNCFLAT_NO_PROGRESS`` (any non-empty value but ``0``: no progress bars, as ``--no-progress``).
 
-The package: :mod:`.entry` (``main``), :mod:`.parser` (the argument parser), one module per
-command (:mod:`.demo`, :mod:`.inspect_cmd`, :mod:`.convert_cmd`, :mod:`.bench`) and
-:mod:`.output` (formatting and argparse types shared by them).
+The package: :mod:`.entry` (``main``), :mod:`.parser` (the global options, assembling the
+commands), one module per command (:mod:`.demo`, :mod:`.inspect_cmd`, :mod:`.convert_cmd`,
+:mod:`.bench`), each with its ``cmd_*`` and the ``add_parser`` that builds its sub-parser,
+:mod:`.output` (formatting and argparse types shared by them) and :mod:`.stall_figure` (the
+figure of ``demo --plot``, also drawn by ``bench/stall.py``).
+
+May import anything in the package, read path and write path alike: it is the top, and nothing
+in the package imports it but ``asyncflat.__main__``.
 """
 
 from __future__ import annotations

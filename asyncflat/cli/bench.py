@@ -10,11 +10,42 @@ import subprocess
 import sys
 from pathlib import Path
 
+from asyncflat.cli.output import Commands
 from asyncflat.errors import AsyncflatError, ConfigError
 
-__all__ = ["cmd_bench", "find_bench_dir"]
+__all__ = ["add_parser", "cmd_bench", "find_bench_dir"]
 
 log = logging.getLogger(__name__)
+
+
+def add_parser(commands: Commands, parents: list[argparse.ArgumentParser]) -> None:
+    """The ``bench`` sub-parser, bound to :func:`cmd_bench`."""
+    bench = commands.add_parser(
+        "bench",
+        parents=parents,
+        help="run the benchmarks shipped with asyncflat and print their JSON lines",
+        description="Run the benchmark bench/NAME.py of asyncflat's source checkout (all of them "
+        "when no NAME is given) with this Python, in a subprocess from the checkout's root; JSON "
+        "lines go to stdout, anything else the scripts print to stderr. Everything after NAME is "
+        "passed to the script (asyncflat bench cloud --tokens-mib 8). Only the checkout's own "
+        "benchmarks run, never a bench/ of the current directory; --bench-dir runs others.",
+    )
+    bench.add_argument(
+        "name",
+        nargs="?",
+        metavar="NAME",
+        help="benchmark to run, or several separated by commas (default: all)",
+    )
+    bench.add_argument(
+        "args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for the benchmark"
+    )
+    bench.add_argument("--list", action="store_true", help="list the benchmarks and exit")
+    bench.add_argument(
+        "--bench-dir",
+        metavar="DIR",
+        help="run the scripts of DIR instead of the checkout's bench/ (only when given)",
+    )
+    bench.set_defaults(func=cmd_bench)
 
 
 def _shipped_bench_dir() -> Path | None:

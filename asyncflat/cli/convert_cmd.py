@@ -4,12 +4,134 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from typing import Any
 
-from asyncflat.cli.output import print_json
+from asyncflat.cli.output import Commands, positive, print_json
 from asyncflat.errors import AsyncflatError, ConfigError, StorageError
 
-__all__ = ["cmd_convert"]
+__all__ = ["add_parser", "cmd_convert"]
+
+
+def add_parser(commands: Commands, parents: list[argparse.ArgumentParser]) -> None:
+    """The ``convert`` sub-parser, bound to :func:`cmd_convert`."""
+    conv = commands.add_parser(
+        "convert",
+        parents=parents,
+        help="tokenize text files or a local Hugging Face dataset into flat-tokens",
+        description="Tokenize documents into a new flat-tokens dataset. Inputs: .txt (a document "
+        "per line, or per file with --txt-mode file), .jsonl (--text-field), .parquet "
+        "(--text-field column), .gz of txt/jsonl, or directories of them; or "
+        "--hf-dataset PATH. The dataset appears at --output only when complete.",
+    )
+    conv.add_argument("inputs", nargs="*", help="input files or directories, in order")
+    conv.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        help="the new dataset: a local directory or an fsspec URL (gs://, s3://, ...)",
+    )
+    conv.add_argument(
+        "--storage-options",
+        metavar="JSON",
+        help="fsspec options for an --output URL, as a JSON object (e.g. an endpoint_url)",
+    )
+    _add_reading_options(conv)
+    _add_writing_options(conv)
+    conv.add_argument("--json", action="store_true", help="print the report as JSON")
+    conv.add_argument("--no-progress", action="store_true", help="no progress bar")
+    conv.set_defaults(func=cmd_convert)
+
+
+def _add_reading_options(conv: argparse.ArgumentParser) -> None:
+    """How documents are read, split and tokenized."""
+    conv.add_argument(
+        "--tokenizer",
+        default="bytes",
+        help="'bytes' (UTF-8 byte + 1), PATH to tokenizer.json (or its directory), "
+        "or tiktoken:NAME (cached encodings only) (default bytes)",
+    )
+    conv.add_argument(
+        "--text-field", default="text", help="JSON field / column of the text (default text)"
+    )
+    conv.add_argument(
+        "--txt-mode",
+        choices=("line", "file"),
+        default="line",
+        help=".txt inputs: a document per line or per file (default line)",
+    )
+    conv.add_argument(
+        "--hf-dataset",
+        metavar="PATH",
+        help="a local datasets dataset: a save_to_disk directory, a directory of "
+        "data files, or one data file",
+    )
+    conv.add_argument("--hf-name", help="the dataset configuration name, for --hf-dataset")
+    conv.add_argument(
+        "--validation-fraction",
+        type=float,
+        default=0.01,
+        help="fraction of documents for validation, chosen by a hash of the "
+        "document index (default 0.01)",
+    )
+    conv.add_argument(
+        "--seed", type=int, default=0, help="seed of the validation choice (default 0)"
+    )
+    conv.add_argument(
+        "--max-document-bytes",
+        type=positive,
+        default=16 << 20,
+        help="largest document accepted, in UTF-8 bytes, checked while reading (default 16 MiB)",
+    )
+    conv.add_argument(
+        "--follow-symlinks",
+        action="store_true",
+        help="read symlinks under an input directory that lead outside it (skipped by default)",
+    )
+    conv.add_argument(
+        "--workers",
+        type=positive,
+        default=min(os.cpu_count() or 1, 16),
+        help="tokenizer processes; 1 tokenizes in-process (default: the CPU count, at most 16)",
+    )
+
+
+def _add_writing_options(conv: argparse.ArgumentParser) -> None:
+    """The output's layout, and where the work runs."""
+    conv.add_argument(
+        "--format", type=int, choices=(2, 3), default=3, help="zarr format (default 3)"
+    )
+    conv.add_argument(
+        "--chunk-tokens",
+        type=positive,
+        default=1 << 20,
+        help="tokens per chunk; match the loader's read block (default 1048576)",
+    )
+    conv.add_argument("--shard-tokens", type=positive, help="tokens per shard (zarr 3)")
+    conv.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing flat-tokens dataset (or an empty directory); anything else "
+        "at the output is refused",
+    )
+    conv.add_argument(
+        "--engine",
+        choices=("local", "ray"),
+        default="local",
+        help="local: worker processes on this machine; ray: tasks on a Ray cluster "
+        "(pip install 'asyncflat[distributed]'); same output (default local)",
+    )
+    conv.add_argument(
+        "--ray-address",
+        metavar="ADDR",
+        help="--engine ray: the cluster to join (host:port, or 'auto'); default: a new local one",
+    )
+    conv.add_argument(
+        "--work-dir",
+        metavar="PATH_OR_URL",
+        help="--engine ray: where tokenized pieces go, reachable by every worker; a rerun "
+        "resumes from them (default OUTPUT.pieces)",
+    )
 
 
 def cmd_convert(args: argparse.Namespace) -> int:

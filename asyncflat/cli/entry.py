@@ -3,7 +3,6 @@ command, and map its outcome to the documented exit status."""
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import sys
@@ -47,43 +46,14 @@ def _configure_logging(level: int) -> None:
     logging.getLogger("asyncflat").setLevel(level)
 
 
-def _check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Combinations argparse cannot express; reported as usage errors (exit status 2)."""
-    if args.command == "inspect" and (args.len is None) != (args.batch is None):
-        parser.error("inspect: --len and --batch go together (loader figures need both)")
-    if args.command == "inspect" and args.mixture:
-        # the config file holds each source's loader parameters: these flags would be ignored
-        ignored = [
-            flag
-            for flag, given in (
-                ("--verify", args.verify),
-                ("--streams", args.streams != 1),
-                ("--read-blocks-per-buffer", args.read_blocks_per_buffer != 64),
-                ("--sequences-per-block", args.sequences_per_block is not None),
-                ("--seed", args.seed != 0),
-                ("--no-packing", args.no_packing),
-            )
-            if given
-        ]
-        if ignored:
-            parser.error(
-                f"inspect --mixture: {', '.join(ignored)} do not apply (each source's loader "
-                "parameters are in the config; --verify each source's store on its own)"
-            )
-    if args.command == "demo" and args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            parser.error("demo --plot needs matplotlib: pip install matplotlib (or '.[dev]')")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); return the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
     args.verbose = args.verbose + getattr(args, "verbose_sub", 0)
     args.quiet = args.quiet + getattr(args, "quiet_sub", 0)
-    _check_usage(parser, args)
+    if hasattr(args, "check_usage"):  # combinations argparse cannot express: exit status 2
+        args.check_usage(parser, args)
     try:
         _configure_logging(_log_level(args.verbose, args.quiet))
         if hasattr(args, "no_progress") and (args.quiet or _env_flag("ASYNCFLAT_NO_PROGRESS")):

@@ -6,12 +6,87 @@ import argparse
 import logging
 from typing import Any
 
-from asyncflat.cli.output import human_bytes, print_json
+from asyncflat.cli.output import Commands, human_bytes, positive, print_json
 from asyncflat.errors import ConfigError
 
-__all__ = ["cmd_inspect"]
+__all__ = ["add_parser", "cmd_inspect"]
 
 log = logging.getLogger(__name__)
+
+
+def add_parser(commands: Commands, parents: list[argparse.ArgumentParser]) -> None:
+    """The ``inspect`` sub-parser, bound to :func:`cmd_inspect`."""
+    insp = commands.add_parser(
+        "inspect",
+        parents=parents,
+        help="describe a dataset (and what loader parameters cost); --verify scans it",
+        description="Describe a flat-tokens dataset: sizes, sequence lengths, storage layout and "
+        "compression. With --len and --batch, also the loader's steps, minipochs, "
+        "buffer memory and read amplification. --verify reads every chunk and checks "
+        "every invariant, exiting with status 1 on the first violation.",
+    )
+    insp.add_argument("path", help="dataset path or fsspec URL")
+    insp.add_argument("--split", choices=("train", "validation"), help="only this split")
+    insp.add_argument("--len", type=positive, help="loader sequence length")
+    insp.add_argument("--batch", type=positive, help="loader batch size")
+    insp.add_argument("--streams", type=positive, default=1, help="streams (default 1)")
+    insp.add_argument(
+        "--read-blocks-per-buffer",
+        type=positive,
+        default=64,
+        help="read blocks per shuffle buffer (default 64)",
+    )
+    insp.add_argument(
+        "--sequences-per-block",
+        type=positive,
+        help="sequences per read block (default: 1M tokens / len)",
+    )
+    insp.add_argument("--seed", type=int, default=0, help="shuffle seed (default 0)")
+    insp.add_argument("--no-packing", action="store_true", help="loader without sequence packing")
+    insp.add_argument(
+        "--hosts",
+        type=positive,
+        default=1,
+        help="hosts sharing the batch, for memory per host (default 1)",
+    )
+    insp.add_argument(
+        "--no-lengths", action="store_true", help="skip the seq_starts scan (no length statistics)"
+    )
+    insp.add_argument(
+        "--mixture",
+        action="store_true",
+        help="PATH is a MixtureParams config (JSON or YAML): per-source steps, passes, memory",
+    )
+    insp.add_argument("--verify", action="store_true", help="full scan of every invariant")
+    insp.add_argument("--json", action="store_true", help="print everything as JSON")
+    insp.add_argument("--no-progress", action="store_true", help="no progress bars")
+    insp.set_defaults(func=cmd_inspect, check_usage=_check_usage)
+
+
+def _check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Combinations argparse cannot express, reported as usage errors (exit status 2)."""
+    if (args.len is None) != (args.batch is None):
+        parser.error("inspect: --len and --batch go together (loader figures need both)")
+    if not args.mixture:
+        return
+    # the config file holds each source's loader parameters: these flags would be ignored
+    ignored = [
+        flag
+        for flag, given in (
+            ("--verify", args.verify),
+            ("--streams", args.streams != 1),
+            ("--read-blocks-per-buffer", args.read_blocks_per_buffer != 64),
+            ("--sequences-per-block", args.sequences_per_block is not None),
+            ("--seed", args.seed != 0),
+            ("--no-packing", args.no_packing),
+        )
+        if given
+    ]
+    if ignored:
+        parser.error(
+            f"inspect --mixture: {', '.join(ignored)} do not apply (each source's loader "
+            "parameters are in the config; --verify each source's store on its own)"
+        )
 
 
 def _print_summary(summary: Any) -> None:
@@ -125,8 +200,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                     print(f"  loader: {exc}")
             else:
                 entry["loader"] = figures.to_dict()
-                if figures.sizing_warning:
-                    log.warning("%s: %s", split, figures.sizing_warning)
+                if figures.sizing_warning:  # the loader's own warning, word for word
+                    log.warning("%s", figures.sizing_warning)
                 if not args.json:
                     _print_figures(figures, args, spb)
         if args.verify:

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import Any, Protocol
 
 from asyncflat.plan.coverage import format_bytes as human_bytes
 
-__all__ = ["human_bytes", "ms", "non_negative_float", "positive", "print_json"]
+__all__ = ["Commands", "human_bytes", "ms", "non_negative_float", "positive", "print_json"]
+
+
+class Commands(Protocol):
+    """What a command module's ``add_parser`` gets: the top parser's sub-parsers, to add its own."""
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser: ...
 
 
 def ms(seconds: float | None) -> str:

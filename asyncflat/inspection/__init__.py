@@ -13,9 +13,15 @@
 Everything reads through the same guarded source as the loader, so local paths and fsspec URLs
 (``gs://``, ``s3://``, ``memory://``) both work and a missing chunk is an error, not zeros.
 
-The package: :mod:`.results` (the returned dataclasses), :mod:`.scan` (the loop, the guarded
-source, checked windowed reads), and one module per call (:mod:`.describe`, :mod:`.figures`,
-:mod:`.verify`).
+The package: :mod:`.results` (the returned dataclasses), :mod:`.scan` (the helpers every call
+shares: its own loop, the guarded source, checked windowed reads), one module per call
+(:mod:`.describe`, :mod:`.figures`, :mod:`.verify`), and :mod:`.mixture` (what ``inspect
+--mixture`` prints for a mixture config).
+
+May import the read path's pieces (:mod:`asyncflat.engine`, :mod:`asyncflat.source`,
+:mod:`asyncflat.loader`'s configuration), :mod:`asyncflat.plan`, :mod:`asyncflat.format`,
+:mod:`asyncflat.storage`, ``config`` and ``errors``; never the write path (:mod:`asyncflat.writer`,
+:mod:`asyncflat.text`) nor :mod:`asyncflat.cli`.
 """
 
 from __future__ import annotations

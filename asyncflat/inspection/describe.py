@@ -11,7 +11,7 @@ import numpy as np
 from asyncflat.errors import redact
 from asyncflat.format.split import SplitArrays
 from asyncflat.inspection.results import LengthStats, SplitSummary
-from asyncflat.inspection.scan import _open_arrays, _open_source, _run, _seq_start_windows
+from asyncflat.inspection.scan import open_arrays, open_source, run, seq_start_windows
 from asyncflat.storage.filesystems import close_store
 
 __all__ = ["describe_split"]
@@ -35,7 +35,7 @@ def describe_split(
     windows) for the length statistics; without it only metadata is read. A ``seq_starts`` that
     is not strictly increasing raises :class:`DatasetFormatError`.
     """
-    return _run(
+    return run(
         _describe(filespec, split, scan_lengths, storage_options, progress),
         filespec,
         storage_options,
@@ -66,7 +66,7 @@ async def _describe(
     storage_options: Mapping[str, Any] | None,
     progress: bool,
 ) -> SplitSummary:
-    arrays, store = await _open_arrays(filespec, split, storage_options)
+    arrays, store = await open_arrays(filespec, split, storage_options)
     try:
         return await _summarise(arrays, filespec, split, scan_lengths, storage_options, progress)
     finally:
@@ -84,15 +84,15 @@ async def _summarise(
     tokens, starts = arrays.encoded_tokens, arrays.seq_starts
     lengths = None
     if scan_lengths and arrays.sequence_count:
-        source = await _open_source(filespec, split, storage_options)
+        source = await open_source(filespec, split, storage_options)
         try:
             scan = _LengthScan()
-            async for _, window in _seq_start_windows(source, int(starts.chunks[0]), progress):
+            async for _, window in seq_start_windows(source, int(starts.chunks[0]), progress):
                 scan.add(window)
             lengths = scan.result()
         finally:
             await source.aclose()
-    summary = SplitSummary(
+    return SplitSummary(
         filespec=redact(filespec),
         split=split,
         zarr_format=arrays.zarr_format,
@@ -109,10 +109,8 @@ async def _summarise(
         seq_starts_nbytes=int(starts.nbytes),
         seq_starts_nbytes_stored=int(await starts.nbytes_stored()),
         lengths=lengths,
+        read_filespec=filespec,  # with its credentials: kept off the shown fields
     )
-    # The URL as given (with its credentials) stays off the shown fields, for later reads.
-    object.__setattr__(summary, "_filespec", filespec)
-    return summary
 
 
 class _LengthScan:

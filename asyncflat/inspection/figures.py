@@ -9,9 +9,9 @@ import numpy as np
 
 from asyncflat.config import EngineOptions, FlatTokensParams, TokenBatchParams
 from asyncflat.errors import ConfigError, DatasetTooLargeError
-from asyncflat.inspection import scan
 from asyncflat.inspection.results import LoaderFigures, SplitSummary
-from asyncflat.inspection.scan import _open_source, _run, _seq_start_windows
+from asyncflat.inspection.scan import STARTS_WINDOW, open_source, run, seq_start_windows
+from asyncflat.plan.coverage import coverage, dropped_warning
 from asyncflat.plan.shuffle import ShufflePlan
 
 __all__ = ["loader_figures"]
@@ -43,8 +43,9 @@ def loader_figures(
     only lower this); without packing, each block is one read of its sequences' token span
     (``seq_starts`` is scanned here for that).
 
-    ``sizing_warning`` is set (the loader logs the same) when rounding to whole blocks, streams
-    and batches leaves more than 1% of the split unserved.
+    ``sizing_warning`` is set when rounding to whole blocks, streams and batches leaves more than
+    1% of the split unserved: :func:`~asyncflat.plan.coverage.dropped_warning`, the very sentence
+    the loader logs at construction over the same split and parameters.
 
     Raises :class:`~asyncflat.errors.ConfigError` for a configuration the loader refuses.
     """
@@ -68,9 +69,9 @@ def loader_figures(
     if params.sequence_packing:
         amplification = _packed_amplification(plan, summary.chunk_tokens)
     else:
-        amplification = _run(
+        amplification = run(
             _unpacked_amplification(summary, plan, storage_options),
-            getattr(summary, "_filespec", summary.filespec),
+            summary.read_filespec or summary.filespec,
             storage_options,
         )
     rows_used = plan.step_count * plan.batch
@@ -87,9 +88,9 @@ def loader_figures(
         streams_per_host=streams_per_host,
         buffer_bytes_per_host=buffers,
         read_amplification=amplification,
-        dropped_fraction=plan.dropped_fraction,
+        dropped_fraction=coverage(plan).dropped_fraction,
         split_bytes=4 * summary.token_count,
-        sizing_warning=plan.sizing_warning(),
+        sizing_warning=dropped_warning(plan, f"{summary.filespec}/{summary.split}"),
         memory_bytes_per_host=buffers
         + _inflight_stored_bytes(plan, summary, storage_options)
         + FIXED_MEMORY_BYTES,
@@ -104,7 +105,7 @@ def _inflight_stored_bytes(
     from asyncflat.engine.units import inflight_budget_for
     from asyncflat.storage.filesystems import is_remote
 
-    remote = is_remote(getattr(summary, "_filespec", summary.filespec))
+    remote = is_remote(summary.read_filespec or summary.filespec)
     budget = inflight_budget_for(plan, summary.chunk_tokens, remote=remote, options=EngineOptions())
     stored = summary.tokens_nbytes_stored / max(1, summary.tokens_nbytes)
     return int(budget * min(1.0, stored))
@@ -143,12 +144,12 @@ async def _unpacked_amplification(
     used = plan.read_block_count * spb + 1  # the seq_starts entries the blocks cover
     bounds: list[np.ndarray] = []
     kept = 0
-    filespec = getattr(summary, "_filespec", summary.filespec)
-    source = await _open_source(filespec, summary.split, storage_options)
+    filespec = summary.read_filespec or summary.filespec
+    source = await open_source(filespec, summary.split, storage_options)
     try:
-        scan_chunk = int(spb * max(1, scan._STARTS_WINDOW // spb))  # windows start on block bounds
+        scan_chunk = int(spb * max(1, STARTS_WINDOW // spb))  # windows start on block bounds
         previous: int | None = None
-        async for base, window in _seq_start_windows(source, scan_chunk, False, stop=used):
+        async for base, window in seq_start_windows(source, scan_chunk, False, stop=used):
             values = window.astype(np.int64)
             bounds.append(values[(-base) % spb :: spb])
             if previous is not None:

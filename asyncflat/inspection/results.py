@@ -43,6 +43,9 @@ class SplitSummary:
     seq_starts_nbytes: int
     seq_starts_nbytes_stored: int
     lengths: LengthStats | None
+    #: The filespec as given, credentials included, for :func:`loader_figures`' own reads (None:
+    #: ``filespec``). Never shown: ``repr()`` and :meth:`to_dict` leave it out.
+    read_filespec: str | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def compression_ratio(self) -> float | None:
@@ -53,6 +56,7 @@ class SplitSummary:
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
+        del out["read_filespec"]
         out["compression_ratio"] = self.compression_ratio
         return out
 
@@ -76,7 +80,8 @@ class LoaderFigures:
     dropped_fraction: float = 0.0
     #: The split's tokens as the loader holds them (uint32), to set the buffers against.
     split_bytes: int = 0
-    #: Why and how to fix it, when the rounding drops more than 1% of the split.
+    #: When the rounding drops more than 1% of the split: the loader's warning, word for word
+    #: (what is dropped, why, and the parameter that fixes it).
     sizing_warning: str | None = None
     #: Expected peak resident memory the loader adds on a host (``docs/tuning.md``): its
     #: buffers, the compressed bytes of the reads in flight, and a fixed part.

@@ -1,5 +1,8 @@
-"""Reading a split for inspection: a loop of its own, the guarded source, reads that name the
-chunk that does not decode, and the windowed, checked scan of ``seq_starts``."""
+"""Reading a split for inspection, the helpers :mod:`.describe`, :mod:`.figures` and
+:mod:`.verify` share: a loop of their own (:func:`run`), the split's arrays and its guarded source
+(:func:`open_arrays`, :func:`open_source`), reads that name the chunk that does not decode
+(:func:`read_checked`), and the windowed, checked scan of ``seq_starts``
+(:func:`seq_start_windows`)."""
 
 from __future__ import annotations
 
@@ -24,13 +27,24 @@ from asyncflat.source.zarr_source import ZarrTokenSource
 from asyncflat.storage.filesystems import close_store, construction_error, make_store
 from asyncflat.storage.guarded import guard_store
 
-#: Tokens / seq_starts entries read per request while scanning (rounded to whole chunks):
-#: 16 MiB of tokens and 8 MiB of offsets, so a scan's memory stays bounded.
-_TOKEN_WINDOW = 1 << 22
-_STARTS_WINDOW = 1 << 20
+__all__ = [
+    "STARTS_WINDOW",
+    "TOKEN_WINDOW",
+    "open_arrays",
+    "open_source",
+    "read_checked",
+    "run",
+    "seq_start_windows",
+]
+
+#: The default tokens / seq_starts entries read per request while scanning (rounded to whole
+#: chunks): 16 MiB of tokens and 8 MiB of offsets, so a scan's memory stays bounded. The scans
+#: take other sizes as arguments (tiny windows make every check cross window boundaries).
+TOKEN_WINDOW = 1 << 22
+STARTS_WINDOW = 1 << 20
 
 
-def _run(coro: Any, filespec: str, storage_options: Mapping[str, Any] | None) -> Any:
+def run(coro: Any, filespec: str, storage_options: Mapping[str, Any] | None) -> Any:
     """Run ``coro`` on a loop of its own; errors leave with any URL secret and any value of
     ``storage_options`` removed."""
     secrets = option_secrets(storage_options)
@@ -46,7 +60,7 @@ def _run(coro: Any, filespec: str, storage_options: Mapping[str, Any] | None) ->
         runner.close()
 
 
-async def _open_arrays(
+async def open_arrays(
     filespec: str, split: str, storage_options: Mapping[str, Any] | None
 ) -> tuple[SplitArrays, Any]:
     """The split's arrays (through a guarded store) and the raw store, to close after."""
@@ -65,9 +79,11 @@ async def _open_arrays(
         raise
 
 
-async def _open_source(
+async def open_source(
     filespec: str, split: str, storage_options: Mapping[str, Any] | None
 ) -> ZarrTokenSource:
+    """The split's guarded token source (a missing chunk is an error, not zeros); a failure to
+    build the filesystem leaves without the URL's secrets."""
     try:
         return await ZarrTokenSource.open(filespec, split, storage_options=storage_options)
     except AsyncflatError:
@@ -76,7 +92,7 @@ async def _open_source(
         raise scrubbed(exc, filespec) from (None if carries_secret(exc) else exc)
 
 
-async def _read_checked(
+async def read_checked(
     source: ZarrTokenSource, array: str, start: int, stop: int, chunk: int
 ) -> np.ndarray:
     """Read ``array[start:stop]``; if it fails to decode, find and name the exact chunk."""
@@ -96,20 +112,26 @@ async def _read_checked(
     raise first_error
 
 
-async def _seq_start_windows(
-    source: ZarrTokenSource, chunk: int, progress: bool, stop: int | None = None
+async def seq_start_windows(
+    source: ZarrTokenSource,
+    chunk: int,
+    progress: bool,
+    stop: int | None = None,
+    *,
+    window: int = STARTS_WINDOW,
 ) -> AsyncGenerator[tuple[int, np.ndarray], None]:
     """Yield consecutive windows ``(base, seq_starts[base : base + len(window)])`` (uint64) of the
     first ``stop`` entries (all by default), checking that the entries strictly increase, within
-    and across windows, and naming the first index where they do not."""
+    and across windows, and naming the first index where they do not. ``window`` entries are read
+    at a time, rounded down to whole chunks of ``chunk`` entries (one chunk at least)."""
     entries = source.sequence_count + 1 if stop is None else stop
-    window = max(chunk, _STARTS_WINDOW // chunk * chunk)
+    window = max(chunk, window // chunk * chunk)
     previous: int | None = None
     with tqdm(
         total=entries, unit=" offsets", desc="seq_starts", disable=not progress, leave=False
     ) as bar:
         for base in range(0, entries, window):
-            data = await _read_checked(
+            data = await read_checked(
                 source, "seq_starts", base, min(base + window, entries), chunk
             )
             data = data.astype(np.uint64, copy=False)

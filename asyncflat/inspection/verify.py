@@ -11,14 +11,15 @@ from tqdm.auto import tqdm
 
 from asyncflat.errors import DatasetFormatError, redact
 from asyncflat.format.split import SplitArrays
-from asyncflat.inspection import scan
 from asyncflat.inspection.results import VerifyReport
 from asyncflat.inspection.scan import (
-    _open_arrays,
-    _open_source,
-    _read_checked,
-    _run,
-    _seq_start_windows,
+    STARTS_WINDOW,
+    TOKEN_WINDOW,
+    open_arrays,
+    open_source,
+    read_checked,
+    run,
+    seq_start_windows,
 )
 from asyncflat.source.zarr_source import ZarrTokenSource
 from asyncflat.storage.filesystems import close_store
@@ -32,6 +33,8 @@ def verify_split(
     *,
     storage_options: Mapping[str, Any] | None = None,
     progress: bool = False,
+    token_window: int = TOKEN_WINDOW,
+    starts_window: int = STARTS_WINDOW,
 ) -> VerifyReport:
     """Check every invariant of ``split``, reading it all once, chunk by chunk.
 
@@ -39,36 +42,47 @@ def verify_split(
     ``seq_starts[-1] == len(encoded_tokens)`` and ``seq_starts`` strictly increasing (every
     sequence has a token); every token id ``<= max_token_id``; the start bit
     (``encoded & 1``) is set exactly at the offsets in ``seq_starts``; every chunk of both arrays
-    is present and decodes. Memory stays at a few windows of ``_TOKEN_WINDOW`` tokens.
+    is present and decodes. Memory stays at a few windows: ``token_window`` tokens and
+    ``starts_window`` ``seq_starts`` entries are read at a time (rounded down to whole chunks).
 
     Returns a :class:`VerifyReport`; raises :class:`DatasetFormatError` naming the first
     offending index, or :class:`CorruptChunkError` naming the chunk that does not decode.
     """
-    return _run(_verify(filespec, split, storage_options, progress), filespec, storage_options)
+    scan = _verify(filespec, split, storage_options, progress, token_window, starts_window)
+    return run(scan, filespec, storage_options)
 
 
 async def _verify(
-    filespec: str, split: str, storage_options: Mapping[str, Any] | None, progress: bool
+    filespec: str,
+    split: str,
+    storage_options: Mapping[str, Any] | None,
+    progress: bool,
+    token_window: int,
+    starts_window: int,
 ) -> VerifyReport:
     t0 = time.perf_counter()
-    arrays, store = await _open_arrays(filespec, split, storage_options)  # metadata, ends
+    arrays, store = await open_arrays(filespec, split, storage_options)  # metadata, ends
     await close_store(store)
-    source = await _open_source(filespec, split, storage_options)
+    source = await open_source(filespec, split, storage_options)
     where = f"{redact(filespec).rstrip('/')}/{split}"
     try:
         starts_chunk = int(arrays.seq_starts.chunks[0])
         starts_reads = 0
         last = 0
-        async for _, window in _seq_start_windows(source, starts_chunk, progress):
+        async for _, window in seq_start_windows(
+            source, starts_chunk, progress, window=starts_window
+        ):
             starts_reads += 1
             last = int(window[-1])
         if last != arrays.token_count:
             raise DatasetFormatError(
                 f"{where}/seq_starts: last entry {last} != len(encoded_tokens) {arrays.token_count}"
             )
-        starts = _StartCursor(_seq_start_windows(source, starts_chunk, False))
+        starts = _StartCursor(seq_start_windows(source, starts_chunk, False, window=starts_window))
         try:
-            observed, token_reads = await _check_tokens(source, arrays, starts, where, progress)
+            observed, token_reads = await _check_tokens(
+                source, arrays, starts, where, progress, token_window
+            )
         finally:
             await starts.windows.aclose()
     finally:
@@ -111,11 +125,16 @@ class _StartCursor:
 
 
 async def _check_tokens(
-    source: ZarrTokenSource, arrays: SplitArrays, starts: _StartCursor, where: str, progress: bool
+    source: ZarrTokenSource,
+    arrays: SplitArrays,
+    starts: _StartCursor,
+    where: str,
+    progress: bool,
+    token_window: int,
 ) -> tuple[int | None, int]:
     """Token ids against max_token_id and start bits against seq_starts, window by window."""
     chunk = arrays.token_chunk
-    window = max(chunk, scan._TOKEN_WINDOW // chunk * chunk)
+    window = max(chunk, token_window // chunk * chunk)
     observed: int | None = None
     reads = 0
     with tqdm(
@@ -128,7 +147,7 @@ async def _check_tokens(
     ) as bar:
         for lo in range(0, arrays.token_count, window):
             hi = min(lo + window, arrays.token_count)
-            encoded = await _read_checked(source, "encoded_tokens", lo, hi, chunk)
+            encoded = await read_checked(source, "encoded_tokens", lo, hi, chunk)
             reads += 1
             ids = encoded >> 1
             top = int(ids.max())

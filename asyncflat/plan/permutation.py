@@ -36,25 +36,35 @@ import operator
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
 from asyncflat.errors import ConfigError
 
-__all__ = ["permutation"]
+__all__ = [
+    "NO_COMPILE_MAX",
+    "PYTHON_BELOW",
+    "YIELD_PAUSE_S",
+    "YIELD_SLICE",
+    "ensure_kernel",
+    "kernel_status",
+    "permutation",
+    "warm_up",
+]
 
 logger = logging.getLogger(__name__)
 
-# Below this size the plain Python path is fast enough (well under a millisecond) and never pays
-# for compiling the kernel.
-_SMALL_N = 2048
-# Sizes up to this one take the Python path (~1 ms per 4,096 items, ~28 ms at 2**16, holding the
-# GIL in switch-interval slices) unless the kernel is already compiled: they never start a compile,
-# so a loader whose permutations all fit (the rows of one buffer, the read blocks of a dataset of
-# up to 2**16 blocks) never pays LLVM's compile time and resident code, and a restart's first
-# batch never waits for it. Larger sizes need the kernel.
-_NO_WAIT_N = 1 << 16
+#: Sizes below this always take the plain Python path: fast enough (well under a millisecond),
+#: and never paying for compiling the kernel.
+PYTHON_BELOW = 2048
+#: Sizes up to this one take the Python path (~1 ms per 4,096 items, ~28 ms at 2**16, holding the
+#: GIL in switch-interval slices) unless the kernel is already compiled: they never start a
+#: compile, so a loader whose permutations all fit (the rows of one buffer, the read blocks of a
+#: dataset of up to 2**16 blocks) never pays LLVM's compile time and resident code, and a
+#: restart's first batch never waits for it. Larger sizes need the kernel.
+NO_COMPILE_MAX = 1 << 16
+_METHODS = ("auto", "python", "kernel")
 _Kernel = Callable[[np.uint64, np.uint64, np.ndarray], None]
 _kernel: _Kernel | None = None
 _kernel_lock = threading.Lock()
@@ -62,18 +72,33 @@ _warm_up_thread: threading.Thread | None = None
 _warm_up_lock = threading.Lock()
 
 
-def permutation(seed: int, n: int, *, yield_gil: bool = False) -> np.ndarray:
+def permutation(
+    seed: int,
+    n: int,
+    *,
+    yield_gil: bool = False,
+    method: Literal["auto", "python", "kernel"] = "auto",
+) -> np.ndarray:
     """A permutation of ``range(n)`` as a ``uint32`` array, fixed forever by ``(seed, n)``.
 
     ``seed`` is any non-negative integer (as accepted by ``np.random.Philox``); ``0 <= n < 2**32``.
+
+    ``method`` picks the implementation, never the result: ``"auto"`` (the default) takes the
+    plain Python path below :data:`PYTHON_BELOW` items, and up to :data:`NO_COMPILE_MAX` items
+    while the kernel is not compiled, else the compiled kernel; ``"python"`` and ``"kernel"``
+    force one path (``"kernel"`` compiles it if needed), for checking one against the other.
 
     ``yield_gil``: for a background thread. The plain Python path holds the GIL throughout (up
     to ~28 ms at ``2**16`` items), and a trainer thread wanting it meanwhile waits a whole switch
     interval (5 ms) or more; with ``yield_gil`` it runs in slices of ``YIELD_SLICE`` swaps with a
     short sleep between them, so another thread waits at most one slice (tens of microseconds)
     for it, at several times the wall time (23 ms against 4 ms at 32,768 items, measured by
-    ``bench/gil.py``). Same swaps, same result.
+    ``bench/gil.py``). Same swaps, same result. The kernel path releases the GIL throughout.
     """
+    if method not in _METHODS:
+        raise ConfigError(
+            f"permutation: method must be one of {', '.join(_METHODS)}, got {method!r}"
+        )
     seed = _as_int("seed", seed)
     n = _as_int("n", n)
     if seed < 0:
@@ -81,9 +106,11 @@ def permutation(seed: int, n: int, *, yield_gil: bool = False) -> np.ndarray:
     if not 0 <= n < 1 << 32:
         raise ConfigError(f"permutation: n must be in [0, 2**32), got {n}")
     bit_generator = np.random.Philox(seed)
-    small = n < _SMALL_N or (_kernel is None and n <= _NO_WAIT_N)
-    if small:
-        return _small_permutation(bit_generator, n, yield_gil=yield_gil)
+    if method == "auto":
+        small = n < PYTHON_BELOW or (_kernel is None and n <= NO_COMPILE_MAX)
+        method = "python" if small else "kernel"
+    if method == "python":
+        return _python_permutation(bit_generator, n, yield_gil=yield_gil)
     state = bit_generator.state
     # The kernel replays the generator from its key, so it must start where numpy's would.
     if state["state"]["counter"].any() or state["buffer_pos"] != 4:
@@ -98,14 +125,15 @@ def warm_up(n: int) -> None:
     """Start compiling the kernel on a background thread if permutations of ``n`` items need it.
 
     Returns at once; a :func:`permutation` that needs the kernel before then waits for this
-    compile instead of starting its own. Sizes up to ``2**16`` never need it (nor start it). The
+    compile instead of starting its own. Sizes up to :data:`NO_COMPILE_MAX` never need it (nor
+    start it). The
     compile (~0.1 s) runs in LLVM with the GIL released, apart from importing llvmlite, so a
     loader can call this in its constructor and open its store meanwhile.
     """
     global _warm_up_thread
     # The thread is the process's, not a loader's: it ends when the compile does, whatever
     # becomes of the loader that started it (hence a name outside the loaders' "asyncflat-").
-    if n <= _NO_WAIT_N or _kernel is not None:
+    if n <= NO_COMPILE_MAX or _kernel is not None:
         return
     with _warm_up_lock:
         if _warm_up_thread is None:
@@ -116,6 +144,22 @@ def warm_up(n: int) -> None:
             # LLVM's static destructors run at exit: a compile still going then crashes the
             # process (seen: a short-lived process that only loaded one batch segfaulted at exit).
             atexit.register(_warm_up_thread.join, 60)
+
+
+def ensure_kernel() -> None:
+    """Compile the kernel now, unless it is compiled; a compile already under way (a
+    :func:`warm_up`'s, another thread's) is waited for, not repeated. Raises if it cannot be
+    built (llvmlite missing or broken)."""
+    _get_kernel()
+
+
+def kernel_status() -> str:
+    """``"ready"`` once the kernel is compiled; else ``"compiling"`` while a :func:`warm_up`'s
+    background compile runs; else ``"absent"`` (never started, or it failed)."""
+    if _kernel is not None:
+        return "ready"
+    thread = _warm_up_thread
+    return "compiling" if thread is not None and thread.is_alive() else "absent"
 
 
 def _warm_up() -> None:
@@ -143,7 +187,7 @@ YIELD_SLICE = 256
 YIELD_PAUSE_S = 50e-6
 
 
-def _small_permutation(
+def _python_permutation(
     bit_generator: np.random.Philox, n: int, *, yield_gil: bool = False
 ) -> np.ndarray:
     """The literal Fisher-Yates in Python; with ``yield_gil``, cut into slices of

@@ -41,7 +41,8 @@ times streams), so the seeds of two epochs of one run never coincide, and epoch 
 reference's. Numpy hashes a seed into Philox's key (``SeedSequence``), so neighbouring seeds give
 unrelated orders. A batch is a pure function of (epoch, step): resuming needs those two numbers.
 Every epoch reads the same rows (the same blocks, in another order); the tail the block and
-stream rounding drops is the same in every epoch.
+stream rounding drops is the same in every epoch (:mod:`asyncflat.plan.coverage` counts it and
+warns when it is more than 1%).
 """
 
 from __future__ import annotations
@@ -59,9 +60,6 @@ __all__ = ["EPOCH_SEED_STRIDE", "NEVER", "RowLocation", "ShufflePlan", "epoch_se
 
 #: Deadline of a block that no step at or after the plan's starting step needs.
 NEVER = np.iinfo(np.int64).max
-
-#: Above this share of a split left unserved by rounding, the loader and ``inspect`` warn.
-DROP_WARNING_FRACTION = 0.01
 
 #: Memory the plan's index arrays may take: ``PLAN_BYTES_PER_BLOCK`` per read block (the
 #: permutation's random draws, its result and ``inspect``'s per-block arrays), up to the larger
@@ -219,68 +217,6 @@ class ShufflePlan:
     def epoch_seed(self) -> int:
         """The seed this epoch's permutations derive from (``seed`` in epoch 0)."""
         return epoch_seed(self.seed, self.epoch)
-
-    @property
-    def rows_dropped(self) -> int:
-        """Rows of the split no step of an epoch serves (block/stream rounding, last batch)."""
-        return self.seq_count - self.step_count * self.batch
-
-    @property
-    def dropped_fraction(self) -> float:
-        """The share of the split an epoch never serves: of its tokens with packing (the rounding
-        plus the last partial row), of its sequences without."""
-        if self.sequence_packing:
-            total = self.token_count
-            served = self.step_count * self.batch * self.seq_len
-        else:
-            total, served = self.seq_count, self.step_count * self.batch
-        return (total - served) / total if total else 0.0
-
-    def sizing_warning(self, threshold: float = DROP_WARNING_FRACTION) -> str | None:
-        """A sentence for the log when the rounding drops more than ``threshold`` of the split:
-        the figure, and the parameter (value) that would bring it under ``threshold``."""
-        fraction = self.dropped_fraction
-        if fraction <= threshold:
-            return None
-        unit = "tokens" if self.sequence_packing else "sequences"
-        total = self.token_count if self.sequence_packing else self.seq_count
-        served = self.step_count * self.batch * (self.seq_len if self.sequence_packing else 1)
-        head = (
-            f"the loader serves {served:,} of the split's {total:,} {unit} per epoch: "
-            f"{fraction:.1%} are dropped by rounding to whole read blocks (sequences_per_read_block="
-            f"{self.sequences_per_read_block}) per stream (streams={self.streams}) and whole "
-            f"batches (batch={self.batch})"
-        )
-        spb, best = self._best_spb(threshold)
-        if best <= threshold:
-            return f"{head}; sequences_per_read_block={spb} would drop at most {threshold:.0%}"
-        advice = (
-            f"the split holds too few batches of {self.batch} x {self.seq_len} for 1%, so lower "
-            "batch or streams, or use a larger split"
-        )
-        if spb == self.sequences_per_read_block:
-            return f"{head}; no smaller sequences_per_read_block drops less: {advice}"
-        return (
-            f"{head}; the least any sequences_per_read_block drops here is {best:.1%} "
-            f"(sequences_per_read_block={spb}); {advice}"
-        )
-
-    def _best_spb(self, threshold: float) -> tuple[int, float]:
-        """The largest sequences_per_read_block <= the current one that drops at most
-        ``threshold``; failing that, the one that drops least (and its dropped share).
-        Vectorised over every candidate: a few milliseconds even for a million."""
-        total = self.token_count if self.sequence_packing else self.seq_count
-        unit = self.seq_len if self.sequence_packing else 1
-        spb = np.arange(1, self.sequences_per_read_block + 1, dtype=np.int64)
-        blocks = self.seq_count // spb // self.streams * self.streams
-        served = blocks * spb // self.batch * self.batch * unit
-        dropped = (total - served) / max(total, 1)
-        fixes = np.flatnonzero(dropped <= threshold)
-        if len(fixes):
-            best = int(fixes[-1])
-        else:  # the least dropped, preferring the largest block among equals
-            best = len(dropped) - 1 - int(np.argmin(dropped[::-1]))
-        return int(spb[best]), float(dropped[best])
 
     @property
     def minipoch_count(self) -> int:
