@@ -25,6 +25,8 @@ command. Environment defaults: ``ASYNCFLAT_LOG_LEVEL`` (``DEBUG``, ``INFO``, ``W
 The package: :mod:`.entry` (``main``), :mod:`.parser` (the argument parser), one module per
 command (:mod:`.demo`, :mod:`.inspect_cmd`, :mod:`.convert_cmd`, :mod:`.bench`) and
 :mod:`.output` (formatting and argparse types shared by them).
+
+May import: ``*``; the command sits on top of the house.
 """
 
 from __future__ import annotations

@@ -16,6 +16,9 @@ Everything reads through the same guarded source as the loader, so local paths a
 The package: :mod:`.results` (the returned dataclasses), :mod:`.scan` (the loop, the guarded
 source, checked windowed reads), and one module per call (:mod:`.describe`, :mod:`.figures`,
 :mod:`.verify`).
+
+May import: ``source``, ``storage``, ``format``, ``plan``, ``engine.loop``, ``loader.mixture.config``,
+``config`` and ``errors``: the read path's pieces, never a loader.
 """
 
 from __future__ import annotations

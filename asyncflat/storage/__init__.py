@@ -16,6 +16,8 @@
 * :mod:`.faults`: a store wrapper that injects latency, errors and damaged bytes (tests, benches).
 
 The reader (:mod:`asyncflat.source.zarr_source`) sits on top of these; the engine never sees them.
+
+May import: ``format``, ``plan``, ``config`` and ``errors``.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ form::
 
     May import: ``engine``, ``source``, ``storage.guarded`` and ``errors``; free prose after.
 
-The list runs from ``May import:`` to the first ``;`` or ``.`` outside double backticks, and is
+The list runs from ``May import:`` to the first ``;``, ``:`` or ``.`` outside double backticks, and is
 made only of double-backticked names joined by ``,``, ``and`` or ``, and``. A name is a module or
 package below ``asyncflat`` (``engine``, ``engine.loop``, ``loader.mixture.config``, ``config``);
 ``*`` allows anything; the word ``nothing`` (no backticks) allows nothing. An import that leaves
@@ -231,17 +231,17 @@ def parse_may_import(docstring: str | None) -> tuple[frozenset[str] | None, str]
     """The names of a docstring's ``May import:`` paragraph, or ``None`` and why not."""
     lines = [p for p in _paragraphs(docstring or "") if p.startswith("May import:")]
     if len(lines) != 1:
-        return None, f"{len(lines)} 'May import:' paragraphs (need exactly one)"
+        return None, f"{len(lines)} 'May import:' paragraphs in the docstring (need exactly one)"
     body = MAY_IMPORT.match(lines[0])
     assert body is not None
     text = body["list"]
-    # the list ends at the first ';' or '.' outside double backticks
+    # the list ends at the first ';', ':' or '.' outside double backticks
     end, inside, i = len(text), False, 0
     while i < len(text):
         if text.startswith("``", i):
             inside, i = not inside, i + 2
             continue
-        if not inside and text[i] in ";.":
+        if not inside and text[i] in ";:.":
             end = i
             break
         i += 1
@@ -253,7 +253,7 @@ def parse_may_import(docstring: str | None) -> tuple[frozenset[str] | None, str]
     if not names or re.fullmatch(r"X((, | and |, and )X)*", rest) is None:
         return (
             None,
-            f"malformed list {listed!r} (names in double backticks joined by ', ' or ' and ')",
+            f"malformed 'May import:' list {listed!r} (names in double backticks joined by ', ' or ' and ')",
         )
     return frozenset(names), ""
 
@@ -277,7 +277,8 @@ def allowed(names: Iterable[str], target: str) -> bool:
     )
 
 
-def layering_violations() -> list[str]:
+def layering_breaks() -> list[tuple[Import, str]]:
+    """Each import a ``May import:`` line does not allow, with the message that names the line."""
     out = []
     lines = declared()
     for imp in imports():
@@ -288,9 +289,14 @@ def layering_violations() -> list[str]:
             inside = imp.target == holder or imp.target.startswith(f"{holder}.")
             if holder in lines and not inside and not allowed(lines[holder], imp.target):
                 out.append(
-                    f"{imp.where}: layering: {imp.source} imports {imp.target} ({imp.kind}), "
-                    f"which {modules()[holder].where} does not allow "
-                    f"(May import: {', '.join(sorted(lines[holder])) or 'nothing'})"
+                    (
+                        imp,
+                        (
+                            f"{imp.where}: layering: {imp.source} imports {imp.target} ({imp.kind}), "
+                            f"which {modules()[holder].where} does not allow "
+                            f"(May import: {', '.join(sorted(lines[holder])) or 'nothing'})"
+                        ),
+                    )
                 )
     return out
 
@@ -410,17 +416,27 @@ def drawn_units() -> list[str]:
 
 
 def mermaid() -> str:
-    """The folder-level import graph as a Mermaid flowchart (arrows point at what is imported)."""
+    """The folder-level import graph as a Mermaid flowchart (arrows point at what is imported).
+
+    A unit every other drawn unit imports (``errors``) is drawn once with that said, not with an
+    arrow from each; an arrow that some ``May import:`` line does not allow is dotted and labelled.
+    """
     graph = folder_graph()
+    units = drawn_units()
+    edges = {(a, b) for a in graph for b in graph[a] if a in units and b in units}
+    everyones = {b for b in units if all((a, b) in edges for a in units if a != b)}
+    broken = {(folder_of(i.source), folder_of(i.target)) for i, _ in layering_breaks()}
     lines = ["```mermaid", "flowchart TB"]
     for group, members in GROUPS.items():
         lines.append(f'  subgraph {group.replace(" ", "_")}["{group}"]')
-        lines.extend(f"    {m}" for m in members)
+        for m in members:
+            lines.append(
+                f'    {m}["{m}: imported by every folder"]' if m in everyones else f"    {m}"
+            )
         lines.append("  end")
-    for a in sorted(graph):
-        for b in sorted(graph[a]):
-            if a not in NOT_DRAWN and b not in NOT_DRAWN:
-                lines.append(f"  {a} --> {b}")
+    for a, b in sorted(edges):
+        if b not in everyones:
+            lines.append(f"  {a} -. undeclared .-> {b}" if (a, b) in broken else f"  {a} --> {b}")
     lines.append("```")
     return "\n".join(lines)
 
