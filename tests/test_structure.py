@@ -90,6 +90,11 @@ def folder_violations() -> Iterator[str]:
             _, why = house.parse_may_import(ast.get_docstring(module.tree))
             if why:
                 yield f"{module.where}:1: folders: {why}"
+    for name, names in house.declared().items():
+        for unknown in sorted(
+            n for n in names - {"*"} if f"{house.ROOT}.{n}" not in house.modules()
+        ):
+            yield f"{house.modules()[name].where}:1: folders: 'May import:' names {unknown}, no module"
 
 
 def test_every_folder_says_what_it_holds_and_may_import() -> None:
