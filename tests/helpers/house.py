@@ -91,10 +91,6 @@ def modules() -> dict[str, Module]:
     return found
 
 
-def packages() -> list[Module]:
-    return [m for m in modules().values() if m.is_package]
-
-
 def folder_of(name: str) -> str:
     """The top unit a module belongs to: its folder below asyncflat, a root module, or the face."""
     parts = name.split(".")
@@ -102,13 +98,10 @@ def folder_of(name: str) -> str:
 
 
 def enclosing_packages(name: str) -> list[str]:
-    """The packages below the root that contain module ``name`` (innermost last)."""
+    """The packages below the root that contain module ``name`` (outermost first)."""
     parts = name.split(".")
-    return [
-        ".".join(parts[:i])
-        for i in range(2, len(parts) + 1)
-        if ".".join(parts[:i]) in modules() and modules()[".".join(parts[:i])].is_package
-    ]
+    found = (".".join(parts[:i]) for i in range(2, len(parts) + 1))
+    return [p for p in found if p in modules() and modules()[p].is_package]
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -332,7 +325,7 @@ def cycles(graph: dict[str, dict[str, Import]]) -> list[list[Import]]:
     components: list[list[str]] = []
     nodes = sorted({*graph, *(t for edges in graph.values() for t in edges)})
 
-    def connect(v: str) -> None:  # Tarjan, iterative enough for a package's depth
+    def connect(v: str) -> None:  # Tarjan's, recursive (the limit is raised below)
         index[v] = low[v] = len(index)
         stack.append(v)
         on_stack.add(v)
