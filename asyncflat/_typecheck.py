@@ -10,6 +10,8 @@ module). The first call resolves the signature's annotations once; each call the
 argument whose annotation is a class, or a union of classes, with one ``isinstance``. typeguard
 is imported (with its ``unittest.mock``, ~25 ms) only for the other annotations (generics,
 callables, protocols) and to word a failure, so constructing a loader never imports it.
+
+May import: ``errors``.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@
 meaning, so existing configs construct unchanged. Everything asyncflat adds has a default and
 comes after them. A bad value fails here, at construction, with the field and value in the
 message, not minutes later inside a background fill.
+
+May import: ``errors``.
 """
 
 # No ``from __future__ import annotations``: ``dataclasses.fields(cls)[i].type`` must be the real

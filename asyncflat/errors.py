@@ -18,6 +18,8 @@ clauses on those builtins::
     ├── LoadTimeoutError       (TimeoutError) load() waited longer than its timeout
     ├── LoaderClosedError      (RuntimeError) the loader was used after close()
     └── LoopReentryError       (RuntimeError) a blocking call made from the engine's own loop
+
+May import: nothing; every folder imports it.
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ commands), one module per command (:mod:`.demo`, :mod:`.inspect_cmd`, :mod:`.con
 :mod:`.output` (formatting and argparse types shared by them) and :mod:`.stall_figure` (the
 figure of ``demo --plot``, also drawn by ``bench/stall.py``).
 
-May import anything in the package, read path and write path alike: it is the top, and nothing
-in the package imports it but ``asyncflat.__main__``.
+May import: ``*``; the command sits on top of the house, and nothing in the package imports it
+but ``asyncflat.__main__``.
 """
 
 from __future__ import annotations

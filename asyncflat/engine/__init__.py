@@ -32,6 +32,8 @@ The in-buffer shuffle is never materialised: a gather reads buffer row ``perm[po
 Failure model: a unit that fails (after the store's retries) fails its fill; the load that needs
 that fill raises the error (with the array, range and cause), the fill is dropped, and a later
 load that needs the same minipoch starts it afresh. Steps served from other fills are unaffected.
+
+May import: ``source``, ``storage``, ``plan``, ``format``, ``config`` and ``errors``.
 """
 
 from asyncflat.engine.core import Engine

@@ -3,7 +3,8 @@
 * :mod:`.codec`: ``2*id + 1`` at a sequence start, else ``2*id``; encode and decode (pure numpy).
 * :mod:`.split`: a split's arrays opened through zarr and checked against the format.
 
-May import: ``errors`` only (a store is any zarr ``Store``; the guarded one is passed in).
+May import: ``errors``; a store is any zarr ``Store`` (the guarded one is passed in), never
+:mod:`asyncflat.storage`.
 """
 
 from asyncflat.format.codec import (

@@ -18,10 +18,8 @@ shares: its own loop, the guarded source, checked windowed reads), one module pe
 (:mod:`.describe`, :mod:`.figures`, :mod:`.verify`), and :mod:`.mixture` (what ``inspect
 --mixture`` prints for a mixture config).
 
-May import the read path's pieces (:mod:`asyncflat.engine`, :mod:`asyncflat.source`,
-:mod:`asyncflat.loader`'s configuration), :mod:`asyncflat.plan`, :mod:`asyncflat.format`,
-:mod:`asyncflat.storage`, ``config`` and ``errors``; never the write path (:mod:`asyncflat.writer`,
-:mod:`asyncflat.text`) nor :mod:`asyncflat.cli`.
+May import: ``source``, ``storage``, ``format``, ``plan``, ``engine.loop``, ``loader.mixture.config``,
+``config`` and ``errors``: the read path's pieces, never a loader nor the write path.
 """
 
 from __future__ import annotations

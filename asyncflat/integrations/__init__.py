@@ -1,1 +1,4 @@
-"""Integrations with training frameworks; each module imports its framework and nothing else does."""
+"""Integrations with training frameworks; each module imports its framework and nothing else does.
+
+May import: ``*``; integrations sit on top of the house.
+"""

@@ -12,9 +12,8 @@
 * :mod:`.open`: a split's source, plan and engine, opened on the loop that then owns them.
 * :mod:`.epochs`: several passes over a split (:func:`iter_epochs`).
 
-May import: :mod:`asyncflat.engine`, :mod:`asyncflat.source`, :mod:`asyncflat.storage`,
-:mod:`asyncflat.plan`, :mod:`asyncflat.format`, ``config`` and ``errors``; never the write path
-(:mod:`asyncflat.writer`, :mod:`asyncflat.text`). Names resolve on first use: they need jax,
+May import: ``engine``, ``source``, ``storage``, ``plan``, ``format``, ``config``, ``errors``
+and ``_typecheck``; never the write path (:mod:`asyncflat.writer`, :mod:`asyncflat.text`). Names resolve on first use: they need jax,
 and importing a loader's configuration must not import it.
 """
 

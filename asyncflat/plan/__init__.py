@@ -8,7 +8,7 @@
   than 1%.
 * :mod:`.mixture`: which source and which row fill each slot of a weighted mixture.
 
-May import: ``config`` and ``errors`` only.
+May import: ``config`` and ``errors``.
 """
 
 from asyncflat.plan.permutation import permutation

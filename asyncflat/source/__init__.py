@@ -7,5 +7,5 @@
 * :mod:`.chunk_reader`: what both readers share: chunk objects decoded straight into the
   engine's buffers (direct Blosc, raw, or zarr's codecs), their layouts and caches.
 
-May import: :mod:`asyncflat.storage`, :mod:`asyncflat.format`, ``config`` and ``errors``.
+May import: ``storage``, ``format``, ``config`` and ``errors``.
 """

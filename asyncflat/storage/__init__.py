@@ -19,7 +19,7 @@
 
 The readers (:mod:`asyncflat.source`) sit on top of these; the engine never sees them.
 
-May import: :mod:`asyncflat.format`, ``config`` and ``errors``.
+May import: ``format``, ``config`` and ``errors``.
 """
 
 from __future__ import annotations

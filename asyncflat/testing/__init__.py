@@ -3,7 +3,7 @@
 * :class:`~asyncflat.testing.faults.FaultyStore`: wraps a zarr store and injects latency, errors
   and damaged bytes, with counts of what it did (pass it as a loader's ``store_wrapper``).
 
-May import: :mod:`asyncflat.storage` and ``errors``.
+May import: ``storage`` and ``errors``.
 """
 
 from asyncflat.testing.faults import FaultCounts, FaultyStore

@@ -4,5 +4,7 @@
 * :mod:`.tokenizer`: tokenizers loaded from a spec string, never downloaded.
 * :mod:`.pool`: tokenization in worker processes, in order, that die with their parent.
 
-Part of the write path. May import: :mod:`asyncflat.format`, ``config`` and ``errors``.
+Part of the write path.
+
+May import: ``format``, ``config`` and ``errors``.
 """

@@ -9,7 +9,6 @@
 * :mod:`.distributed`: the same conversion as tasks on a cluster (Ray), committed by the same
   protocol.
 
-May import: :mod:`asyncflat.text`, :mod:`asyncflat.format`, :mod:`asyncflat.storage`, ``config``
-and ``errors``; never the read path (:mod:`asyncflat.loader`, :mod:`asyncflat.engine`,
-:mod:`asyncflat.source`).
+May import: ``text``, ``format``, ``storage``, ``config``, ``errors`` and ``_typecheck``; never the
+read path (:mod:`asyncflat.loader`, :mod:`asyncflat.engine`, :mod:`asyncflat.source`).
 """

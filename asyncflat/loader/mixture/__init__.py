@@ -7,7 +7,8 @@
 parts. ``asyncflat.ShufflingLoader`` and ``get_loader`` build a ``MixtureLoader`` when given a
 :class:`MixtureParams`.
 
-May import what :mod:`asyncflat.loader` may.
+May import: ``loader``, ``engine``, ``source``, ``storage``, ``plan``, ``format``, ``config``,
+``errors`` and ``_typecheck``: what :mod:`asyncflat.loader` may, and the rest of it.
 """
 
 from asyncflat.loader.mixture.config import MixtureParams, MixtureSource, MixtureStage
