@@ -24,7 +24,7 @@ from asyncflat.errors import (
     TransientStorageError,
 )
 from asyncflat.format.codec import SPLITS, TOKEN_ID_LIMIT, decode, encode_sequences
-from asyncflat.format.split import SplitArrays, _guarded, open_split
+from asyncflat.format.split import SplitArrays, open_split, translate_errors
 from asyncflat.storage.guarded import guard_store
 
 NAME = "STORE<test>"  # a display name that cannot be confused with anything zarr prints
@@ -403,7 +403,7 @@ def test_guard_does_not_swallow_base_exceptions(exc: BaseException) -> None:
         raise exc
 
     with pytest.raises(type(exc)):
-        asyncio.run(_guarded(raising(), "where", "what"))
+        asyncio.run(translate_errors(raising(), "where", "what"))
 
 
 def test_errors_are_value_errors_and_asyncflat_errors() -> None:

@@ -46,7 +46,7 @@ def test_a_fill_is_started_once_and_its_units_queued() -> None:
 
 async def permutations_computed(table: FillTable) -> None:
     """Let the permutations under way on the CPU pool finish and land (their callbacks)."""
-    await asyncio.gather(*table.permutations._pending.values())
+    await asyncio.gather(*table.permutations.computing().values())
     await asyncio.sleep(0)
 
 
@@ -110,7 +110,7 @@ def test_a_prefetch_starts_with_its_permutation_computed_off_the_loop() -> None:
         table, _, _ = make_table()
         plan = table.plan
         table.ensure(0, 0, 0, keep={0})  # a load's fill: computed at once
-        assert table.permutations.inline == 1 and (0, 1) in table.permutations._pending
+        assert table.permutations.inline == 1 and (0, 1) in table.permutations.computing()
         groups = {(0, 0): slice(0, 8)}
         table.prefetch_after(groups)  # this step: still computing, so not started ...
         assert table.get(0, 1) is None and table.prefetches_due(groups)
@@ -120,13 +120,13 @@ def test_a_prefetch_starts_with_its_permutation_computed_off_the_loop() -> None:
         assert (second.perm == plan.row_permutation(0, 1)).all()
         assert table.permutations.ahead == 1 and table.permutations.inline == 1
         # the fill of minipoch 1 started the computation of minipoch 2's
-        assert (0, 2) in table.permutations._pending
+        assert (0, 2) in table.permutations.computing()
         # a load of minipoch 2 does not wait for it: computed at once, the late one dropped
         third = table.ensure(0, 2, 2 * 4, keep={2})
         assert (third.perm == plan.row_permutation(0, 2)).all()
         assert table.permutations.inline == 2
         await permutations_computed(table)
-        assert (0, 2) not in table.permutations._ready
+        assert (0, 2) not in table.permutations.computed()
 
     asyncio.run(main())
 
@@ -148,7 +148,7 @@ def test_a_deferred_prefetch_is_dropped_when_the_trainer_jumps_away() -> None:
         table, _, ended = make_table()
         table.ensure(0, 0, 0, keep={0})
         table.prefetch_after({(0, 0): slice(0, 8)})  # minipoch 1: deferred, computing
-        assert table.get(0, 1) is None and (0, 1) in table.permutations._pending
+        assert table.get(0, 1) is None and (0, 1) in table.permutations.computing()
         fifth = table.ensure(0, 5, 5 * 4, keep={5})  # the jump, before it lands
         table.prefetch_after({(0, 5): slice(0, 8)})
         await permutations_computed(table)
@@ -173,7 +173,7 @@ def test_a_load_that_starts_a_deferred_minipoch_ends_the_deferral() -> None:
         table.prefetch_after({(0, 4): slice(0, 8)})  # 5: deferred
         second = table.ensure(0, 2, 2 * 4, keep={2})  # and goes back to 2
         table.prefetch_after({(0, 2): slice(0, 8)})  # 3 is there: nothing is due
-        assert not table._deferred
+        assert not table.deferred()
         for _ in range(3):
             await permutations_computed(table)
         assert {f.minipoch for f in table} == {2, 3} and not second.cancelled
@@ -195,7 +195,7 @@ def test_without_prefetch_no_permutation_is_computed_ahead() -> None:
             plan, (0,), SEQ_LEN * 8, queue=lambda u: None, ended=lambda f, **h: None, prefetch=False
         )
         table.ensure(0, 0, 0, keep={0})
-        assert not table.permutations._pending and not table.permutations._ready
+        assert not table.permutations.computing() and not table.permutations.computed()
 
     asyncio.run(main())
 
@@ -223,7 +223,7 @@ def test_a_failed_permutation_nobody_takes_is_not_reported_unretrieved(
 
         monkeypatch.setattr(ShufflePlan, "row_permutation", failing)
         table.ensure(0, 0, 0, keep={0})
-        future = table.permutations._pending[(0, 1)]
+        future = table.permutations.computing()[(0, 1)]
         table.ensure(0, 1, 4, keep={1})  # computes its own: the pending one is dropped
         release.set()
         with pytest.raises(MemoryError):
@@ -259,7 +259,7 @@ def test_permutations_ahead_run_on_the_loops_background_thread_not_its_cpu_pool(
         monkeypatch.setattr(ShufflePlan, "row_permutation", recording)
         table.ensure(0, 0, 0, keep={0})
         await permutations_computed(table)
-        assert table.permutations._ready
+        assert table.permutations.computed()
 
     runner = LoopThread(name="asyncflat-test")
     try:

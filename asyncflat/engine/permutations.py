@@ -105,6 +105,14 @@ class RowPermutations:
         if self._on_ready is not None and key in self._ready:
             self._on_ready(*key)
 
+    def computing(self) -> dict[_Key, asyncio.Future[np.ndarray]]:
+        """The permutations being computed off the loop now, by (stream, minipoch) (a copy)."""
+        return dict(self._pending)
+
+    def computed(self) -> set[_Key]:
+        """The (stream, minipoch) keys whose permutation is ready and not yet taken."""
+        return set(self._ready)
+
     def clear(self) -> None:
         """Forget every permutation (closing); computations under way finish unused."""
         self._pending.clear()

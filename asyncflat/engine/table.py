@@ -119,6 +119,10 @@ class FillTable:
             return None
         return self._put(stream, minipoch, index, self.plan.first_step(minipoch), "prefetch")
 
+    def deferred(self) -> set[tuple[int, int]]:
+        """The (stream, minipoch) prefetches waiting for their permutation."""
+        return set(self._deferred)
+
     def start_deferred_prefetch(self, stream: int, minipoch: int) -> None:
         """Start the prefetch of (stream, minipoch) that waited for its permutation, if any."""
         keep = self._deferred.pop((stream, minipoch), None)

@@ -130,14 +130,8 @@ async def _open_split(
     import zarr
     import zarr.api.asynchronous as zarr_async
 
-    # The format is known from the first round trip: no probe of .zmetadata, no second guess.
-    zarr_format: Literal[2, 3] | None = None
-    with contextlib.suppress(Exception):  # a failed read is reported by zarr's own below
-        if await asyncio.shield(fetched["zarr.json"]) is not None:
-            zarr_format = 3
-        elif await asyncio.shield(fetched[".zgroup"]) is not None:
-            zarr_format = 2
-    root = await _guarded(
+    zarr_format = await _format_of(fetched)
+    root = await translate_errors(
         zarr_async.open_group(
             store=store,
             mode="r",
@@ -147,7 +141,7 @@ async def _open_split(
         name,
         "flat-tokens zarr group",
     )
-    group = await _guarded(root.getitem(split), where, "split group")
+    group = await translate_errors(root.getitem(split), where, "split group")
     if not isinstance(group, zarr.AsyncGroup):
         raise DatasetFormatError(f"{where}: expected a zarr group, found an array")
 
@@ -178,19 +172,12 @@ async def _open_split(
     async def entry(i: int) -> Any:
         # zarr's coroutine is made inside the task: one made up front and handed to a task
         # cancelled before it starts (a deadline, a close) would never be awaited.
-        return await _guarded(seq_starts.getitem(i), f"{where}/seq_starts", f"entry {i}", read=True)
+        return await translate_errors(
+            seq_starts.getitem(i), f"{where}/seq_starts", f"entry {i}", read=True
+        )
 
     ends = await _gather_in_order(*(entry(i) for i in sorted({0, entries - 1})))
-    first, last = ends[0], ends[-1]
-    if int(first) != 0:
-        raise DatasetFormatError(
-            f"{where}/seq_starts: expected seq_starts[0] == 0, got {int(first)}"
-        )
-    if int(last) != token_count:
-        raise DatasetFormatError(
-            f"{where}/seq_starts: expected seq_starts[-1] == len(encoded_tokens) == {token_count}, "
-            f"got {int(last)}"
-        )
+    _check_ends(int(ends[0]), int(ends[-1]), token_count, where)
 
     token_chunk = int(encoded_tokens.chunks[0])
     shards = encoded_tokens.shards
@@ -206,6 +193,26 @@ async def _open_split(
         token_chunk=token_chunk,
         tokens_per_object=int(shards[0]) if shards else token_chunk,
     )
+
+
+async def _format_of(fetched: dict[str, Any]) -> Literal[2, 3] | None:
+    """The zarr format, known from the first round trip: no probe of .zmetadata, no second guess."""
+    with contextlib.suppress(Exception):  # a failed read is reported by zarr's own open
+        if await asyncio.shield(fetched["zarr.json"]) is not None:
+            return 3
+        if await asyncio.shield(fetched[".zgroup"]) is not None:
+            return 2
+    return None
+
+
+def _check_ends(first: int, last: int, token_count: int, where: str) -> None:
+    if first != 0:
+        raise DatasetFormatError(f"{where}/seq_starts: expected seq_starts[0] == 0, got {first}")
+    if last != token_count:
+        raise DatasetFormatError(
+            f"{where}/seq_starts: expected seq_starts[-1] == len(encoded_tokens) == {token_count}, "
+            f"got {last}"
+        )
 
 
 def _check_chunking(array: Any, where: str) -> None:
@@ -238,7 +245,7 @@ async def _open_array(
 ) -> zarr.AsyncArray[Any]:
     import zarr
 
-    arr = await _guarded(group.getitem(key), f"{where}/{key}", "array")
+    arr = await translate_errors(group.getitem(key), f"{where}/{key}", "array")
     if not isinstance(arr, zarr.AsyncArray):
         raise DatasetFormatError(f"{where}/{key}: expected a zarr array, found a group")
     if len(arr.shape) != 1:
@@ -271,7 +278,9 @@ def _check_max_token_id(value: Any, where: str) -> int:
     return as_int
 
 
-async def _guarded(awaitable: Awaitable[_T], where: str, what: str, *, read: bool = False) -> _T:
+async def translate_errors(
+    awaitable: Awaitable[_T], where: str, what: str, *, read: bool = False
+) -> _T:
     """Await zarr opening (or, with ``read``, reading) ``what`` at ``where``, translating its
     failures into asyncflat's errors with the cause attached.
 

@@ -18,8 +18,9 @@ shares: its own loop, the guarded source, checked windowed reads), one module pe
 (:mod:`.describe`, :mod:`.figures`, :mod:`.verify`), and :mod:`.mixture` (what ``inspect
 --mixture`` prints for a mixture config).
 
-May import: ``source``, ``storage``, ``format``, ``plan``, ``engine.loop``, ``loader.mixture.config``,
-``config`` and ``errors``: the read path's pieces, never a loader nor the write path.
+May import: ``source``, ``storage``, ``format``, ``plan``, ``engine.loop``, ``engine.units``,
+``loader.mixture.config``, ``config`` and ``errors``: the read path's pieces (the engine's
+in-flight budget for the memory figure), never a loader nor the write path.
 """
 
 from __future__ import annotations
