@@ -9,6 +9,7 @@ objects are refused by it as by the guarded store.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -77,17 +78,13 @@ def zarr_written(tmp: Path, source: Path, name: str, **array: Any) -> Path:
     return path
 
 
-def source_of(loader: ShufflingLoader) -> Any:
-    return loader._engine.source
-
-
 def assert_serves_oracle(
     path: Path, packing: bool, steps: list[int], reference: Any = None
 ) -> type:
     p = params(path, packing)
     reference = reference or oracle(path, p, BATCH)
     with ShufflingLoader("train", p, BATCH) as loader:
-        kind = type(source_of(loader))
+        kind = type(loader.source)
         for step in steps:
             batch = loader.load(step)
             targets, is_seq_start = reference.batch(step)
@@ -163,7 +160,7 @@ def test_a_restart_imports_no_zarr(tmp_path: Path, sequences: list[np.ndarray]) 
         b = asyncflat.TokenBatchParams(len={BATCH.len}, batch={BATCH.batch})
         with asyncflat.ShufflingLoader("train", p, b) as loader:
             batch = loader.load({step})
-            kind = type(loader._engine.source).__name__
+            kind = type(loader.source).__name__
         print(json.dumps({{
             "imported": [m for m in ("zarr", "fsspec", "numcodecs") if m in sys.modules],
             "source": kind,
@@ -415,7 +412,7 @@ def test_hostile_chunk_objects_are_refused_naming_the_file(
         chunk.symlink_to(outside)
     loader = ShufflingLoader("train", params(path), BATCH)
     try:
-        assert isinstance(source_of(loader), LocalTokenSource)
+        assert isinstance(loader.source, LocalTokenSource)
         with pytest.raises(CorruptChunkError) as raised:
             for step in range(loader.plan.step_count):
                 loader.load(step)
@@ -431,11 +428,17 @@ def test_a_damaged_seq_starts_chunk_is_refused_when_read(
     header lies about its size is refused before any decoder sees it."""
     path = written(tmp_path, sequences)
     with ShufflingLoader("train", params(path, packing=False), BATCH) as loader:
-        source = source_of(loader)
-        assert isinstance(source, LocalTokenSource)
+        assert isinstance(loader.source, LocalTokenSource)  # the loader's reader: this one
+    loop = asyncio.new_event_loop()
+    try:
+        source = loop.run_until_complete(LocalTokenSource.open_plain(str(path), "train"))
+        assert source is not None
         chunk = path / "train" / "seq_starts" / "c" / "0"
         frame = bytearray(chunk.read_bytes())
         frame[4:8] = (1 << 30).to_bytes(4, "little")  # decodes to 1 GiB, it says
         chunk.write_bytes(bytes(frame))
         with pytest.raises(CorruptChunkError, match="refused before decoding"):
-            loader._runner.run(source.read_seq_starts(0, 10))
+            loop.run_until_complete(source.read_seq_starts(0, 10))
+        loop.run_until_complete(source.aclose())
+    finally:
+        loop.close()

@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, Generic, TypeVar
 
 import numpy as np
@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 BUILD_HISTORY = 4096
 
 S = TypeVar("S", bound=RowServer)
+T = TypeVar("T")
 
 
 class Lifecycle(Generic[S]):
@@ -99,11 +100,6 @@ class Lifecycle(Generic[S]):
         """Keep ``obj`` (an engine) alive as long as the loop: its tasks never die with a
         dropped loader's reference cycle."""
         self._runner.keep(obj)
-
-    def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
-        """Run ``coro`` on the loop (for a facade's figures), once the loader is checked open."""
-        self.check_open()
-        return self._runner.run(coro)
 
     @property
     def server(self) -> S:
@@ -209,18 +205,22 @@ class Lifecycle(Generic[S]):
 
     def server_stats(self) -> Any:
         """The server's figures, read on the loop."""
-        return self.run(_call(self.server.stats))
+        return self._on_loop(self.server.stats)
 
     def interval_stats(self) -> IntervalStats:
         """The server's figures since the previous call, ``steps_loaded`` the batches
         delivered in the interval."""
-        interval = self.run(_call(self.server.interval_stats))
+        interval = self._on_loop(self.server.interval_stats)
         with self._lock:
             delivered, self._delivered_at_interval = (
                 self._delivered - self._delivered_at_interval,
                 self._delivered,
             )
         return dataclasses.replace(interval, steps_loaded=delivered)
+
+    def _on_loop(self, read: Callable[[], T]) -> T:
+        self.check_open()  # (before the coroutine exists: a closed loader leaves none behind)
+        return self._runner.run(_call(read))
 
     # -- closing ------------------------------------------------------------------------------
 
@@ -268,5 +268,5 @@ class Lifecycle(Generic[S]):
                 log.debug("closing a collected %s failed", self.kind, exc_info=True)
 
 
-async def _call(read: Any) -> Any:
+async def _call(read: Callable[[], T]) -> T:
     return read()

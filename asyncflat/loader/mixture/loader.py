@@ -149,6 +149,7 @@ class MixtureLoader:
             self.rows_per_stream,
             self.token_batch_params.len,
             step_count,
+            self._plans,
             first_step=self.epoch * step_count,
         )
 

@@ -20,12 +20,13 @@ from asyncflat.engine import Engine, EngineStats, IntervalStats
 from asyncflat.errors import StepOutOfRangeError
 from asyncflat.loader.mixture.passes import Passes, RowGroup, SourceState
 from asyncflat.plan.mixture import Assignment
+from asyncflat.plan.shuffle import ShufflePlan
 
 __all__ = ["MixtureRows", "batch_sources", "count_rows", "step_groups"]
 
-#: What a mixture iterator pins: per row group, (source, pass, that engine's keys or None
-#: while the pass is not open)
-PinKeys = tuple[tuple[int, int, tuple[tuple[int, int], ...] | None], ...]
+#: What a mixture iterator pins: (source, pass, stream, minipoch, whether that pass is open)
+#: of every source's position on each of this host's streams
+PinKeys = tuple[tuple[int, int, int, int, bool], ...]
 
 log = logging.getLogger("asyncflat.loader.mixture.loader")
 
@@ -108,10 +109,12 @@ class MixtureRows:
         rows_per_stream: int,
         seq_len: int,
         step_count: int,
+        plans: list[ShufflePlan],
         *,
         first_step: int = 0,
     ) -> None:
         self.first_step = first_step
+        self._plans = plans
         self.passes, self.sources = passes, passes.sources
         self._assignment, self._host_rows = assignment, host_rows
         self._rows_per_stream, self._seq_len = rows_per_stream, seq_len
@@ -162,22 +165,35 @@ class MixtureRows:
         return out
 
     def pin_keys(self, step: int) -> PinKeys:
+        """Where every source stands at ``step`` on each of this host's streams (its pass and
+        minipoch), whether or not ``step`` reads it: equal for all the steps in which no
+        source changes minipoch, so an iterator pins once per source minipoch."""
+        r = self._rows_per_stream
         keys = []
-        for group in self.groups(step):
-            engine = self.passes.engine_now(group.source, group.epoch)
-            pinned = None if engine is None else tuple(engine.pin_keys(group.step, group.rows))
-            keys.append((group.source, group.epoch, pinned))
+        for stream in self.streams:
+            before = self._assignment.count_before(stream, (self.first_step + step) * r)
+            for source, k in enumerate(before.tolist()):
+                epoch, source_step = divmod(k // r, int(self._step_counts[source]))
+                row = np.array([stream * r])
+                minipoch = int(self._plans[source].locate(source_step, row).minipoch[0])
+                is_open = self.passes.engine_now(source, epoch) is not None
+                keys.append((source, epoch, stream, minipoch, is_open))
         return tuple(keys)
 
     def pin(self, keys: PinKeys) -> list[tuple[Engine, list[tuple[int, int]]]]:
-        """Pin the buffers of the passes open now (a pass opened later is pinned at the next
-        step: its keys then differ)."""
+        """Pin, in each open pass, the minipoch a source stands in and its next one (a pass
+        opened later is pinned once the keys say it is open)."""
+        wanted: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for source, epoch, stream, minipoch, _ in keys:
+            count = self._plans[source].minipoch_count
+            more = [(stream, m) for m in (minipoch, minipoch + 1) if m < count]
+            wanted.setdefault((source, epoch), []).extend(more)
         pinned = []
-        for source, epoch, engine_keys in keys:
+        for (source, epoch), engine_keys in wanted.items():
             engine = self.passes.engine_now(source, epoch)
-            if engine is not None and engine_keys is not None:
-                engine.pin(list(engine_keys))
-                pinned.append((engine, list(engine_keys)))
+            if engine is not None:
+                engine.pin(engine_keys)
+                pinned.append((engine, engine_keys))
         return pinned
 
     def unpin(self, pinned: list[tuple[Engine, list[tuple[int, int]]]]) -> None:
