@@ -70,8 +70,6 @@ class LoadAhead:
         #: the step the builder's next batch is for; None while a load is taking it
         self._next: int | None = None
         self._last: int | None = None  # the step of the latest load that returned
-        #: builders started (figures for tests and stats)
-        self.started = 0
 
     def load(self, step: int, build: Callable[[int], Any]) -> Any:
         """The batch of ``load(step)``: the builder's if it expects ``step``, else an
@@ -133,7 +131,6 @@ class LoadAhead:
                 except LoaderClosedError:
                     return
                 self._next = step + 1
-                self.started += 1
         if retired is not None:
             self._prefetchers.retire(retired)
 
