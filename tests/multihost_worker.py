@@ -173,7 +173,7 @@ def run_mixture(case: dict, results: dict[str, np.ndarray]) -> dict:
         stats = loader.stats()
         record = {
             "served": len(served),
-            "host_rows": len(loader._host_rows),
+            "host_rows": len(loader.host_rows),
             "source_streams": [list(s.engine.streams) for s in stats.sources],
             "fill_streams": [sorted({f.stream for f in s.engine.fills}) for s in stats.sources],
         }

@@ -8,15 +8,19 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
+from asyncflat.errors import LoaderClosedError
 from asyncflat.loader.background import (
     BackgroundBuilder,
     BackgroundStopped,
     BuildPacing,
     Prefetchers,
 )
+from asyncflat.loader.iterator import BatchIterator
+from asyncflat.loader.serving import Pin
 
 WAIT_S = 10.0
 
@@ -222,8 +226,8 @@ def test_a_paced_build_waits_for_the_middle_of_the_interval_between_takes() -> N
 
 def test_a_consumer_that_comes_early_does_not_wait_out_the_pacing() -> None:
     build = Timed()
-    builder = BackgroundBuilder(build, 0, 100, 1, name="bg-early")
-    builder._pacing = BuildPacing(max_delay_s=1.0)  # before the first take: no race
+    pacing = BuildPacing(max_delay_s=1.0)
+    builder = BackgroundBuilder(build, 0, 100, 1, name="bg-early", pacing=pacing)
     try:
         start = time.perf_counter()
         for step in range(4):  # 0.4 s between takes: each build is then held back ~0.2 s
@@ -270,3 +274,80 @@ def test_a_ctrl_c_while_a_builders_thread_starts_leaves_no_thread_close_does_not
         lambda: not [t for t in threading.enumerate() if t.name.startswith(name)],
         "the interrupted builder's thread to end after close()",
     )
+
+
+# -- the loaders' iterator over a builder ---------------------------------------------------------
+
+
+class StoppingOwner:
+    """An :class:`~asyncflat.loader.iterator.IteratorOwner` whose prefetch thread is stopped
+    by ``close()`` from another thread before it starts step 1: its ``take(1)`` then raises
+    ``BackgroundStopped``, as a real builder's does."""
+
+    def __init__(self) -> None:
+        self.step_count = 10
+        self.closed = False
+        self.stopped = threading.Event()
+        self.taking = threading.Event()
+        self.delivered = 0
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise LoaderClosedError("this StoppingOwner is closed; create a new one")
+
+    def load(self, step: int) -> str:
+        raise AssertionError("an iterator with device prefetch takes from its builder")
+
+    def count_delivered(self) -> None:
+        self.delivered += 1
+
+    def pin(self) -> Pin:
+        return Pin(NoPins())
+
+    def start_prefetch(self, start: int, depth: int) -> Any:
+        owner = self
+
+        class Stopping:
+            def take(self, step: int) -> str:
+                if step == 0:
+                    return "item 0"
+                owner.taking.set()
+                assert owner.stopped.wait(WAIT_S)
+                raise BackgroundStopped("asyncflat-device-prefetch-0 has stopped")
+
+        return Stopping()
+
+    def stop_prefetch(self, builder: Any, pin: Pin) -> None:
+        pin.release()
+
+    def close(self) -> None:
+        self.closed = True
+        self.stopped.set()
+
+
+class NoPins:
+    def pin_keys(self, step: int) -> int:
+        return 0
+
+    def pin(self, keys: int) -> int:
+        return keys
+
+    def unpin(self, pinned: int) -> None:
+        pass
+
+
+def test_an_iterator_whose_prefetch_thread_stops_at_a_close_raises_loader_closed() -> None:
+    """The path of a loader closed from another thread while ``next()`` waits for a step its
+    prefetch thread had not started (the plain loader's and the mixture's, one iterator):
+    ``LoaderClosedError``, not the thread's own stop, and the iteration has ended."""
+    owner = StoppingOwner()
+    iterator = BatchIterator(owner, 0, 1)
+    assert next(iterator) == (0, "item 0")
+    closer = threading.Thread(target=lambda: owner.taking.wait(WAIT_S) and owner.close())
+    closer.start()
+    with pytest.raises(LoaderClosedError, match="StoppingOwner is closed"):
+        next(iterator)
+    closer.join(WAIT_S)
+    with pytest.raises(StopIteration):
+        next(iterator)
+    assert owner.delivered == 1

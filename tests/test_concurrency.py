@@ -10,6 +10,7 @@ a prefetch started by one thread cancelled the fill another thread's load was wa
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from pathlib import Path
@@ -22,6 +23,7 @@ from conftest import oracle, random_sequences
 
 import asyncflat
 from asyncflat import EngineOptions, FlatTokensParams, ShufflingLoader, TokenBatchParams
+from asyncflat.plan.shuffle import ShufflePlan
 from asyncflat.testing.faults import FaultyStore
 
 pytestmark = pytest.mark.timeout(120)
@@ -117,6 +119,38 @@ def test_threads_loading_random_and_sequential_steps_all_get_the_oracles_batches
     assert stats.buffer_allocations <= 2 * (2 + 2), stats.buffer_allocations
 
 
+class PinLog:
+    """Every pin the engines' fill tables take and drop (``FillTable.pin``), and what is held."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from asyncflat.engine.table import FillTable
+
+        self.calls: list[tuple[tuple[int, int], ...]] = []  # the keys of each pin taken
+        self.net: collections.Counter[tuple[int, tuple[int, int]]] = collections.Counter()
+        real_pin = FillTable.pin
+
+        def pin(table: FillTable, keys: list[tuple[int, int]], delta: int) -> None:
+            if delta > 0:
+                self.calls.append(tuple(keys))
+            for key in keys:
+                self.net[(id(table), key)] += delta
+            real_pin(table, keys, delta)
+
+        monkeypatch.setattr(FillTable, "pin", pin)
+
+    def held(self) -> dict[tuple[int, tuple[int, int]], int]:
+        return {key: n for key, n in self.net.items() if n}
+
+
+def pin_keys(plan: ShufflePlan, step: int, rows: np.ndarray) -> tuple[tuple[int, int], ...]:
+    """The (stream, minipoch) buffers an iterator at ``step`` holds: those the step reads and
+    the next ones."""
+    loc = plan.locate(step, rows)
+    keys = set(zip(loc.stream.tolist(), loc.minipoch.tolist()))
+    keys |= {(s, m + 1) for s, m in keys if m + 1 < plan.minipoch_count}
+    return tuple(sorted(keys))
+
+
 @pytest.mark.parametrize("depth", [0, 2])
 def test_an_iterator_pins_each_minipoch_once_not_each_step(
     depth: int, sequences: list[np.ndarray], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -124,37 +158,26 @@ def test_an_iterator_pins_each_minipoch_once_not_each_step(
     """An iterator holds a pin on the minipochs it is in (and the next): taken when it enters
     them, released when it leaves, not taken and released again on every ``next()``; while it
     walks, exactly its current keys are pinned, once each; closing it leaves no pin."""
-    from asyncflat.engine.table import FillTable
-
     path = str(tmp_path / "data.zarr")
     asyncflat.write_flat_tokens(path, {"train": sequences}, zarr_format=3, chunk_tokens=512)
     params = FlatTokensParams(path, 2, 2, 16, seed=5, sequence_packing=True)
-    calls: list[tuple[tuple[int, int], ...]] = []
-    real_pin = FillTable.pin
-
-    def counting_pin(self: FillTable, keys: list[tuple[int, int]], delta: int) -> None:
-        if delta > 0:
-            calls.append(tuple(keys))
-        real_pin(self, keys, delta)
-
-    monkeypatch.setattr(FillTable, "pin", counting_pin)
+    log = PinLog(monkeypatch)
     options = EngineOptions(prefetch_to_device=depth)
     with ShufflingLoader("train", params, BATCH, SINGLE, options=options) as loader:
-        engine, rows = loader._engine, loader._host_rows
         steps = loader.step_count
-        wanted = [tuple(engine.pin_keys(step, rows)) for step in range(steps)]
+        wanted = [pin_keys(loader.plan, step, loader.host_rows) for step in range(steps)]
         changes = [k for i, k in enumerate(wanted) if i == 0 or k != wanted[i - 1]]
         assert len(changes) < steps // 3  # many steps per minipoch: the case that matters
         iterator = loader.iter()
         for step, _batch in iterator:
             if step + 1 < steps:
-                pins = dict(engine._fills._pins)
+                pins = {key: n for (_, key), n in log.held().items()}
                 assert pins == dict.fromkeys(wanted[step + 1], 1), step
-        assert calls == changes
-        assert not engine._fills._pins  # the finished iterator let go of everything
-        calls.clear()
+        assert log.calls == changes
+        assert not log.held()  # the finished iterator let go of everything
+        log.calls.clear()
         iterator = loader.iter(steps // 2)
         next(iterator)
         iterator.close()
-        assert not engine._fills._pins
-        assert len(calls) <= 2
+        assert not log.held()
+        assert len(log.calls) <= 2

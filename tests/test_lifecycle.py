@@ -297,7 +297,7 @@ def test_a_forked_process_builds_its_own_loader(dataset: str) -> None:
                     pass
                 own = ShufflingLoader("train", params, batch, one)
                 for step, targets in expected.items():
-                    rows = own._rows(step)  # the engine's rows (jax cannot run in this child)
+                    rows = own.encoded_rows(step)  # the engine's rows (jax cannot run in this child)
                     if not np.array_equal(rows >> 1, targets):
                         results.put(f"step {step} differs")
                         return
@@ -623,7 +623,7 @@ def test_every_method_of_a_loader_refuses_to_run_in_a_forked_child(dataset: str)
             out = []
             calls = {"load": lambda: loader.load(1), "iter": lambda: loader.iter(0),
                      "stats": loader.stats, "interval_stats": loader.interval_stats,
-                     "__iter__": lambda: next(iter(loader)), "_rows": lambda: loader._rows(2)}
+                     "__iter__": lambda: next(iter(loader)), "encoded_rows": lambda: loader.encoded_rows(2)}
             for name, call in calls.items():
                 try:
                     call()
@@ -649,5 +649,5 @@ def test_every_method_of_a_loader_refuses_to_run_in_a_forked_child(dataset: str)
     lines = result.stdout.strip().splitlines()
     assert lines == [
         f"{name}: closed"
-        for name in ("load", "iter", "stats", "interval_stats", "__iter__", "_rows")
+        for name in ("load", "iter", "stats", "interval_stats", "__iter__", "encoded_rows")
     ], result.stdout

@@ -16,6 +16,7 @@ import gc
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -25,7 +26,6 @@ from conftest import oracle, random_sequences
 
 import asyncflat
 from asyncflat import EngineOptions, FlatTokensParams, ShufflingLoader, TokenBatchParams
-from asyncflat.loader.load_ahead import NOT_READY
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -86,27 +86,42 @@ def wait_until(predicate: Any, timeout: float = 10) -> bool:
     return bool(predicate())
 
 
-def recording(loader: Any) -> list[tuple[int, str]]:
-    """Record (step, thread name) of every batch the loader builds."""
-    built: list[tuple[int, str]] = []
-    real = loader._load_now
+Built = list[tuple[int, str]]
 
-    def load_now(step: int, **kw: Any) -> Any:
-        batch = real(step, **kw)
-        if batch is not NOT_READY:
-            built.append((step, threading.current_thread().name))
-        return batch
 
-    loader._load_now = load_now  # type: ignore[method-assign]
-    return built
+def recording(
+    want: list[np.ndarray], fail: Callable[[int], bool] = lambda step: False
+) -> tuple[Callable[..., asyncflat.TokenBatch], Built]:
+    """A batch type that records (step, thread name) of every batch the loader builds (the
+    step known by its targets, ``want[step]``), and raises where ``fail(step)`` says."""
+    built: Built = []
+    steps = {targets.tobytes(): step for step, targets in enumerate(want)}
+
+    def batch_type(*, targets: jax.Array, is_seq_start: jax.Array) -> asyncflat.TokenBatch:
+        step = steps[np.asarray(targets).tobytes()]
+        if fail(step):
+            raise OSError(f"injected: step {step} cannot be built")
+        built.append((step, threading.current_thread().name))
+        return asyncflat.TokenBatch(targets, is_seq_start)
+
+    return batch_type, built
+
+
+def targets_of(path: str, steps: int = 40) -> list[np.ndarray]:
+    return [expected(path, step)[0] for step in range(steps)]
+
+
+def builders(built: Built, prefix: str = "asyncflat-device-prefetch-") -> set[str]:
+    """The load-ahead builders that built a batch (each runs on its own thread)."""
+    return {name for _, name in built if name.startswith(prefix)}
 
 
 def test_consecutive_loads_take_batches_built_on_a_background_thread(dataset: str) -> None:
-    with ShufflingLoader("train", params(dataset), BATCH, SINGLE) as loader:
-        built = recording(loader)
+    batch_type, built = recording(targets_of(dataset))
+    with ShufflingLoader("train", params(dataset), BATCH, SINGLE, batch_type=batch_type) as loader:
         me = threading.current_thread().name
         train(loader, range(12), dataset)
-        assert loader._load_ahead.started == 1
+        assert len(builders(built)) == 1
         mine = [s for s, name in built if name == me]
         assert mine == [0, 1]  # the two that showed the pattern; the rest were built ahead
         ahead = sorted(s for s, name in built if name.startswith("asyncflat-device-prefetch-"))
@@ -115,14 +130,14 @@ def test_consecutive_loads_take_batches_built_on_a_background_thread(dataset: st
 
 
 def test_a_jump_retires_the_builder_and_consecutive_loads_start_a_new_one(dataset: str) -> None:
-    with ShufflingLoader("train", params(dataset), BATCH, SINGLE) as loader:
-        built = recording(loader)
+    batch_type, built = recording(targets_of(dataset))
+    with ShufflingLoader("train", params(dataset), BATCH, SINGLE, batch_type=batch_type) as loader:
         train(loader, (0, 1, 2, 3, 9, 10, 11, 4), dataset)
         me = threading.current_thread().name
         # 0, 1 by the trainer; 2, 3 ahead; 9 and 10 by the trainer (the jump); 11 ahead; 4 by
         # the trainer again
         assert [s for s, name in built if name == me] == [0, 1, 9, 10, 4]
-        assert loader._load_ahead.started == 2
+        assert len(builders(built)) == 2
         assert wait_until(lambda: len(builder_threads()) == 0)  # 4 was a jump: retired
     assert library_threads() == []
 
@@ -131,47 +146,45 @@ def test_a_jump_retires_the_builder_and_consecutive_loads_start_a_new_one(datase
     "options", [EngineOptions(load_ahead=False), EngineOptions(prefetch_to_device=0)]
 )
 def test_load_ahead_can_be_turned_off(dataset: str, options: EngineOptions) -> None:
-    with ShufflingLoader("train", params(dataset), BATCH, SINGLE, options=options) as loader:
-        built = recording(loader)
+    batch_type, built = recording(targets_of(dataset))
+    with ShufflingLoader(
+        "train", params(dataset), BATCH, SINGLE, options=options, batch_type=batch_type
+    ) as loader:
         for step in range(5):
             check(dataset, loader.load(step), step)
-        assert loader._load_ahead.started == 0 and not builder_threads()
+            time.sleep(STEP_S)
+        assert not builders(built) and not builder_threads()
         assert [s for s, _ in built] == list(range(5))
 
 
 def test_a_failed_background_build_raises_from_the_load_of_its_step(dataset: str) -> None:
     """As iter() does: the error of building that step (building it again would make the
     trainer wait out a deadline twice); the next load of the step builds it afresh."""
-    with ShufflingLoader("train", params(dataset), BATCH, SINGLE) as loader:
-        real = loader._load_now
-        failed = []
+    failed: Built = []
 
-        def load_now(step: int, **kw: Any) -> Any:
-            if step == 3 and threading.current_thread().name.startswith("asyncflat-device-"):
-                failed.append(step)
-                raise OSError("injected: a background build failed")
-            return real(step, **kw)
+    def fail(step: int) -> bool:
+        name = threading.current_thread().name
+        if step == 3 and name.startswith("asyncflat-device-"):
+            failed.append((step, name))
+            return True
+        return False
 
-        loader._load_now = load_now  # type: ignore[method-assign]
+    batch_type, built = recording(targets_of(dataset), fail)
+    with ShufflingLoader("train", params(dataset), BATCH, SINGLE, batch_type=batch_type) as loader:
         train(loader, range(3), dataset)
-        with pytest.raises(OSError, match="a background build failed"):
+        with pytest.raises(OSError, match="step 3 cannot be built"):
             loader.load(3)
-        assert failed == [3]
+        assert [step for step, _ in failed] == [3]
         for step in range(3, 6):
             check(dataset, loader.load(step), step)
-        assert loader._load_ahead.started == 2  # the failure ended the first builder
+            time.sleep(STEP_S)
+        # the failure ended the first builder; the loads of 3 and 4 started a second one
+        assert len(builders(built + failed)) == 2
 
 
 def test_a_load_that_fails_raises_its_own_error(dataset: str) -> None:
-    with ShufflingLoader("train", params(dataset), BATCH, SINGLE) as loader:
-        real = loader._load_now
-
-        def load_now(step: int, **kw: Any) -> Any:
-            if step == 3:
-                raise OSError("injected: step 3 cannot be built")
-            return real(step, **kw)
-
-        loader._load_now = load_now  # type: ignore[method-assign]
+    batch_type, _ = recording(targets_of(dataset), lambda step: step == 3)
+    with ShufflingLoader("train", params(dataset), BATCH, SINGLE, batch_type=batch_type) as loader:
         for step in range(3):
             loader.load(step)
         with pytest.raises(OSError, match="step 3 cannot be built"):
@@ -227,15 +240,18 @@ def test_a_mixture_loader_builds_consecutive_loads_ahead_too(dataset: str) -> No
     )
     plain = EngineOptions(load_ahead=False)
     with ShufflingLoader("train", mixture, BATCH, SINGLE, options=plain) as loader:
-        want = [np.asarray(loader.load(step).targets) for step in range(10)]
-        assert loader._load_ahead.started == 0
-    with ShufflingLoader("train", mixture, BATCH, SINGLE) as loader:
-        built = recording(loader)
+        want = []
+        for step in range(10):
+            want.append(np.asarray(loader.load(step).targets))
+            time.sleep(STEP_S)
+        assert not [t for t in library_threads() if "prefetch" in t]
+    batch_type, built = recording(want)
+    with ShufflingLoader("train", mixture, BATCH, SINGLE, batch_type=batch_type) as loader:
         got = []
         for step in range(10):
             got.append(np.asarray(loader.load(step).targets))
             time.sleep(STEP_S)
-        assert loader._load_ahead.started == 1
+        assert len(builders(built, "asyncflat-mixture-prefetch-")) == 1
         me = threading.current_thread().name
         assert [s for s, name in built if name == me] == [0, 1]
     for step, (a, b) in enumerate(zip(want, got)):

@@ -78,17 +78,13 @@ def zarr_written(tmp: Path, source: Path, name: str, **array: Any) -> Path:
     return path
 
 
-def source_of(loader: ShufflingLoader) -> Any:
-    return loader._engine.source
-
-
 def assert_serves_oracle(
     path: Path, packing: bool, steps: list[int], reference: Any = None
 ) -> type:
     p = params(path, packing)
     reference = reference or oracle(path, p, BATCH)
     with ShufflingLoader("train", p, BATCH) as loader:
-        kind = type(source_of(loader))
+        kind = type(loader.source)
         for step in steps:
             batch = loader.load(step)
             targets, is_seq_start = reference.batch(step)
@@ -164,7 +160,7 @@ def test_a_restart_imports_no_zarr(tmp_path: Path, sequences: list[np.ndarray]) 
         b = asyncflat.TokenBatchParams(len={BATCH.len}, batch={BATCH.batch})
         with asyncflat.ShufflingLoader("train", p, b) as loader:
             batch = loader.load({step})
-            kind = type(loader._engine.source).__name__
+            kind = type(loader.source).__name__
         print(json.dumps({{
             "imported": [m for m in ("zarr", "fsspec", "numcodecs") if m in sys.modules],
             "source": kind,
@@ -416,7 +412,7 @@ def test_hostile_chunk_objects_are_refused_naming_the_file(
         chunk.symlink_to(outside)
     loader = ShufflingLoader("train", params(path), BATCH)
     try:
-        assert isinstance(source_of(loader), LocalTokenSource)
+        assert isinstance(loader.source, LocalTokenSource)
         with pytest.raises(CorruptChunkError) as raised:
             for step in range(loader.plan.step_count):
                 loader.load(step)
@@ -431,6 +427,8 @@ def test_a_damaged_seq_starts_chunk_is_refused_when_read(
     """Unpacked rows read ``seq_starts`` through the zarr-free reader: a chunk whose Blosc
     header lies about its size is refused before any decoder sees it."""
     path = written(tmp_path, sequences)
+    with ShufflingLoader("train", params(path, packing=False), BATCH) as loader:
+        assert isinstance(loader.source, LocalTokenSource)  # the loader's reader: this one
 
     async def main() -> None:
         source = await LocalTokenSource.open_plain(str(path), "train")

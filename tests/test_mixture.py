@@ -353,13 +353,19 @@ def test_the_next_pass_is_filled_before_the_mixture_reaches_it(stores: list[str]
         )
         for step in range(boundary):
             loader.load(step)
+
         # Serving its last minipoch, the small source's next pass is opened and its first
-        # minipoch filled in the background, before any step needs it.
-        wait_until(lambda: loader._passes.engine_now(1, 1) is not None, "the next pass opens")
-        engine = loader._passes.engine_now(1, 1)
-        assert engine is not None
-        rows = np.array([0, BATCH.batch // 2])  # a row of each stream
-        wait_until(lambda: engine.try_gather(0, rows) is not None, "its first minipoch fills")
+        # minipoch filled in the background, before any step needs it: the source's newest
+        # pass (whose figures stats() reports) is then a fresh engine, which gathered one step
+        # (its first, at the fill's end) and filled minipoch 0 of both streams.
+        def next_pass_filled() -> bool:
+            newest = loader.stats().sources[1].engine
+            done = {
+                f.stream for f in newest.fills if f.minipoch == 0 and not (f.failed or f.cancelled)
+            }
+            return newest.steps_loaded == 1 and done == {0, 1}
+
+        wait_until(next_pass_filled, "the next pass opens and fills its first minipoch")
         assert loader.stats().sources[1].passes == 1  # nothing served from it yet
         loader.load(boundary)
         assert loader.stats().sources[1].passes == 2
@@ -386,3 +392,141 @@ def test_stats_count_the_steps_built(stores: list[str]) -> None:
     assert stats.steps_built == 3
     assert sum(s.rows for s in stats.sources) == 3 * BATCH.batch
     assert stats.build_median_s is not None and stats.build_median_s > 0
+
+
+# -- the lifecycle it shares with the plain loader ----------------------------------------------
+
+
+def test_interval_stats_sum_the_sources_and_count_the_batches_delivered(
+    stores: list[str],
+) -> None:
+    """``interval_stats()`` of a mixture: its sources' engines summed (here every source is on
+    its first pass, so the first interval holds all their bytes and fills), ``steps_loaded``
+    the batches the trainer received; the next interval starts from there."""
+    from conftest import wait_until
+
+    mixture = MixtureParams((MixtureSource(flat(stores[0]), 1), MixtureSource(flat(stores[2]), 1)))
+    options = EngineOptions(prefetch_to_device=0, prefetch=False)
+    with asyncflat.ShufflingLoader("train", mixture, BATCH, options=options) as loader:
+        for step in (0, 1, 2, 1):
+            loader.load(step)
+        wait_until(
+            lambda: not any(s.engine.active_fills for s in loader.stats().sources), "fills end"
+        )
+        stats = loader.stats()
+        interval = loader.interval_stats()
+        assert interval.steps_loaded == 4
+        engines = [s.engine for s in stats.sources]
+        assert interval.bytes_read == sum(e.bytes_read for e in engines) > 0
+        assert interval.fills_completed == sum(e.fills_completed for e in engines) >= 2
+        assert interval.requests == sum(e.requests for e in engines)
+        assert interval.wait_max_s == max(e.wait_max_s or 0.0 for e in engines)
+        loader.load(0)
+        again = loader.interval_stats()
+        assert again.steps_loaded == 1
+        assert again.bytes_read == again.fills_completed == 0  # minipoch 0 is still filled
+
+
+def test_iter_epochs_over_a_mixture_carries_the_mixture_on(stores: list[str]) -> None:
+    """Epoch ``e`` of a mixture is its steps ``[e * step_count, (e + 1) * step_count)``: the
+    epochs of ``iter_epochs`` (and ``epoch=e``, and a resume) are the batches of one mixture
+    three times as long, the small source wrapping into its later passes."""
+    sources = (MixtureSource(flat(stores[0]), 1), MixtureSource(flat(stores[1], seed=8), 1))
+    steps = 12
+    mixture = MixtureParams(sources, block_rows=8, steps=steps)
+    with asyncflat.ShufflingLoader(
+        "train", MixtureParams(sources, block_rows=8, steps=3 * steps), BATCH, options=OPTIONS
+    ) as long:
+        want = all_batches(long)
+        assert long.stats().sources[1].passes >= 2  # the epochs cross the small source's passes
+        sources_of = [long.sources(step) for step in range(3 * steps)]
+    with asyncflat.iter_epochs("train", mixture, BATCH, epochs=3) as epochs:
+        got = [(e, s, encoded(batch)) for e, s, batch in epochs]
+    assert [(e, s) for e, s, _ in got] == [(e, s) for e in range(3) for s in range(steps)]
+    for i, (_, _, batch) in enumerate(got):
+        np.testing.assert_array_equal(batch, want[i], err_msg=f"mixture step {i}")
+    with asyncflat.iter_epochs(
+        "train", mixture, BATCH, start_epoch=1, start_step=5, epochs=2
+    ) as epochs:
+        resumed = [encoded(batch) for _, _, batch in epochs]
+    assert len(resumed) == steps - 5
+    for i, batch in enumerate(resumed):
+        np.testing.assert_array_equal(batch, want[steps + 5 + i])
+    with asyncflat.ShufflingLoader("train", mixture, BATCH, options=OPTIONS, epoch=2) as loader:
+        assert loader.step_count == steps
+        np.testing.assert_array_equal(encoded(loader.load(3)), want[2 * steps + 3])
+        np.testing.assert_array_equal(loader.sources(3), sources_of[2 * steps + 3])
+
+
+def test_a_mixture_iterator_stops_with_loader_closed_when_closed_from_another_thread(
+    stores: list[str],
+) -> None:
+    """Closed from another thread while ``next()`` waits for a batch built ahead (the build in
+    progress, or the next one not started yet: the prefetch thread's own stop), the iterator
+    ends with ``LoaderClosedError``, as the plain loader's does; no thread is left."""
+    import random
+    import threading
+
+    from asyncflat.loader.iterator import BatchIterator
+
+    mixture = MixtureParams((MixtureSource(flat(stores[0]), 1), MixtureSource(flat(stores[2]), 1)))
+    options = EngineOptions(prefetch_to_device=1)
+    rng = random.Random(0)
+    for _ in range(12):
+        loader = asyncflat.ShufflingLoader("train", mixture, BATCH, options=options)
+        try:
+            iterator = loader.iter()
+            assert isinstance(iterator, BatchIterator)  # the plain loader's, pin and all
+            next(iterator)  # the first fills are done: the rest is the builder's pace
+            closer = threading.Timer(rng.uniform(0, 0.02), loader.close)
+            closer.start()
+            with pytest.raises(asyncflat.LoaderClosedError):
+                for _step in iterator:
+                    pass
+            closer.join()
+            with pytest.raises((StopIteration, asyncflat.LoaderClosedError)):  # no batch after
+                next(iterator)
+        finally:
+            loader.close()
+        assert not [t for t in threading.enumerate() if t.name.startswith("asyncflat")]
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_a_mixture_iterator_pins_the_buffers_it_reads_next(
+    stores: list[str], monkeypatch: pytest.MonkeyPatch, depth: int
+) -> None:
+    """As the plain loader's iterator does: while it walks, the buffers the next step reads
+    (from every source) are pinned, once each, in every source's engine, so other threads'
+    loads do not evict them; pins are taken when a source enters a minipoch, not on every
+    step, and a finished or closed iterator holds none."""
+    from test_concurrency import PinLog
+
+    mixture = MixtureParams((MixtureSource(flat(stores[0]), 2), MixtureSource(flat(stores[2]), 1)))
+    log = PinLog(monkeypatch)
+    options = EngineOptions(prefetch_to_device=depth)
+    with asyncflat.ShufflingLoader("train", mixture, BATCH, options=options) as loader:
+        steps = loader.step_count
+
+        iterator = loader.iter()
+        tables = set()
+        for step, _batch in iterator:
+            if step + 1 < steps:
+                held = log.held()
+                assert set(held.values()) == {1}, step  # each buffer pinned once
+                by_table: dict[int, set[tuple[int, int]]] = {}
+                for table, key in held:
+                    by_table.setdefault(table, set()).add(key)
+                for group in loader.groups(step + 1):  # what the next step reads is pinned
+                    loc = loader.plans[group.source].locate(group.step, group.rows)
+                    keys = set(zip(loc.stream.tolist(), loc.minipoch.tolist()))
+                    assert any(keys <= pinned for pinned in by_table.values()), (step, group)
+                tables |= set(by_table)
+        assert len(tables) == 2  # both sources' engines
+        # both engines are pinned again when a source enters a minipoch, not on every step
+        assert 0 < len(log.calls) < 2 * steps
+        assert not log.held()
+        iterator = loader.iter(steps // 2)
+        next(iterator)
+        assert log.held()
+        iterator.close()
+        assert not log.held()

@@ -5,12 +5,14 @@
   splits, one engine per source and pass.
 * :mod:`.lifecycle`: what every loader shares: the engine's loop thread, ``load``/``iter``,
   load-ahead, device prefetch, statistics, ``close`` and its errors. A loader supplies only
-  *which rows* make a step (a :class:`~asyncflat.loader.lifecycle.RowServer`).
-* :mod:`.iterator`: the iterator of ``(step, batch)`` and its pin on the minipochs it reads.
+  *which rows* make a step (a :class:`~asyncflat.loader.serving.RowServer`).
+* :mod:`.serving`: that protocol, and the :class:`~asyncflat.loader.serving.Pin` an iterator
+  holds on the buffers it reads next.
+* :mod:`.iterator`: the one iterator of ``(step, batch)``, every loader's.
 * :mod:`.load_ahead` and :mod:`.background`: batches built ahead of the trainer on a thread.
 * :mod:`.batch`: the batch type, host-side decoding, sharding and ``jax.Array`` building.
 * :mod:`.open`: a split's source, plan and engine, opened on the loop that then owns them.
-* :mod:`.epochs`: several passes over a split (:func:`iter_epochs`).
+* :mod:`.epochs`: several passes over a split or a mixture (:func:`iter_epochs`).
 
 May import: ``engine``, ``source``, ``storage``, ``plan``, ``format``, ``config``, ``errors``
 and ``_typecheck``; never the write path (:mod:`asyncflat.writer`, :mod:`asyncflat.text`). Names resolve on first use: they need jax,

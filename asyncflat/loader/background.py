@@ -103,9 +103,11 @@ class BackgroundBuilder(Generic[T]):
         *,
         name: str,
         start_thread: bool = True,
+        pacing: BuildPacing | None = None,
     ) -> None:
         """``start_thread=False`` leaves the thread to :meth:`start_thread`: a registry records
-        the builder first, so that no Ctrl-C can leave a thread running that it does not know."""
+        the builder first, so that no Ctrl-C can leave a thread running that it does not know.
+        ``pacing`` decides when each build starts (default: :class:`BuildPacing`'s)."""
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
         self._build = build
@@ -114,7 +116,7 @@ class BackgroundBuilder(Generic[T]):
         self._cond = threading.Condition()
         self._built: dict[int, concurrent.futures.Future[T]] = {}
         self._stopping = False
-        self._pacing = BuildPacing()
+        self._pacing = BuildPacing() if pacing is None else pacing
         #: the consumer is waiting for a step whose build has not started: start it now
         self._wanted = False
         self._thread = threading.Thread(target=self._run, args=(start,), daemon=True, name=name)

@@ -10,6 +10,12 @@ a pure function of ``(epoch, step)``, so a run resumes from those two numbers an
 builds the loader of epoch ``e + 1`` in a background thread and loads that epoch's first step, so
 the epoch boundary costs no more than a minipoch boundary. For that overlap, up to two more
 shuffle buffers per stream are held (the next epoch's first two).
+
+Given a :class:`~asyncflat.loader.mixture.MixtureParams`, the epochs are those of a
+:class:`~asyncflat.loader.mixture.loader.MixtureLoader`: epoch ``e`` is the mixture's steps
+``[e * step_count, (e + 1) * step_count)``, each source carrying on where epoch ``e - 1`` left
+it (docs/epochs.md). A mixture has no one minipoch: its next epoch's loader is built from the
+last sixteenth of its steps (at least the last step) on.
 """
 
 from __future__ import annotations
@@ -24,17 +30,32 @@ from jax.sharding import Sharding
 from asyncflat._typecheck import checked
 from asyncflat.config import EngineOptions, FlatTokensParams, TokenBatchParams
 from asyncflat.errors import ConfigError
-from asyncflat.loader.shuffling import ShufflingLoader, TokenBatch
+from asyncflat.loader.batch import TokenBatch
+from asyncflat.loader.mixture.config import MixtureParams
+from asyncflat.loader.mixture.loader import MixtureLoader
+from asyncflat.loader.shuffling import ShufflingLoader
 
 __all__ = ["EpochIterator", "iter_epochs"]
 
 log = logging.getLogger(__name__)
 
+#: what :func:`iter_epochs` serves from
+Loader = ShufflingLoader | MixtureLoader
+
+
+def build_ahead_from(loader: Loader) -> int:
+    """The step of ``loader`` from which the next epoch's loader is built: its last minipoch's
+    first step (a mixture: the last sixteenth of its steps)."""
+    if isinstance(loader, MixtureLoader):
+        return loader.step_count - max(1, loader.step_count // 16)
+    plan = loader.plan
+    return plan.first_step(plan.minipoch_count - 1)
+
 
 @checked
 def iter_epochs(
     split: str,
-    params: FlatTokensParams,
+    params: FlatTokensParams | MixtureParams,
     token_batch_params: TokenBatchParams,
     sharding: Sharding | None = None,
     *,
@@ -50,7 +71,8 @@ def iter_epochs(
     pass the epoch and the step after the last one trained on; ``start_step == step_count`` is
     allowed and means "the start of the next epoch". Use it as a context manager (or call
     ``close()``, or let it be collected) to stop the loaders; ``.loader`` is the loader of the
-    epoch being served (for ``stats()``).
+    epoch being served (for ``stats()``). A :class:`MixtureParams` chains the epochs of a
+    :class:`~asyncflat.loader.mixture.loader.MixtureLoader` (see the module's docstring).
     """
     if start_epoch < 0:
         raise ConfigError(f"iter_epochs: start_epoch must be >= 0, got {start_epoch}")
@@ -79,7 +101,7 @@ class EpochIterator(Iterator[tuple[int, int, TokenBatch]]):
     def __init__(
         self,
         split: str,
-        params: FlatTokensParams,
+        params: FlatTokensParams | MixtureParams,
         token_batch_params: TokenBatchParams,
         sharding: Sharding | None,
         *,
@@ -88,7 +110,7 @@ class EpochIterator(Iterator[tuple[int, int, TokenBatch]]):
         epochs: int | None,
         options: EngineOptions,
     ) -> None:
-        self.loader: ShufflingLoader | None = None
+        self.loader: Loader | None = None
         self._gen = self._run(
             split, params, token_batch_params, sharding, start_epoch, start_step, epochs, options
         )
@@ -117,7 +139,7 @@ class EpochIterator(Iterator[tuple[int, int, TokenBatch]]):
     def _run(
         self,
         split: str,
-        params: FlatTokensParams,
+        params: FlatTokensParams | MixtureParams,
         token_batch_params: TokenBatchParams,
         sharding: Sharding | None,
         start_epoch: int,
@@ -125,12 +147,14 @@ class EpochIterator(Iterator[tuple[int, int, TokenBatch]]):
         epochs: int | None,
         options: EngineOptions,
     ) -> Generator[tuple[int, int, TokenBatch], None, None]:
-        def make(epoch: int) -> ShufflingLoader:
-            return ShufflingLoader(
+        def make(epoch: int) -> Loader:
+            # (ShufflingLoader(...) of a MixtureParams is a MixtureLoader)
+            loader: Loader = ShufflingLoader(
                 split, params, token_batch_params, sharding, options=options, epoch=epoch
             )
+            return loader
 
-        def make_and_start(epoch: int) -> tuple[ShufflingLoader, TokenBatch]:
+        def make_and_start(epoch: int) -> tuple[Loader, TokenBatch]:
             loader = make(epoch)
             try:
                 return loader, loader.load(0)  # fills minipoch 0 now, not at the boundary
@@ -143,7 +167,7 @@ class EpochIterator(Iterator[tuple[int, int, TokenBatch]]):
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="asyncflat-next-epoch")
         loader = self.loader = make(start_epoch)
         first: TokenBatch | None = None
-        upcoming: concurrent.futures.Future[tuple[ShufflingLoader, TokenBatch]] | None = None
+        upcoming: concurrent.futures.Future[tuple[Loader, TokenBatch]] | None = None
         step = start_step
         try:
             if step > loader.step_count:
@@ -153,10 +177,9 @@ class EpochIterator(Iterator[tuple[int, int, TokenBatch]]):
             for epoch in itertools.count(start_epoch):
                 if epochs is not None and epoch >= epochs:
                     return
-                plan = loader.plan
                 last = epochs is not None and epoch + 1 >= epochs
                 # The next epoch starts building once this one serves its last minipoch.
-                build_from = plan.first_step(plan.minipoch_count - 1)
+                build_from = build_ahead_from(loader)
                 iterator = loader.iter(step) if first is None else loader.iter(1)
                 with iterator:
                     if first is not None:

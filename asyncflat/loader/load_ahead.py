@@ -19,7 +19,8 @@ left to its own ``load()``: asked for early, its rows would be read one by one w
 step later, most of them are in finished blocks (built ahead at start-up, loads 16-23 of a
 256 MiB buffer took 10-27 ms against ~2 ms).
 
-The builder holds the loader weakly: a dropped loader is still collected (and closed).
+The builder holds the loader's lifecycle weakly: a dropped loader is still collected (and
+closed).
 """
 
 from __future__ import annotations
@@ -40,11 +41,11 @@ __all__ = ["NOT_READY", "LoadAhead"]
 NOT_READY: Any = object()
 
 
-def _build_weakly(loader: weakref.ref[Any], step: int) -> Any:
-    owner = loader()
-    if owner is None:
+def _build_weakly(build: weakref.WeakMethod[Any], step: int) -> Any:
+    method = build()
+    if method is None:
         raise LoaderClosedError("the loader was collected")
-    return owner._load_now(step, ready_only=True)
+    return method(step, ready_only=True)
 
 
 class LoadAhead:
@@ -53,18 +54,15 @@ class LoadAhead:
     def __init__(
         self,
         prefetchers: Prefetchers[Any],
-        build: Callable[[int], Any],
+        build: Callable[..., Any],
         stop_step: int,
         depth: int,
     ) -> None:
-        """``build`` is the loader's ``_load_now(step, ready_only=...)`` (held weakly): with
-        ``ready_only`` it returns :data:`NOT_READY` for a step it cannot serve from finished
-        buffers; ``depth`` 0 turns load-ahead off."""
+        """``build`` is the loader's ``build(step, ready_only=...)``, a bound method (held
+        weakly): with ``ready_only`` it returns :data:`NOT_READY` for a step it cannot serve
+        from finished buffers; ``depth`` 0 turns load-ahead off."""
         self._prefetchers = prefetchers
-        owner = getattr(build, "__self__", None)
-        self._build = (
-            functools.partial(_build_weakly, weakref.ref(owner)) if owner is not None else build
-        )
+        self._build = functools.partial(_build_weakly, weakref.WeakMethod(build))
         self._stop_step = stop_step
         self._depth = depth
         self._lock = threading.Lock()
@@ -72,8 +70,6 @@ class LoadAhead:
         #: the step the builder's next batch is for; None while a load is taking it
         self._next: int | None = None
         self._last: int | None = None  # the step of the latest load that returned
-        #: builders started (figures for tests and stats)
-        self.started = 0
 
     def load(self, step: int, build: Callable[[int], Any]) -> Any:
         """The batch of ``load(step)``: the builder's if it expects ``step``, else an
@@ -135,7 +131,6 @@ class LoadAhead:
                 except LoaderClosedError:
                     return
                 self._next = step + 1
-                self.started += 1
         if retired is not None:
             self._prefetchers.retire(retired)
 

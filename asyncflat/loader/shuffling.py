@@ -9,16 +9,14 @@ and fills only the streams they belong to (docs/multihost.md).
 ``iter()`` also keeps the next ``EngineOptions.prefetch_to_device`` steps' batches built on a
 background thread (:mod:`asyncflat.loader.background`), so the trainer's ``next()`` returns at once;
 ``load(step)`` of a step an iterator has prefetched returns that same batch.
+
+All of that is the lifecycle every loader shares (:mod:`asyncflat.loader.lifecycle`); this module
+supplies only its rows, one engine's (:class:`EngineRows`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import logging
-import os
-import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,48 +24,64 @@ import numpy as np
 from jax.sharding import Sharding
 
 from asyncflat._typecheck import checked
-from asyncflat.config import (
-    EngineOptions,
-    FlatTokensParams,
-    TokenBatchParams,
-    step_argument,
-)
+from asyncflat.config import EngineOptions, FlatTokensParams, TokenBatchParams, step_argument
 from asyncflat.engine import Engine, EngineStats, IntervalStats
-from asyncflat.engine.loop import LoopThread
-from asyncflat.errors import ConfigError, LoaderClosedError
+from asyncflat.errors import ConfigError
 from asyncflat.format.codec import SPLITS
-from asyncflat.loader.background import BackgroundBuilder, Prefetchers
-from asyncflat.loader.batch import (
-    BatchBuilder,
-    BatchType,
-    TokenBatch,
-    check_batch_sharding,
-    default_sharding,
-    host_batch_indices,
-)
-from asyncflat.loader.iterator import BatchIterator, _Pin
-from asyncflat.loader.load_ahead import NOT_READY, LoadAhead
+from asyncflat.loader.batch import BatchBuilder, BatchType, TokenBatch, default_sharding
+from asyncflat.loader.iterator import BatchIterator
+from asyncflat.loader.lifecycle import Lifecycle
 from asyncflat.loader.mixture.config import MixtureParams
 from asyncflat.loader.open import open_engine
 from asyncflat.plan.shuffle import ShufflePlan
 from asyncflat.source.protocol import StoreWrapper, TokenSource
 
-# TokenBatch, default_sharding and check_batch_sharding live in asyncflat.loader.batch; re-exported here
-# for code that imported them from this module.
-__all__ = [
-    "BatchIterator",
-    "ShufflingLoader",
-    "TokenBatch",
-    "check_batch_sharding",
-    "default_sharding",
-]
+__all__ = ["DEFAULT_OPTIONS", "EngineRows", "ShufflingLoader"]
 
-log = logging.getLogger(__name__)
-
-_host_batch_indices = host_batch_indices  # the old private name
 DEFAULT_OPTIONS = EngineOptions()
-#: build times kept for ``stats().build_median_s``
-BUILD_HISTORY = 4096
+
+
+class EngineRows:
+    """The :class:`~asyncflat.loader.serving.RowServer` of one engine: this host's rows of a
+    step of one split's pass."""
+
+    def __init__(self, engine: Engine, host_rows: np.ndarray) -> None:
+        self.engine, self._host_rows = engine, host_rows
+
+    @property
+    def step_count(self) -> int:
+        return self.engine.plan.step_count
+
+    def check_step(self, step: int) -> None:
+        self.engine.plan.check_step(step)
+
+    def ready_rows(self, step: int) -> np.ndarray | None:
+        return self.engine.try_gather(step, self._host_rows)
+
+    async def rows(self, step: int) -> np.ndarray:
+        return await self.engine.gather(step, self._host_rows)
+
+    def pin_keys(self, step: int) -> tuple[tuple[int, int], ...]:
+        return tuple(self.engine.pin_keys(step, self._host_rows))
+
+    def pin(self, keys: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+        self.engine.pin(list(keys))
+        return keys
+
+    def unpin(self, pinned: tuple[tuple[int, int], ...]) -> None:
+        self.engine.unpin(list(pinned))
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def interval_stats(self) -> IntervalStats:
+        return self.engine.interval_stats()
+
+    async def aclose(self) -> None:
+        await self.engine.aclose()
+
+    def release(self) -> None:
+        self.engine.release()
 
 
 class ShufflingLoader:
@@ -122,56 +136,34 @@ class ShufflingLoader:
         self.options = options
         self.epoch = epoch
         self.sharding = default_sharding() if sharding is None else sharding
-        self._builder = BatchBuilder(
+        builder = BatchBuilder(
             self.sharding, (token_batch_params.batch, token_batch_params.len), batch_type
         )
-        self._host_rows = self._builder.host_rows
-        self._prefetchers: Prefetchers[Any] = Prefetchers(
-            "asyncflat-device-prefetch", lambda: LoaderClosedError("this loader is closed")
+        self._life: Lifecycle[EngineRows] = Lifecycle(
+            "ShufflingLoader",
+            builder,
+            options,
+            thread_name="asyncflat",
+            prefetch_name="asyncflat-device-prefetch",
         )
-        self._store_wrapper = store_wrapper
-        self._injected_source = source
-        self._lock = threading.Lock()
-        self._closed = False
-        # The last BUILD_HISTORY build times, in numpy: a fixed size from the start, so a long
-        # run's memory does not creep up by one float object per load.
-        self._build_s = np.zeros(BUILD_HISTORY, np.float64)
-        self._builds = itertools.count()  # next() is atomic: loads from several threads
-        self._built = 0
-        #: batches handed to the trainer, and that count at the last interval_stats() call
-        self._delivered = 0
-        self._delivered_at_interval = 0
-        self._runner = LoopThread(
-            name="asyncflat", cpu_threads=options.decode_threads, nice=options.engine_niceness
-        )
-        self._pid = os.getpid()
-        try:
-            self._engine = self._runner.run(self._open_engine())
-        except BaseException:
-            self._runner.close()
-            raise
-        self._runner.keep(self._engine)  # its tasks never die with a dropped loader's cycle
-        self.plan: ShufflePlan = self._engine.plan
-        self._load_ahead = LoadAhead(
-            self._prefetchers,
-            self._load_now,
-            self.plan.step_count,
-            options.prefetch_to_device if options.load_ahead else 0,
-        )
+        self._server = self._life.start(self._open(store_wrapper, source))
+        self.plan: ShufflePlan = self._server.engine.plan
 
-    # -- construction -------------------------------------------------------------------------
-
-    async def _open_engine(self) -> Engine:
-        return await open_engine(
+    async def _open(
+        self, store_wrapper: StoreWrapper | None, source: TokenSource | None
+    ) -> EngineRows:
+        engine = await open_engine(
             self.split,
             self.params,
             self.token_batch_params,
-            self._host_rows,
+            self._life.host_rows,
             self.options,
             epoch=self.epoch,
-            store_wrapper=self._store_wrapper,
-            source=self._injected_source,
+            store_wrapper=store_wrapper,
+            source=source,
         )
+        self._life.keep(engine)  # its tasks never die with a dropped loader's cycle
+        return EngineRows(engine, self._life.host_rows)
 
     # -- the reference's API ------------------------------------------------------------------
 
@@ -181,7 +173,17 @@ class ShufflingLoader:
 
     @property
     def max_token_id(self) -> int:
-        return self._engine.source.max_token_id
+        return self._server.engine.source.max_token_id
+
+    @property
+    def source(self) -> TokenSource:
+        """The reader of the split (a zarr-free one for a plain local split)."""
+        return self._server.engine.source
+
+    @property
+    def host_rows(self) -> np.ndarray:
+        """The batch rows this host holds (sorted), as the sharding places them."""
+        return self._life.host_rows
 
     def load(self, step: int) -> Any:
         """The batch of ``step`` (a Python or numpy integer in [0, step_count), in any order).
@@ -190,11 +192,14 @@ class ShufflingLoader:
         the iterator's arrays are returned, so both see the identical batch. Consecutive loads
         get their next batches built ahead (``EngineOptions.load_ahead``).
         """
-        step = step_argument(step)
-        self._check_open()
-        batch = self._load_ahead.load(step, self._load_now)
-        self._count_delivered()
-        return batch
+        return self._life.load(step)
+
+    def encoded_rows(self, step: int) -> np.ndarray:
+        """This host's rows of ``step`` as stored (flat-tokens codes, uint32[len(host_rows),
+        len]): what ``load(step)`` decodes, without jax."""
+        rows = self._life.rows(step_argument(step))
+        assert rows is not None  # (not ready_only)
+        return rows
 
     def iter(self, start_step: int = 0) -> BatchIterator:
         """An iterator of ``(step, batch)`` from ``start_step`` to the end of the dataset.
@@ -205,19 +210,10 @@ class ShufflingLoader:
         ends the iteration (start a new ``iter(step)`` to carry on). Close the iterator (or drop
         it, or close the loader) to stop its thread.
         """
-        start_step = step_argument(start_step, "start_step")
-        self._check_open()
-        if start_step != self.step_count:
-            self.plan.check_step(start_step)
-        return BatchIterator(self, start_step, self.options.prefetch_to_device)
+        return self._life.iter(start_step)
 
     def __iter__(self) -> Iterator[Any]:
-        iterator = self.iter()
-        try:
-            for _, batch in iterator:
-                yield batch
-        finally:
-            iterator.close()
+        return iter(self._life)
 
     def stats(self) -> EngineStats:
         """Engine figures (waits, fills, bytes, retries) plus the jax build times of this host.
@@ -225,21 +221,13 @@ class ShufflingLoader:
         ``steps_loaded`` counts the batches the trainer received (each ``load()`` that returned,
         each item an iterator handed out), not the steps an iterator built ahead of it.
         """
-        self._check_open()
-        stats = self._runner.run(self._engine_stats())
-        builds = self._build_s[: min(self._built, BUILD_HISTORY)]
-        build_median_s = float(np.median(builds)) if len(builds) else None
-        with self._lock:
-            delivered = self._delivered
+        stats = self._life.server_stats()
         return dataclasses.replace(
             stats,
-            steps_loaded=delivered,
-            build_median_s=build_median_s,
-            host_batch_rows=len(self._host_rows),
+            steps_loaded=self._life.delivered,
+            build_median_s=self._life.build_median_s(),
+            host_batch_rows=len(self._life.host_rows),
         )
-
-    async def _engine_stats(self) -> EngineStats:
-        return self._engine.stats()
 
     def interval_stats(self) -> IntervalStats:
         """What happened since the previous call (loads, waits, fills, bytes): log every N steps.
@@ -247,102 +235,17 @@ class ShufflingLoader:
         ``steps_loaded`` counts the batches the trainer received in the interval, as in
         :meth:`stats`.
         """
-        self._check_open()
-        interval = self._runner.run(self._engine_interval_stats())
-        with self._lock:
-            delivered, self._delivered_at_interval = (
-                self._delivered - self._delivered_at_interval,
-                self._delivered,
-            )
-        return dataclasses.replace(interval, steps_loaded=delivered)
-
-    async def _engine_interval_stats(self) -> IntervalStats:
-        return self._engine.interval_stats()
+        return self._life.interval_stats()
 
     def close(self) -> None:
         """Stop the device-prefetch threads, cancel fills, free the buffers, stop the engine's
         thread. Idempotent, from any thread: from the engine's own thread (a finalizer or
         callback running there) it schedules all that and returns at once; from any other it
         returns when it is done (within about 15 s whatever the storage does)."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        # no new builds start; a build in progress fails fast below
-        prefetchers = self._prefetchers.close()
-        engine = getattr(self, "_engine", None)
-        own_thread = self._runner.in_loop_thread()
-        if own_thread and engine is not None:
-            engine.release()  # on the loop's thread nothing else runs on the loop: free now
-        try:
-            if engine is not None and self._pid == os.getpid():
-                self._runner.close(engine.aclose())
-            else:
-                self._runner.close()
-        finally:
-            if not own_thread:
-                for prefetcher in prefetchers:
-                    prefetcher.stop()
-                if engine is not None:
-                    engine.release()  # the loop has stopped: nothing can hold a buffer now
+        self._life.close()
 
     def __enter__(self) -> ShufflingLoader:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-    def __del__(self) -> None:  # a forgotten loader must not keep its thread nor its buffers
-        if not getattr(self, "_closed", True):
-            try:
-                self.close()
-            except Exception:
-                log.debug("closing a collected loader failed", exc_info=True)
-
-    # -- internals ----------------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise LoaderClosedError("this ShufflingLoader is closed; create a new one")
-        if self._pid != os.getpid():
-            raise LoaderClosedError(
-                "this ShufflingLoader was created in another process (before a fork); "
-                "create a new loader in this process"
-            )
-
-    def _count_delivered(self) -> None:
-        with self._lock:
-            self._delivered += 1
-
-    def _rows(self, step: int, *, ready_only: bool = False) -> np.ndarray | None:
-        self._check_open()
-        self.plan.check_step(step)
-        rows = self._engine.try_gather(step, self._host_rows)  # steady state: no loop round trip
-        if rows is not None or ready_only:
-            return rows
-        return self._runner.run(
-            self._engine.gather(step, self._host_rows), timeout=self.options.load_timeout_s
-        )
-
-    def _load_now(self, step: int, *, ready_only: bool = False) -> Any:
-        """Build the batch of ``step`` now (the ``build`` that device prefetch runs ahead);
-        with ``ready_only``, only from finished buffers, else :data:`NOT_READY` (load-ahead)."""
-        rows = self._rows(step, ready_only=ready_only)
-        if rows is None:
-            return NOT_READY
-        t0 = time.perf_counter()
-        batch = self._builder.build(rows)
-        n = next(self._builds)
-        self._build_s[n % BUILD_HISTORY] = time.perf_counter() - t0
-        self._built = max(self._built, n + 1)
-        return batch
-
-    def _start_prefetch(self, start: int, depth: int) -> BackgroundBuilder[Any]:
-        """A builder of steps [start, step_count) ahead of an iterator, known to :meth:`load`."""
-        self._check_open()
-        return self._prefetchers.start(self._load_now, start, self.step_count, depth)
-
-    def _stop_prefetch(self, builder: BackgroundBuilder[Any], pin: _Pin) -> None:
-        pin.release()
-        # not from the loop's thread: the builder may be waiting on this very thread
-        self._prefetchers.stop(builder, join=not self._runner.in_loop_thread())

@@ -14,12 +14,8 @@ minipoch.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
-import os
-import threading
-import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -28,17 +24,15 @@ from jax.sharding import Sharding
 
 from asyncflat._typecheck import checked
 from asyncflat.config import EngineOptions, TokenBatchParams, redact_url, step_argument
-from asyncflat.engine import Engine, EngineStats
-from asyncflat.engine.loop import LoopThread
-from asyncflat.errors import ConfigError, LoaderClosedError, StepOutOfRangeError
+from asyncflat.engine import Engine, IntervalStats
+from asyncflat.errors import ConfigError
 from asyncflat.format.codec import SPLITS
-from asyncflat.loader.background import BackgroundBuilder, Prefetchers
 from asyncflat.loader.batch import BatchBuilder, BatchType, TokenBatch, default_sharding
-from asyncflat.loader.load_ahead import NOT_READY, LoadAhead
-from asyncflat.loader.mixture.config import MixtureParams
-from asyncflat.loader.mixture.iterator import MixtureIterator
+from asyncflat.loader.iterator import BatchIterator
+from asyncflat.loader.lifecycle import Lifecycle
+from asyncflat.loader.mixture.config import MAX_STEPS, MixtureParams
 from asyncflat.loader.mixture.passes import Passes, RowGroup, SourceState
-from asyncflat.loader.mixture.rows import batch_sources, count_rows, step_groups
+from asyncflat.loader.mixture.rows import MixtureRows, batch_sources
 from asyncflat.loader.mixture.setup import (
     check_budget,
     default_step_count,
@@ -61,10 +55,15 @@ class MixtureLoader:
 
     ``asyncflat.ShufflingLoader(split, MixtureParams(...), token_batch_params)`` and
     ``get_loader`` return one; it has the plain loader's ``load``/``iter``/``step_count``/
-    ``stats``/``close``. ``step_count`` is ``MixtureParams.steps``, or, when that is None, the
-    steps served before any source would need a second pass. ``load(step)`` is a pure function
-    of (config, step): a restart at any step gives the same batches. ``store_wrapper`` is one
-    wrapper for every source's store, or a sequence of one per source (``None``: none).
+    ``stats``/``interval_stats``/``close`` (the same lifecycle,
+    :mod:`asyncflat.loader.lifecycle`). ``step_count`` is ``MixtureParams.steps``, or, when that
+    is None, the steps served before any source would need a second pass. ``load(step)`` is a
+    pure function of (config, step): a restart at any step gives the same batches.
+    ``store_wrapper`` is one wrapper for every source's store, or a sequence of one per source
+    (``None``: none). ``epoch`` ``e`` serves the mixture's steps ``[e * step_count,
+    (e + 1) * step_count)``, numbered from 0: the mixture carried on, each source from where
+    epoch ``e - 1`` left it (into its next pass when it runs out), the stages' steps counted
+    from the start of epoch 0 (docs/epochs.md; :func:`asyncflat.iter_epochs` chains them).
     """
 
     @checked
@@ -78,12 +77,16 @@ class MixtureLoader:
         options: EngineOptions | None = None,
         store_wrapper: StoreWrapper | Sequence[StoreWrapper | None] | None = None,
         batch_type: BatchType = TokenBatch,
+        epoch: int = 0,
     ) -> None:
+        if epoch < 0:
+            raise ConfigError(f"epoch must be >= 0, got {epoch}")
         if split not in SPLITS:
             raise ConfigError(f"split must be one of {SPLITS}, got {split!r}")
         if not isinstance(params, MixtureParams):
             raise ConfigError(f"params must be a MixtureParams, got {type(params).__name__}")
         self.split, self.params, self.token_batch_params = split, params, token_batch_params
+        self.epoch = epoch
         self.options = EngineOptions() if options is None else options
         self._source_options = dataclasses.replace(self.options, max_buffer_bytes=None)
         streams = params.streams
@@ -94,21 +97,12 @@ class MixtureLoader:
             )
         self.rows_per_stream = token_batch_params.batch // streams
         self.sharding = default_sharding() if sharding is None else sharding
-        self._builder = BatchBuilder(
+        builder = BatchBuilder(
             self.sharding, (token_batch_params.batch, token_batch_params.len), batch_type
         )
-        self._host_rows = self._builder.host_rows
-        self.streams = tuple(np.unique(self._host_rows // self.rows_per_stream).tolist())
+        host_rows = builder.host_rows
+        self.streams = tuple(np.unique(host_rows // self.rows_per_stream).tolist())
         self._store_wrappers = store_wrappers(store_wrapper, len(params.sources))
-        self._lock = threading.Lock()
-        self._closed = False
-        self._pid = os.getpid()
-        self._steps_built = 0
-        self._build_s: collections.deque[float] = collections.deque(maxlen=1 << 16)
-        self._prefetchers: Prefetchers[Any] = Prefetchers(
-            "asyncflat-mixture-prefetch",
-            lambda: LoaderClosedError("this MixtureLoader is closed; create a new one"),
-        )
         self._plans: list[ShufflePlan] = []
         self._sources = [
             SourceState(i, f"{redact_url(str(s.params.filespec))}/{split}")
@@ -119,42 +113,57 @@ class MixtureLoader:
         self.assignment = Assignment(
             params.schedule(), self.rows_per_stream, params.block_rows, params.seed
         )
-        self._runner = LoopThread(
-            name="asyncflat-mixture",
-            cpu_threads=self.options.decode_threads,
-            nice=self.options.engine_niceness,
+        self._life: Lifecycle[MixtureRows] = Lifecycle(
+            "MixtureLoader",
+            builder,
+            self.options,
+            thread_name="asyncflat-mixture",
+            prefetch_name="asyncflat-mixture-prefetch",
         )
-        try:
-            self._plans = self._runner.run(self._passes.open_first(len(self.streams)))
-            check_budget(self._sources, self.options.max_buffer_bytes)
-            self.step_count = default_step_count(
-                params, self.assignment, self._sources, self.rows_per_stream
-            )
-        except BaseException:
-            self.close()
-            raise
+        self._rows = self._life.start(self._open())
+        self.step_count = self._rows.step_count
         log_sources(self._sources, params.sources, self.step_count)
-        options = self.options
-        self._load_ahead = LoadAhead(
-            self._prefetchers,
-            self._load_now,
-            self.step_count,
-            options.prefetch_to_device if options.load_ahead else 0,
-        )
 
     # -- construction -------------------------------------------------------------------------
+
+    async def _open(self) -> MixtureRows:
+        """Open every source's first pass and check the budget (closing them if that fails)."""
+        try:
+            self._plans = await self._passes.open_first(len(self.streams))
+            check_budget(self._sources, self.options.max_buffer_bytes)
+            step_count = default_step_count(
+                self.params, self.assignment, self._sources, self.rows_per_stream
+            )
+            if (self.epoch + 1) * step_count > MAX_STEPS:
+                raise ConfigError(
+                    f"epoch {self.epoch} of a mixture of {step_count:,} steps ends past "
+                    f"{MAX_STEPS:,} steps"
+                )
+        except BaseException:
+            await self._passes.aclose()
+            raise
+        return MixtureRows(
+            self._passes,
+            self.assignment,
+            self._life.host_rows,
+            self.rows_per_stream,
+            self.token_batch_params.len,
+            step_count,
+            self._plans,
+            first_step=self.epoch * step_count,
+        )
 
     async def _open_pass(self, index: int, epoch: int) -> Engine:
         engine = await open_engine(
             self.split,
             self.params.sources[index].params,
             self.token_batch_params,
-            self._host_rows,
+            self._life.host_rows,
             self._source_options,
             epoch=epoch,
             store_wrapper=self._store_wrappers[index],
         )
-        self._runner.keep(engine)  # its tasks never die with a dropped loader's cycle
+        self._life.keep(engine)  # its tasks never die with a dropped loader's cycle
         return engine
 
     @property
@@ -167,54 +176,30 @@ class MixtureLoader:
         """Bytes of each source's shuffle buffers on this host (one pass, 2 per stream)."""
         return tuple(s.buffer_bytes for s in self._sources)
 
-    # -- rows of a step -----------------------------------------------------------------------
+    @property
+    def host_rows(self) -> np.ndarray:
+        """The batch rows this host holds (sorted), as the sharding places them."""
+        return self._life.host_rows
+
+    # -- the loader's API ---------------------------------------------------------------------
 
     def groups(self, step: int) -> list[RowGroup]:
         """Which source rows (source, pass, source step, rows) make this host's rows of ``step``."""
-        counts = np.array([s.step_count for s in self._sources], np.int64)
-        return step_groups(
-            self.assignment, self._host_rows, self.streams, self.rows_per_stream, counts, step
-        )
-
-    def _check_step(self, step: int) -> None:
-        self._check_open()
-        if not 0 <= step < self.step_count:
-            raise StepOutOfRangeError(
-                f"step {step} is out of range: the mixture has {self.step_count} steps "
-                f"(valid steps are 0..{self.step_count - 1})"
-            )
-
-    def _rows(self, step: int, *, ready_only: bool = False) -> np.ndarray | None:
-        self._check_step(step)
-        groups = self.groups(step)
-        results = self._passes.try_gather(groups)
-        if results is None and ready_only:
-            return None
-        if results is None:
-            results = self._runner.run(
-                self._passes.gather(groups), timeout=self.options.load_timeout_s
-            )
-        out = np.empty((len(self._host_rows), self.token_batch_params.len), np.uint32)
-        for group, rows in zip(groups, results):
-            out[group.out] = rows[group.take]
-        self._count(step, groups)
-        return out
-
-    def _count(self, step: int, groups: list[RowGroup]) -> None:
-        with self._lock:
-            self._steps_built += 1
-            count_rows(self._sources, groups, step)
-
-    # -- the loader's API ---------------------------------------------------------------------
+        return self._rows.groups(step)
 
     def sources(self, step: int) -> np.ndarray:
         """The source index (into ``params.sources``) of every row of ``step``'s batch, all
         rows of all hosts (int64[batch]); pure and cheap, e.g. for a loss per source."""
         step = step_argument(step)
-        self._check_step(step)
+        self._life.check_open()
+        self._rows.check_step(step)
         batch = self.token_batch_params.batch
         return batch_sources(
-            self.assignment, self.params.streams, batch, self.rows_per_stream, step
+            self.assignment,
+            self.params.streams,
+            batch,
+            self.rows_per_stream,
+            self._rows.first_step + step,
         )
 
     @property
@@ -224,88 +209,47 @@ class MixtureLoader:
     def load(self, step: int) -> Any:
         """The batch of ``step`` (in [0, step_count), in any order); a pure function of it.
         Consecutive loads get their next batches built ahead (``EngineOptions.load_ahead``)."""
-        step = step_argument(step)
-        self._check_open()
-        batch = self._load_ahead.load(step, self._load_now)
-        return batch
+        return self._life.load(step)
 
-    def _load_now(self, step: int, *, ready_only: bool = False) -> Any:
-        rows = self._rows(step, ready_only=ready_only)
-        if rows is None:
-            return NOT_READY  # (load-ahead: not every row is in a finished buffer yet)
-        t0 = time.perf_counter()
-        batch = self._builder.build(rows)
-        self._build_s.append(time.perf_counter() - t0)
-        return batch
+    def encoded_rows(self, step: int) -> np.ndarray:
+        """This host's rows of ``step`` as stored (flat-tokens codes, uint32[len(host_rows),
+        len]): what ``load(step)`` decodes, without jax."""
+        rows = self._life.rows(step_argument(step))
+        assert rows is not None  # (not ready_only)
+        return rows
 
-    def iter(self, start_step: int = 0) -> MixtureIterator:
+    def iter(self, start_step: int = 0) -> BatchIterator:
         """``(step, batch)`` from ``start_step`` to ``step_count``, built ahead on a thread when
-        ``EngineOptions.prefetch_to_device > 0``."""
-        start_step = step_argument(start_step, "start_step")
-        self._check_open()
-        if not 0 <= start_step <= self.step_count:
-            raise StepOutOfRangeError(
-                f"start_step {start_step} is out of range [0, {self.step_count}]"
-            )
-        return MixtureIterator(self, start_step, self.options.prefetch_to_device)
+        ``EngineOptions.prefetch_to_device > 0``; the same iterator as
+        :meth:`ShufflingLoader.iter <asyncflat.loader.shuffling.ShufflingLoader.iter>`."""
+        return self._life.iter(start_step)
 
     def __iter__(self) -> Iterator[Any]:
-        with self.iter() as iterator:
-            for _, batch in iterator:
-                yield batch
+        return iter(self._life)
 
     def stats(self) -> MixtureStats:
         """Per-source figures (passes, rows, engine waits and fills) of this host."""
-        self._check_open()
-        engines = self._runner.run(self._newest_engine_stats())
-        builds = list(self._build_s)
-        with self._lock:
-            return mixture_stats(self._sources, engines, self._steps_built, builds)
+        engines = self._life.server_stats()
+        with self._rows.lock:
+            return mixture_stats(
+                self._sources, engines, self._rows.steps_built, self._life.build_median_s()
+            )
 
-    async def _newest_engine_stats(self) -> list[EngineStats]:
-        return [s.engines[max(s.engines)].stats() for s in self._sources]
+    def interval_stats(self) -> IntervalStats:
+        """What happened since the previous call, summed over every source's passes (fills,
+        bytes, requests; ``wait_median_s`` the largest of the sources' medians, since a step
+        waits for its slowest source); ``steps_loaded`` counts the batches the trainer
+        received, as the plain loader's does."""
+        return self._life.interval_stats()
 
     def close(self) -> None:
-        """Stop prefetch threads, cancel fills, free every source's buffers. Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        prefetchers = self._prefetchers.close()
-        own_thread = self._runner.in_loop_thread()
-        try:
-            if self._pid == os.getpid():
-                self._runner.close(self._passes.aclose())
-            else:
-                self._runner.close()
-        finally:
-            if not own_thread:
-                for prefetcher in prefetchers:
-                    prefetcher.stop()
-            self._passes.release()
+        """Stop prefetch threads, cancel fills, free every source's buffers. Idempotent, from
+        any thread (see :meth:`ShufflingLoader.close
+        <asyncflat.loader.shuffling.ShufflingLoader.close>`)."""
+        self._life.close()
 
     def __enter__(self) -> MixtureLoader:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
-            try:
-                self.close()
-            except Exception:
-                log.debug("closing a collected mixture loader failed", exc_info=True)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise LoaderClosedError("this MixtureLoader is closed; create a new one")
-        if self._pid != os.getpid():
-            raise LoaderClosedError("this MixtureLoader was created in another process")
-
-    def _start_prefetch(self, start: int, depth: int) -> BackgroundBuilder[Any]:
-        self._check_open()
-        return self._prefetchers.start(self._load_now, start, self.step_count, depth)
-
-    def _stop_prefetch(self, builder: BackgroundBuilder[Any]) -> None:
-        self._prefetchers.stop(builder, join=not self._runner.in_loop_thread())

@@ -18,12 +18,12 @@ from typing import Any
 
 import numpy as np
 
-from asyncflat.engine import Engine
+from asyncflat.engine import Engine, IntervalStats
 from asyncflat.engine.waiting import raise_with_context
 from asyncflat.errors import AsyncflatError, LoaderClosedError
 from asyncflat.plan.shuffle import ShufflePlan
 
-__all__ = ["Passes", "RowGroup", "SourceState"]
+__all__ = ["Passes", "RowGroup", "SourceState", "sum_intervals"]
 
 log = logging.getLogger("asyncflat.loader.mixture.loader")
 
@@ -55,6 +55,37 @@ class RowGroup:
     take: np.ndarray  # index into ``rows`` for each of ``out``
 
 
+def sum_intervals(intervals: list[IntervalStats]) -> IntervalStats | None:
+    """One interval of several engines (None for none): counts summed, ``seconds`` and
+    ``wait_max_s`` the largest, ``wait_median_s`` the largest of the engines' medians (a mixture
+    step waits for its slowest source)."""
+    if not intervals:
+        return None
+
+    def largest(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return max(known) if known else None
+
+    counts = {
+        name: sum(getattr(i, name) for i in intervals)
+        for name in (
+            "steps_loaded",
+            "fills_completed",
+            "fills_late",
+            "bytes_read",
+            "bytes_useful",
+            "requests",
+            "retries",
+        )
+    }
+    return IntervalStats(
+        seconds=max(i.seconds for i in intervals),
+        wait_median_s=largest([i.wait_median_s for i in intervals]),
+        wait_max_s=largest([i.wait_max_s for i in intervals]),
+        **counts,
+    )
+
+
 class Passes:
     """Opens, serves from and closes the sources' passes (call on the loop, except
     :meth:`engine_now`, :meth:`next_pass_due` and :meth:`try_gather`, which only read)."""
@@ -70,6 +101,8 @@ class Passes:
         self._first_rows = first_rows  # one row of each of this host's streams
         self._tasks: set[asyncio.Task[Any]] = set()
         self._users: collections.Counter[tuple[int, int]] = collections.Counter()
+        #: the last interval figures of the passes closed since :meth:`interval_stats`
+        self._closed_interval: IntervalStats | None = None
         self.closed = False
 
     def engine_now(self, index: int, epoch: int) -> Engine | None:
@@ -139,7 +172,10 @@ class Passes:
         source.engines[epoch] = engine
         for old in [e for e in source.engines if abs(e - epoch) > 1]:
             if not self._users[(index, old)]:  # one a gather is reading goes at a later open
-                self._spawn(source.engines.pop(old).aclose())
+                closing = source.engines.pop(old)
+                last = [closing.interval_stats(), self._closed_interval]
+                self._closed_interval = sum_intervals([i for i in last if i is not None])
+                self._spawn(closing.aclose())
         return engine
 
     def _spawn(self, coro: Any) -> None:
@@ -184,6 +220,16 @@ class Passes:
                 self._users[key] -= 1
 
         return list(await asyncio.gather(*(one(g) for g in groups)))
+
+    def interval_stats(self) -> IntervalStats | None:
+        """The figures of every pass since the previous call (those of the passes closed
+        meanwhile included), summed; None before any pass is open (call on the loop)."""
+        engines = [e for s in self.sources for e in s.engines.values()]
+        intervals = [e.interval_stats() for e in engines]
+        if self._closed_interval is not None:
+            intervals.append(self._closed_interval)
+            self._closed_interval = None
+        return sum_intervals(intervals)
 
     async def aclose(self) -> None:
         self.closed = True

@@ -1,5 +1,7 @@
 """Which source rows make a mixture step: the pure row arithmetic of a
-:class:`~asyncflat.loader.mixture.loader.MixtureLoader` and the per-source row counts it reports.
+:class:`~asyncflat.loader.mixture.loader.MixtureLoader`, the per-source row counts it reports,
+and :class:`MixtureRows`, the :class:`~asyncflat.loader.serving.RowServer` it hands the loaders'
+lifecycle.
 
 For each of this host's batch rows ``r`` (stream ``i = r // R``, position ``j = r % R``) the
 :class:`~asyncflat.plan.mixture.Assignment` gives the source ``s`` and slot ``k``; slot
@@ -10,13 +12,21 @@ For each of this host's batch rows ``r`` (stream ``i = r // R``, position ``j = 
 from __future__ import annotations
 
 import logging
+import threading
 
 import numpy as np
 
-from asyncflat.loader.mixture.passes import RowGroup, SourceState
+from asyncflat.engine import Engine, EngineStats, IntervalStats
+from asyncflat.errors import StepOutOfRangeError
+from asyncflat.loader.mixture.passes import Passes, RowGroup, SourceState
 from asyncflat.plan.mixture import Assignment
+from asyncflat.plan.shuffle import ShufflePlan
 
-__all__ = ["batch_sources", "count_rows", "step_groups"]
+__all__ = ["MixtureRows", "batch_sources", "count_rows", "step_groups"]
+
+#: What a mixture iterator pins: (source, pass, stream, minipoch, whether that pass is open)
+#: of every source's position on each of this host's streams
+PinKeys = tuple[tuple[int, int, int, int, bool], ...]
 
 log = logging.getLogger("asyncflat.loader.mixture.loader")
 
@@ -84,3 +94,123 @@ def count_rows(sources: list[SourceState], groups: list[RowGroup], step: int) ->
                 source.passes,
                 step,
             )
+
+
+class MixtureRows:
+    """A mixture's rows of a step, gathered from its sources' passes (:class:`Passes`), and
+    the figures ``stats()`` reports (``steps_built`` and each source's rows, under ``lock``).
+    Step ``s`` is the mixture's step ``first_step + s`` (a later epoch carries on)."""
+
+    def __init__(
+        self,
+        passes: Passes,
+        assignment: Assignment,
+        host_rows: np.ndarray,
+        rows_per_stream: int,
+        seq_len: int,
+        step_count: int,
+        plans: list[ShufflePlan],
+        *,
+        first_step: int = 0,
+    ) -> None:
+        self.first_step = first_step
+        self._plans = plans
+        self.passes, self.sources = passes, passes.sources
+        self._assignment, self._host_rows = assignment, host_rows
+        self._rows_per_stream, self._seq_len = rows_per_stream, seq_len
+        self.streams = tuple(np.unique(host_rows // rows_per_stream).tolist())
+        self._step_counts = np.array([s.step_count for s in self.sources], np.int64)
+        self._step_count = step_count
+        self.lock = threading.Lock()
+        self.steps_built = 0
+
+    @property
+    def step_count(self) -> int:
+        return self._step_count
+
+    def check_step(self, step: int) -> None:
+        if not 0 <= step < self._step_count:
+            raise StepOutOfRangeError(
+                f"step {step} is out of range: the mixture has {self._step_count} steps "
+                f"(valid steps are 0..{self._step_count - 1})"
+            )
+
+    def groups(self, step: int) -> list[RowGroup]:
+        """Which source rows (source, pass, source step, rows) make this host's rows of ``step``."""
+        return step_groups(
+            self._assignment,
+            self._host_rows,
+            self.streams,
+            self._rows_per_stream,
+            self._step_counts,
+            self.first_step + step,
+        )
+
+    def ready_rows(self, step: int) -> np.ndarray | None:
+        groups = self.groups(step)
+        results = self.passes.try_gather(groups)
+        return None if results is None else self._assemble(step, groups, results)
+
+    async def rows(self, step: int) -> np.ndarray:
+        groups = self.groups(step)
+        return self._assemble(step, groups, await self.passes.gather(groups))
+
+    def _assemble(self, step: int, groups: list[RowGroup], results: list[np.ndarray]) -> np.ndarray:
+        out = np.empty((len(self._host_rows), self._seq_len), np.uint32)
+        for group, rows in zip(groups, results):
+            out[group.out] = rows[group.take]
+        with self.lock:
+            self.steps_built += 1
+            count_rows(self.sources, groups, step)
+        return out
+
+    def pin_keys(self, step: int) -> PinKeys:
+        """Where every source stands at ``step`` on each of this host's streams (its pass and
+        minipoch), whether or not ``step`` reads it: equal for all the steps in which no
+        source changes minipoch, so an iterator pins once per source minipoch."""
+        r = self._rows_per_stream
+        keys = []
+        for stream in self.streams:
+            before = self._assignment.count_before(stream, (self.first_step + step) * r)
+            for source, k in enumerate(before.tolist()):
+                epoch, source_step = divmod(k // r, int(self._step_counts[source]))
+                row = np.array([stream * r])
+                minipoch = int(self._plans[source].locate(source_step, row).minipoch[0])
+                is_open = self.passes.engine_now(source, epoch) is not None
+                keys.append((source, epoch, stream, minipoch, is_open))
+        return tuple(keys)
+
+    def pin(self, keys: PinKeys) -> list[tuple[Engine, list[tuple[int, int]]]]:
+        """Pin, in each open pass, the minipoch a source stands in and its next one (a pass
+        opened later is pinned once the keys say it is open)."""
+        wanted: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for source, epoch, stream, minipoch, _ in keys:
+            count = self._plans[source].minipoch_count
+            more = [(stream, m) for m in (minipoch, minipoch + 1) if m < count]
+            wanted.setdefault((source, epoch), []).extend(more)
+        pinned = []
+        for (source, epoch), engine_keys in wanted.items():
+            engine = self.passes.engine_now(source, epoch)
+            if engine is not None:
+                engine.pin(engine_keys)
+                pinned.append((engine, engine_keys))
+        return pinned
+
+    def unpin(self, pinned: list[tuple[Engine, list[tuple[int, int]]]]) -> None:
+        for engine, keys in pinned:
+            engine.unpin(keys)
+
+    def stats(self) -> list[EngineStats]:
+        """Each source's newest pass's engine figures."""
+        return [s.engines[max(s.engines)].stats() for s in self.sources]
+
+    def interval_stats(self) -> IntervalStats:
+        interval = self.passes.interval_stats()
+        assert interval is not None  # every source has a pass open from the start
+        return interval
+
+    async def aclose(self) -> None:
+        await self.passes.aclose()
+
+    def release(self) -> None:
+        self.passes.release()

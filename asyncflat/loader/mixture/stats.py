@@ -5,8 +5,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-import numpy as np
-
 from asyncflat.engine import EngineStats
 from asyncflat.engine.stats import Readable
 from asyncflat.loader.mixture.passes import SourceState
@@ -45,15 +43,14 @@ def mixture_stats(
     sources: Sequence[SourceState],
     engines: Sequence[EngineStats],
     steps_built: int,
-    build_s: Sequence[float],
+    build_median_s: float | None,
 ) -> MixtureStats:
     """The figures of ``sources`` (``engines``: each one's newest pass's engine figures) and of
-    the steps built (``build_s``: jax build times)."""
-    builds = np.array(build_s)
+    the steps built (``build_median_s``: their median jax build time)."""
     per_source = tuple(
         MixtureSourceStats(
             s.where, s.passes, s.rows, s.step_count, s.buffer_bytes, engines[s.index]
         )
         for s in sources
     )
-    return MixtureStats(per_source, steps_built, float(np.median(builds)) if len(builds) else None)
+    return MixtureStats(per_source, steps_built, build_median_s)
