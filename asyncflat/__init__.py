@@ -63,9 +63,9 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from asyncflat.integrations.reference import get_loader
-    from asyncflat.loader.batch import TokenBatch, default_sharding
     from asyncflat.loader.epochs import iter_epochs
     from asyncflat.loader.mixture.loader import MixtureLoader
+    from asyncflat.loader.shared.batch import TokenBatch, default_sharding
     from asyncflat.loader.shuffling import ShufflingLoader
     from asyncflat.writer.flat_tokens import FlatTokensWriter, write_flat_tokens
 

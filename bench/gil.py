@@ -35,7 +35,7 @@ def main() -> None:
     import numpy as np
 
     from asyncflat import permutation as permutation_module  # noqa: F401
-    from asyncflat.loader.batch import BatchBuilder, default_sharding
+    from asyncflat.loader.shared.batch import BatchBuilder, default_sharding
 
     impl: Any = sys.modules["asyncflat.plan.permutation"]
     builder = BatchBuilder(default_sharding(), (16, 2048))

@@ -45,7 +45,7 @@ def child(args: argparse.Namespace) -> None:
     import jax
 
     import asyncflat
-    from asyncflat.loader.batch import BatchBuilder, decode, default_sharding
+    from asyncflat.loader.shared.batch import BatchBuilder, decode, default_sharding
 
     params = asyncflat.FlatTokensParams(
         args.path, args.streams, args.rbpsb, args.spb, seed=0, sequence_packing=True

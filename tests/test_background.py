@@ -1,4 +1,4 @@
-"""The generic background builder (asyncflat.loader.background) on its own: a ``build(step)`` callable.
+"""The generic background builder (asyncflat.loader.shared.background) on its own: a ``build(step)`` callable.
 
 Events, not sleeps, decide every ordering here; waits are bounded with a clear failure message.
 """
@@ -13,14 +13,14 @@ from typing import Any
 import pytest
 
 from asyncflat.errors import LoaderClosedError
-from asyncflat.loader.background import (
+from asyncflat.loader.shared.background import (
     BackgroundBuilder,
     BackgroundStopped,
     BuildPacing,
     Prefetchers,
 )
-from asyncflat.loader.iterator import BatchIterator
-from asyncflat.loader.serving import Pin
+from asyncflat.loader.shared.iterator import BatchIterator
+from asyncflat.loader.shared.serving import Pin
 
 WAIT_S = 10.0
 
@@ -280,7 +280,7 @@ def test_a_ctrl_c_while_a_builders_thread_starts_leaves_no_thread_close_does_not
 
 
 class StoppingOwner:
-    """An :class:`~asyncflat.loader.iterator.IteratorOwner` whose prefetch thread is stopped
+    """An :class:`~asyncflat.loader.shared.iterator.IteratorOwner` whose prefetch thread is stopped
     by ``close()`` from another thread before it starts step 1: its ``take(1)`` then raises
     ``BackgroundStopped``, as a real builder's does."""
 

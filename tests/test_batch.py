@@ -1,4 +1,4 @@
-"""The jax glue (asyncflat.loader.batch): host decode, the user's batch type, sharding, no compile.
+"""The jax glue (asyncflat.loader.shared.batch): host decode, the user's batch type, sharding, no compile.
 
 Single process, 8 CPU devices (tests/conftest.py).
 """
@@ -18,7 +18,7 @@ from reference_impl import ReferenceLoader, load_split_arrays
 
 import asyncflat
 from asyncflat import ConfigError, FlatTokensParams, ShufflingLoader, TokenBatchParams
-from asyncflat.loader.batch import BatchBuilder, TokenBatch, check_batch_type, decode
+from asyncflat.loader.shared.batch import BatchBuilder, TokenBatch, check_batch_type, decode
 
 SEQ_LEN, BATCH = 24, 16
 PARAMS = dict(streams=2, read_blocks_per_shuffle_buffer=2, sequences_per_read_block=8, seed=4)

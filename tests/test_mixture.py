@@ -467,7 +467,7 @@ def test_a_mixture_iterator_stops_with_loader_closed_when_closed_from_another_th
     import random
     import threading
 
-    from asyncflat.loader.iterator import BatchIterator
+    from asyncflat.loader.shared.iterator import BatchIterator
 
     mixture = MixtureParams((MixtureSource(flat(stores[0]), 1), MixtureSource(flat(stores[2]), 1)))
     options = EngineOptions(prefetch_to_device=1)

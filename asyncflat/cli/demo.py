@@ -55,7 +55,7 @@ def _demo_sharding(batch: int) -> Any:
     import jax
     from jax.sharding import SingleDeviceSharding
 
-    from asyncflat.loader.batch import default_sharding
+    from asyncflat.loader.shared.batch import default_sharding
 
     if batch % len(jax.devices()) == 0:
         return default_sharding()

@@ -28,7 +28,7 @@ from jax.sharding import Sharding
 
 from asyncflat.config import HuggingFaceDataParams, TokenBatchParams, step_argument
 from asyncflat.errors import ConfigError, LoaderClosedError, StepOutOfRangeError
-from asyncflat.loader.batch import BatchBuilder, BatchType, TokenBatch, default_sharding
+from asyncflat.loader.shared.batch import BatchBuilder, BatchType, TokenBatch, default_sharding
 from asyncflat.writer.convert import ConvertReport, Tokenizer, convert_documents, load_tokenizer
 
 __all__ = ["HuggingFaceDataLoader", "convert_hf_dataset", "open_hf_dataset"]

@@ -18,9 +18,9 @@ from asyncflat.config import (
     HuggingFaceDataParams,
     TokenBatchParams,
 )
-from asyncflat.loader.batch import BatchType, TokenBatch
 from asyncflat.loader.mixture.config import MixtureParams
 from asyncflat.loader.mixture.loader import MixtureLoader
+from asyncflat.loader.shared.batch import BatchType, TokenBatch
 from asyncflat.loader.shuffling import DEFAULT_OPTIONS, ShufflingLoader
 
 __all__ = ["get_loader"]

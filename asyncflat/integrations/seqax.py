@@ -28,8 +28,8 @@ from asyncflat.config import (
 )
 from asyncflat.errors import ConfigError
 from asyncflat.integrations.reference import get_loader as _get_loader
-from asyncflat.loader.batch import BatchType
 from asyncflat.loader.mixture.config import MixtureParams
+from asyncflat.loader.shared.batch import BatchType
 
 __all__ = ["batch_sharding", "get_loader"]
 

@@ -30,9 +30,9 @@ from jax.sharding import Sharding
 from asyncflat._typecheck import checked
 from asyncflat.config import EngineOptions, FlatTokensParams, TokenBatchParams
 from asyncflat.errors import ConfigError
-from asyncflat.loader.batch import TokenBatch
 from asyncflat.loader.mixture.config import MixtureParams
 from asyncflat.loader.mixture.loader import MixtureLoader
+from asyncflat.loader.shared.batch import TokenBatch
 from asyncflat.loader.shuffling import ShufflingLoader
 
 __all__ = ["EpochIterator", "iter_epochs"]

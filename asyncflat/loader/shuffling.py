@@ -2,15 +2,15 @@
 
 ``load(step)`` is a pure function of (dataset, params, step): it asks the engine, on the
 engine's own loop, for the encoded rows of this host's batch indices and hands them to a
-:class:`~asyncflat.loader.batch.BatchBuilder`, which decodes them on the host and builds one sharded
+:class:`~asyncflat.loader.shared.batch.BatchBuilder`, which decodes them on the host and builds one sharded
 ``jax.Array`` per field of the batch type. Each host computes its batch indices from the sharding
 and fills only the streams they belong to (docs/multihost.md).
 
 ``iter()`` also keeps the next ``EngineOptions.prefetch_to_device`` steps' batches built on a
-background thread (:mod:`asyncflat.loader.background`), so the trainer's ``next()`` returns at once;
+background thread (:mod:`asyncflat.loader.shared.background`), so the trainer's ``next()`` returns at once;
 ``load(step)`` of a step an iterator has prefetched returns that same batch.
 
-All of that is the lifecycle every loader shares (:mod:`asyncflat.loader.lifecycle`); this module
+All of that is the lifecycle every loader shares (:mod:`asyncflat.loader.shared.lifecycle`); this module
 supplies only its rows, one engine's (:class:`EngineRows`).
 """
 
@@ -28,11 +28,11 @@ from asyncflat.config import EngineOptions, FlatTokensParams, TokenBatchParams, 
 from asyncflat.engine import Engine, EngineStats, IntervalStats
 from asyncflat.errors import ConfigError
 from asyncflat.format.codec import SPLITS
-from asyncflat.loader.batch import BatchBuilder, BatchType, TokenBatch, default_sharding
-from asyncflat.loader.iterator import BatchIterator
-from asyncflat.loader.lifecycle import Lifecycle
 from asyncflat.loader.mixture.config import MixtureParams
-from asyncflat.loader.open import open_engine
+from asyncflat.loader.shared.batch import BatchBuilder, BatchType, TokenBatch, default_sharding
+from asyncflat.loader.shared.iterator import BatchIterator
+from asyncflat.loader.shared.lifecycle import Lifecycle
+from asyncflat.loader.shared.open import open_engine
 from asyncflat.plan.shuffle import ShufflePlan
 from asyncflat.source.protocol import StoreWrapper, TokenSource
 
@@ -42,7 +42,7 @@ DEFAULT_OPTIONS = EngineOptions()
 
 
 class EngineRows:
-    """The :class:`~asyncflat.loader.serving.RowServer` of one engine: this host's rows of a
+    """The :class:`~asyncflat.loader.shared.serving.RowServer` of one engine: this host's rows of a
     step of one split's pass."""
 
     def __init__(self, engine: Engine, host_rows: np.ndarray) -> None:
@@ -89,7 +89,7 @@ class ShufflingLoader:
 
     Batches are ``batch_type(targets=..., is_seq_start=...)`` with (batch, len) ``jax.Array``
     fields (uint32 and bool) sharded by ``sharding``; the default ``batch_type`` is
-    :class:`~asyncflat.loader.batch.TokenBatch`, and any dataclass or pytree with those two fields works
+    :class:`~asyncflat.loader.shared.batch.TokenBatch`, and any dataclass or pytree with those two fields works
     (e.g. seqax's own ``TokenBatch``). Use as a context manager (or call :meth:`close`) so the
     engine's thread and buffers go away. ``source`` injects a
     :class:`~asyncflat.source.protocol.TokenSource` (tests); ``store_wrapper`` wraps the zarr store (fault

@@ -4,8 +4,8 @@
 :mod:`asyncflat.plan.mixture`. :mod:`.loader` holds
 :class:`~asyncflat.loader.mixture.loader.MixtureLoader` (it needs jax: import it from there, or as
 ``asyncflat.MixtureLoader``), a facade over the loaders' one lifecycle
-(:mod:`asyncflat.loader.lifecycle`); :mod:`.passes`, :mod:`.rows` (its
-:class:`~asyncflat.loader.serving.RowServer`), :mod:`.setup` and :mod:`.stats` are its parts. ``asyncflat.ShufflingLoader`` and ``get_loader`` build a ``MixtureLoader`` when given a
+(:mod:`asyncflat.loader.shared.lifecycle`); :mod:`.passes`, :mod:`.rows` (its
+:class:`~asyncflat.loader.shared.serving.RowServer`), :mod:`.setup` and :mod:`.stats` are its parts. ``asyncflat.ShufflingLoader`` and ``get_loader`` build a ``MixtureLoader`` when given a
 :class:`MixtureParams`.
 
 May import: ``loader``, ``engine``, ``source``, ``storage``, ``plan``, ``format``, ``config``,

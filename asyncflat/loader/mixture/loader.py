@@ -27,9 +27,6 @@ from asyncflat.config import EngineOptions, TokenBatchParams, redact_url, step_a
 from asyncflat.engine import Engine, IntervalStats
 from asyncflat.errors import ConfigError
 from asyncflat.format.codec import SPLITS
-from asyncflat.loader.batch import BatchBuilder, BatchType, TokenBatch, default_sharding
-from asyncflat.loader.iterator import BatchIterator
-from asyncflat.loader.lifecycle import Lifecycle
 from asyncflat.loader.mixture.config import MAX_STEPS, MixtureParams
 from asyncflat.loader.mixture.passes import Passes, RowGroup, SourceState
 from asyncflat.loader.mixture.rows import MixtureRows, batch_sources
@@ -40,7 +37,10 @@ from asyncflat.loader.mixture.setup import (
     store_wrappers,
 )
 from asyncflat.loader.mixture.stats import MixtureSourceStats, MixtureStats, mixture_stats
-from asyncflat.loader.open import open_engine
+from asyncflat.loader.shared.batch import BatchBuilder, BatchType, TokenBatch, default_sharding
+from asyncflat.loader.shared.iterator import BatchIterator
+from asyncflat.loader.shared.lifecycle import Lifecycle
+from asyncflat.loader.shared.open import open_engine
 from asyncflat.plan.mixture import Assignment
 from asyncflat.plan.shuffle import ShufflePlan
 from asyncflat.source.protocol import StoreWrapper
@@ -56,7 +56,7 @@ class MixtureLoader:
     ``asyncflat.ShufflingLoader(split, MixtureParams(...), token_batch_params)`` and
     ``get_loader`` return one; it has the plain loader's ``load``/``iter``/``step_count``/
     ``stats``/``interval_stats``/``close`` (the same lifecycle,
-    :mod:`asyncflat.loader.lifecycle`). ``step_count`` is ``MixtureParams.steps``, or, when that
+    :mod:`asyncflat.loader.shared.lifecycle`). ``step_count`` is ``MixtureParams.steps``, or, when that
     is None, the steps served before any source would need a second pass. ``load(step)`` is a
     pure function of (config, step): a restart at any step gives the same batches.
     ``store_wrapper`` is one wrapper for every source's store, or a sequence of one per source

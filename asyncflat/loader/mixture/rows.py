@@ -1,6 +1,6 @@
 """Which source rows make a mixture step: the pure row arithmetic of a
 :class:`~asyncflat.loader.mixture.loader.MixtureLoader`, the per-source row counts it reports,
-and :class:`MixtureRows`, the :class:`~asyncflat.loader.serving.RowServer` it hands the loaders'
+and :class:`MixtureRows`, the :class:`~asyncflat.loader.shared.serving.RowServer` it hands the loaders'
 lifecycle.
 
 For each of this host's batch rows ``r`` (stream ``i = r // R``, position ``j = r % R``) the

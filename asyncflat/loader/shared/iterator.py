@@ -1,9 +1,9 @@
 """The iterator of every loader (:class:`BatchIterator`): ``(step, batch)`` pairs, built ahead
-on a thread when device prefetch is on, holding a :class:`~asyncflat.loader.serving.Pin` on
+on a thread when device prefetch is on, holding a :class:`~asyncflat.loader.shared.serving.Pin` on
 the buffers it reads next.
 
 It knows its loader only through :class:`IteratorOwner` (what
-:class:`~asyncflat.loader.lifecycle.Lifecycle` gives it), so the plain loader and the mixture
+:class:`~asyncflat.loader.shared.lifecycle.Lifecycle` gives it), so the plain loader and the mixture
 share it whole.
 """
 
@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 from asyncflat.errors import LoaderClosedError
-from asyncflat.loader.background import BackgroundBuilder, BackgroundStopped
-from asyncflat.loader.serving import Pin
+from asyncflat.loader.shared.background import BackgroundBuilder, BackgroundStopped
+from asyncflat.loader.shared.serving import Pin
 
 __all__ = ["BatchIterator", "IteratorOwner"]
 

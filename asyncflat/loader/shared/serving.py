@@ -3,7 +3,7 @@ a step, and :class:`Pin`, an iterator's hold on the buffers those rows come from
 
 The plain loader serves from one engine, the mixture from one engine per source and pass; the
 rest (the loop thread, ``load``/``iter``, load-ahead, device prefetch, statistics, closing) is
-:mod:`asyncflat.loader.lifecycle`, written once.
+:mod:`asyncflat.loader.shared.lifecycle`, written once.
 """
 
 from __future__ import annotations

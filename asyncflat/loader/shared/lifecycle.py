@@ -2,9 +2,9 @@
 
 A loader (:class:`~asyncflat.loader.shuffling.ShufflingLoader`,
 :class:`~asyncflat.loader.mixture.loader.MixtureLoader`) is a thin facade: it builds a
-:class:`Lifecycle` and hands it a :class:`~asyncflat.loader.serving.RowServer`, which says
+:class:`Lifecycle` and hands it a :class:`~asyncflat.loader.shared.serving.RowServer`, which says
 which rows make a step. Everything else is here, once: the loop thread the engines run on,
-``load(step)`` and its load-ahead, ``iter()`` (one :class:`~asyncflat.loader.iterator.BatchIterator`
+``load(step)`` and its load-ahead, ``iter()`` (one :class:`~asyncflat.loader.shared.iterator.BatchIterator`
 for every loader) and its device prefetch, the jax build of a batch and its build times, the
 batches delivered, ``interval_stats()``, and closing (idempotent, from any thread, refused in a
 forked child, safe from a finalizer).
@@ -27,11 +27,11 @@ from asyncflat.config import EngineOptions, step_argument
 from asyncflat.engine import IntervalStats
 from asyncflat.engine.loop import LoopThread
 from asyncflat.errors import LoaderClosedError
-from asyncflat.loader.background import BackgroundBuilder, Prefetchers
-from asyncflat.loader.batch import BatchBuilder
-from asyncflat.loader.iterator import BatchIterator
-from asyncflat.loader.load_ahead import NOT_READY, LoadAhead
-from asyncflat.loader.serving import Pin, RowServer
+from asyncflat.loader.shared.background import BackgroundBuilder, Prefetchers
+from asyncflat.loader.shared.batch import BatchBuilder
+from asyncflat.loader.shared.iterator import BatchIterator
+from asyncflat.loader.shared.load_ahead import NOT_READY, LoadAhead
+from asyncflat.loader.shared.serving import Pin, RowServer
 
 __all__ = ["BUILD_HISTORY", "Lifecycle"]
 

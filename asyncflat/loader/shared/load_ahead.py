@@ -5,7 +5,7 @@ seqax's ``train.py`` (and most trainers written for the reference) call ``load(s
 copy, the decode, the device transfer) while the engine's threads competed for the same cores.
 Once two loads in a row were consecutive, :class:`LoadAhead` keeps the next
 ``EngineOptions.prefetch_to_device`` steps built on a background thread
-(:class:`~asyncflat.loader.background.BackgroundBuilder`), and the ``load()`` of the step it expects
+(:class:`~asyncflat.loader.shared.background.BackgroundBuilder`), and the ``load()`` of the step it expects
 takes the built batch. A batch is a pure function of its step, so a batch built ahead is the
 batch ``load()`` would have built. Any other step (a jump, another thread's load) is built by
 the ``load()`` itself; a jump retires the builder and the next two consecutive loads start a new
@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncflat.errors import LoaderClosedError
-from asyncflat.loader.background import BackgroundBuilder, BackgroundStopped, Prefetchers
+from asyncflat.loader.shared.background import BackgroundBuilder, BackgroundStopped, Prefetchers
 
 __all__ = ["NOT_READY", "LoadAhead"]
 
