@@ -17,7 +17,7 @@ import logging
 import sys
 from collections.abc import Callable
 
-__all__ = ["trim_later"]
+__all__ = ["available", "trim_count", "trim_later"]
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +35,24 @@ def _resolve() -> Callable[[int], int] | None:
     return function
 
 
+_trims = 0  # finished trims, for tests and diagnostics (a plain int: += under the GIL is enough
+# for a count read after the fact; trims of one process run on its loops' pools)
+
+
+def available() -> bool:
+    """Whether this process has glibc's ``malloc_trim`` (else :func:`trim_later` does nothing)."""
+    return _resolve() is not None
+
+
+def trim_count() -> int:
+    """How many trims have finished in this process."""
+    return _trims
+
+
 def _trim(function: Callable[[int], int]) -> None:
+    global _trims
     function(0)
+    _trims += 1
 
 
 def trim_later(loop: asyncio.AbstractEventLoop) -> None:
