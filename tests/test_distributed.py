@@ -278,8 +278,10 @@ def test_wrong_argument_types_are_clear(corpus: Path, tmp_path: Path) -> None:
         convert_distributed(
             [corpus], tmp_path / "o.zarr", options=ConvertOptions(tokenizer=BytesTokenizer())
         )
-    with pytest.raises(ConfigError, match="options must be a ConvertOptions, got dict"):
+    with pytest.raises(ArgumentTypeError, match=r'argument "options" \(dict\)'):
         convert_distributed([corpus], tmp_path / "o.zarr", options={"seed": 1})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="options must be a ConvertOptions, got dict"):
+        convert_files([corpus], tmp_path / "o.zarr", options={"seed": 1})  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="unit_bytes must be an integer >= 1"):
         convert_distributed([corpus], tmp_path / "o.zarr", runner="local", unit_bytes=0)
     assert list(tmp_path.iterdir()) == []
