@@ -42,8 +42,8 @@ _LAZY_NAMES = {
     "write_flat_tokens": "writer.flat_tokens",
     "ShufflingLoader": "loader.shuffling",
     "get_loader": "integrations.reference",
-    "TokenBatch": "loader.batch",
-    "default_sharding": "loader.batch",
+    "TokenBatch": "loader.shared.batch",
+    "default_sharding": "loader.shared.batch",
     "iter_epochs": "loader.epochs",
     "MixtureLoader": "loader.mixture.loader",
 }

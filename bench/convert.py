@@ -104,11 +104,12 @@ def raw_tokens_per_s(corpus: Path, tok: Path, workers: int) -> tuple[float, int]
 
 
 def converter_tokens_per_s(corpus: Path, tok: Path, workers: int) -> tuple[float, int]:
-    from asyncflat.writer.convert import convert_files
+    from asyncflat.writer.convert import ConvertOptions, convert_files
 
     out = bench_dir() / "convert-out.zarr"
     shutil.rmtree(out, ignore_errors=True)
-    report = convert_files([corpus], out, tokenizer=str(tok), workers=workers)
+    options = ConvertOptions(tokenizer=str(tok), workers=workers)
+    report = convert_files([corpus], out, options=options)
     shutil.rmtree(out, ignore_errors=True)
     return report.tokens_per_s, sum(report.tokens.values())
 
@@ -116,12 +117,12 @@ def converter_tokens_per_s(corpus: Path, tok: Path, workers: int) -> tuple[float
 def converter_fixed_s(workers: int) -> float:
     """The converter's fixed cost (starting its pool, each worker importing asyncflat): the
     time to convert one short document."""
-    from asyncflat.writer.convert import convert_texts
+    from asyncflat.writer.convert import ConvertOptions, convert_texts
 
     out = bench_dir() / "convert-tiny.zarr"
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()
-    convert_texts(["a short document"], out, workers=workers)
+    convert_texts(["a short document"], out, options=ConvertOptions(workers=workers))
     seconds = time.perf_counter() - t0
     shutil.rmtree(out, ignore_errors=True)
     return seconds
@@ -134,7 +135,8 @@ def ray_figures(corpus: Path, tok: Path, unit_mib: int, rounds: int) -> dict[str
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # 127.0.0.1 only
     import ray
 
-    from asyncflat.writer.distributed import RayEngine, convert_distributed
+    from asyncflat.writer.convert import ConvertOptions
+    from asyncflat.writer.distributed import RayRunner, convert_distributed
 
     t0 = time.perf_counter()
     ray.init(
@@ -158,10 +160,14 @@ def ray_figures(corpus: Path, tok: Path, unit_mib: int, rounds: int) -> dict[str
     for _ in range(rounds):
         for workers in (1, 2):
             shutil.rmtree(out, ignore_errors=True)
-            engine = RayEngine(max_tasks=workers)
+            runner = RayRunner(max_tasks=workers)
             t0 = time.perf_counter()
             report = convert_distributed(
-                [corpus], out, tokenizer=str(tok), engine=engine, unit_bytes=unit_mib << 20
+                [corpus],
+                out,
+                options=ConvertOptions(tokenizer=str(tok)),
+                runner=runner,
+                unit_bytes=unit_mib << 20,
             )
             rate = sum(report.tokens.values()) / (time.perf_counter() - t0)
             best[workers] = max(best[workers], rate)

@@ -15,12 +15,12 @@ from asyncflat.cli import main
 from asyncflat.errors import ConfigError
 from asyncflat.format.codec import decode
 from asyncflat.inspection import verify_split
+from asyncflat.text.corpus import iter_documents
+from asyncflat.text.tokenizer import BytesTokenizer, load_tokenizer
 from asyncflat.writer.convert import (
-    BytesTokenizer,
+    ConvertOptions,
     convert_files,
     convert_texts,
-    iter_documents,
-    load_tokenizer,
     validation_mask,
 )
 
@@ -142,8 +142,7 @@ def test_convert_each_input_type_bytes(tmp_path: Path, kind: str) -> None:
         out,
         text_field=text_field,
         txt_mode=txt_mode,
-        validation_fraction=0.2,
-        chunk_tokens=64,
+        options=ConvertOptions(validation_fraction=0.2, chunk_tokens=64),
     )
     expected = expected_splits(docs, bytes_ids, 0.2)
     assert_dataset(out, expected)
@@ -184,7 +183,11 @@ def test_convert_with_tokenizer_json(tmp_path: Path) -> None:
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     for spec in (str(file), str(tmp_path)):  # the file, or the directory holding it
         out = tmp_path / f"out-{len(spec)}.zarr"
-        convert_files([tmp_path / "in.jsonl"], out, tokenizer=spec, validation_fraction=0.3)
+        convert_files(
+            [tmp_path / "in.jsonl"],
+            out,
+            options=ConvertOptions(tokenizer=spec, validation_fraction=0.3),
+        )
         encode = lambda text: tok.encode(text, add_special_tokens=False).ids  # noqa: E731
         assert_dataset(out, expected_splits(docs, encode, 0.3))
     assert load_tokenizer(str(file)).zero_reserved
@@ -213,8 +216,8 @@ def test_tiktoken_without_cached_files_fails_offline(
 
 def test_worker_processes_give_identical_output(tmp_path: Path) -> None:
     docs = [f"doc {i} " + "x" * (i % 37) for i in range(3000)]  # several batches per worker
-    convert_texts(docs, tmp_path / "one.zarr", workers=1, chunk_tokens=4096)
-    convert_texts(docs, tmp_path / "two.zarr", workers=2, chunk_tokens=4096)
+    convert_texts(docs, tmp_path / "one.zarr", options=ConvertOptions(workers=1, chunk_tokens=4096))
+    convert_texts(docs, tmp_path / "two.zarr", options=ConvertOptions(workers=2, chunk_tokens=4096))
     for split in ("train", "validation"):
         assert read_split(tmp_path / "one.zarr", split) == read_split(tmp_path / "two.zarr", split)
     assert_dataset(tmp_path / "two.zarr", expected_splits(docs, bytes_ids, 0.01))
@@ -226,7 +229,7 @@ def test_failed_conversion_leaves_nothing(tmp_path: Path) -> None:
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
     out = tmp_path / "out.zarr"
     with pytest.raises(ConfigError, match=r"in.jsonl:4001: no field 'text'"):
-        convert_files([tmp_path / "in.jsonl"], out, chunk_tokens=1024)
+        convert_files([tmp_path / "in.jsonl"], out, options=ConvertOptions(chunk_tokens=1024))
     assert not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]  # no staging left behind
 
@@ -235,7 +238,7 @@ def test_failed_conversion_leaves_nothing(tmp_path: Path) -> None:
         raise RuntimeError("the input stream broke")
 
     with pytest.raises(RuntimeError, match="stream broke"):
-        convert_texts(exploding(), out, chunk_tokens=1024)
+        convert_texts(exploding(), out, options=ConvertOptions(chunk_tokens=1024))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
 
 
@@ -244,7 +247,7 @@ def test_existing_output_needs_overwrite(tmp_path: Path) -> None:
     convert_texts(["one", "two"], out)
     with pytest.raises(ConfigError, match="already exists"):
         convert_texts(["three"], out)
-    convert_texts(["three"], out, overwrite=True, validation_fraction=0.0)
+    convert_texts(["three"], out, options=ConvertOptions(overwrite=True, validation_fraction=0.0))
     assert read_split(out, "train") == [bytes_ids("three")]
 
 
@@ -315,21 +318,29 @@ def test_empty_and_tiny_splits_are_warned_about(
 
     docs = [f"document {i}" for i in range(151)]
     with caplog.at_level(logging.WARNING, logger="asyncflat"):
-        report = convert_texts(docs, tmp_path / "a", validation_fraction=0.0, chunk_tokens=64)
+        report = convert_texts(
+            docs, tmp_path / "a", options=ConvertOptions(validation_fraction=0.0, chunk_tokens=64)
+        )
     assert report.sequences["validation"] == 0
     (record,) = [r for r in caplog.records if "validation" in r.getMessage()]
     assert "'validation'" in record.getMessage() and "is empty" in record.getMessage()
     assert "151 documents" in record.getMessage()
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="asyncflat"):
-        report = convert_texts(docs, tmp_path / "b", validation_fraction=0.02, chunk_tokens=64)
+        report = convert_texts(
+            docs, tmp_path / "b", options=ConvertOptions(validation_fraction=0.02, chunk_tokens=64)
+        )
     assert 0 < report.sequences["validation"] < 16
     messages = [r.getMessage() for r in caplog.records]
     assert any("'validation'" in m and "is tiny" in m for m in messages), messages
     assert not any("'train'" in m for m in messages), messages  # train is big enough
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="asyncflat"):
-        convert_texts(docs * 20, tmp_path / "c", validation_fraction=0.3, chunk_tokens=64)
+        convert_texts(
+            docs * 20,
+            tmp_path / "c",
+            options=ConvertOptions(validation_fraction=0.3, chunk_tokens=64),
+        )
     assert caplog.records == []
 
 
@@ -338,7 +349,7 @@ def test_progress_bar_has_a_total(tmp_path: Path, capsys: pytest.CaptureFixture[
     with gzip.open(tmp_path / "b.jsonl.gz", "wt") as f:
         f.writelines(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(5000))
     size = (tmp_path / "a.txt").stat().st_size + (tmp_path / "b.jsonl.gz").stat().st_size
-    convert_files([tmp_path], tmp_path / "o.zarr", progress=True)
+    convert_files([tmp_path], tmp_path / "o.zarr", options=ConvertOptions(progress=True))
     err = capsys.readouterr().err
     final = err.replace("\r", "\n").strip().splitlines()[-1]
     assert "100%" in final, err  # a percentage is shown only against a total
@@ -376,7 +387,11 @@ def test_tiktoken_from_a_local_file(tmp_path: Path) -> None:
         assert ids.tolist() == reference.encode_ordinary(text)
         assert ids.tolist()[0] == ranks[b"hello"]
     out = tmp_path / "out.zarr"
-    convert_texts([text, "hello"], out, tokenizer=str(file), validation_fraction=0.0, workers=2)
+    convert_texts(
+        [text, "hello"],
+        out,
+        options=ConvertOptions(tokenizer=str(file), validation_fraction=0.0, workers=2),
+    )
     assert read_split(out, "train") == [reference.encode_ordinary(t) for t in (text, "hello")]
 
     other = tmp_path / "mine.tiktoken"

@@ -23,14 +23,10 @@ import zarr.storage._local as zarr_local
 
 from asyncflat.cli import main
 from asyncflat.errors import ConfigError
+from asyncflat.text.corpus import iter_documents
 from asyncflat.text.pool import tokenized_batches
-from asyncflat.writer.convert import (
-    TokenizerError,
-    convert_files,
-    convert_texts,
-    iter_documents,
-    load_tokenizer,
-)
+from asyncflat.text.tokenizer import TokenizerError, load_tokenizer
+from asyncflat.writer.convert import ConvertOptions, convert_files, convert_texts
 
 REPO = str(Path(__file__).resolve().parents[1])
 
@@ -105,7 +101,9 @@ def test_documents_over_the_limit_name_file_and_line(
     with pytest.raises(ConfigError, match=rf"{where}: document of at least \d+ bytes is over"):
         list(iter_documents([tmp_path / name], max_document_bytes=10))
     with pytest.raises(ConfigError, match=where):
-        convert_files([tmp_path / name], tmp_path / "out", max_document_bytes=10)
+        convert_files(
+            [tmp_path / name], tmp_path / "out", options=ConvertOptions(max_document_bytes=10)
+        )
     assert not (tmp_path / "out").exists()
 
 
@@ -123,11 +121,17 @@ def test_limit_applies_to_parquet_and_in_memory_texts(tmp_path: Path) -> None:
 
     pq.write_table(pa.table({"text": ["ok", "z" * 50]}), tmp_path / "a.parquet")
     with pytest.raises(ConfigError, match=r"a.parquet row 1: document of at least 50 bytes"):
-        convert_files([tmp_path / "a.parquet"], tmp_path / "out", max_document_bytes=10)
+        convert_files(
+            [tmp_path / "a.parquet"],
+            tmp_path / "out",
+            options=ConvertOptions(max_document_bytes=10),
+        )
     with pytest.raises(ConfigError, match=r"document 2: document of at least 30 bytes"):
-        convert_texts(["a", "b", "c" * 30], tmp_path / "out", max_document_bytes=10)
+        convert_texts(
+            ["a", "b", "c" * 30], tmp_path / "out", options=ConvertOptions(max_document_bytes=10)
+        )
     with pytest.raises(ConfigError, match=r"max_document_bytes must be an integer >= 1, got 0"):
-        convert_texts(["a"], tmp_path / "out", max_document_bytes=0)
+        convert_texts(["a"], tmp_path / "out", options=ConvertOptions(max_document_bytes=0))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.parquet"]
 
 
@@ -205,7 +209,7 @@ _JAMMED_POOL = """
 import os, struct, sys, time
 from concurrent.futures import ProcessPoolExecutor
 import multiprocessing
-from asyncflat.text.pool import _stop_pool
+from asyncflat.text.pool import stop_pool
 
 pool = ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"))
 assert pool.submit(abs, -1).result() == 1
@@ -213,7 +217,7 @@ manager = pool._executor_manager_thread
 # What a worker killed while sending a 1 MiB result leaves in the pipe: a header and 10 bytes.
 os.write(pool._result_queue._writer.fileno(), struct.pack("!i", 1 << 20) + b"x" * 10)
 time.sleep(0.5)  # the manager thread is now blocked reading the rest
-_stop_pool(pool, kill=True)
+stop_pool(pool, kill=True)
 print("manager alive:", manager.is_alive(), flush=True)
 """
 

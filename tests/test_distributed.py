@@ -24,7 +24,8 @@ import zarr
 from helpers.servers import MOTO_ENV
 
 from asyncflat.errors import ConfigError
-from asyncflat.writer.convert import convert_files
+from asyncflat.text.tokenizer import BytesTokenizer
+from asyncflat.writer.convert import ConvertOptions, convert_files
 from asyncflat.writer.distributed import convert_distributed
 from asyncflat.writer.distributed.plan import make_plan
 
@@ -34,7 +35,7 @@ LAYOUTS = {
     "v3_sharded": dict(zarr_format=3, chunk_tokens=2048, shard_tokens=8192),
     "v2": dict(zarr_format=2, chunk_tokens=4096),
 }
-SPLIT = dict(validation_fraction=0.2, seed=3)
+SPLIT: dict[str, Any] = dict(validation_fraction=0.2, seed=3)
 WORDS = ["alpha", "béta", "γάμμα", "дельта", "🙂", "", "x" * 40, "tab\there", "日本語"]
 
 
@@ -97,7 +98,7 @@ def reference(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[st
     out = {}
     for name, layout in LAYOUTS.items():
         out[name] = root / f"{name}.zarr"
-        convert_files([corpus], out[name], **SPLIT, **layout)
+        convert_files([corpus], out[name], options=ConvertOptions(**SPLIT, **layout))
     return out
 
 
@@ -129,21 +130,22 @@ def test_plan_units_are_bounded_and_line_aligned(corpus: Path) -> None:
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("unit_bytes", [3000, 1 << 20])
-def test_in_process_engine_equals_single_machine(
+def test_in_process_runner_equals_single_machine(
     corpus: Path, reference: dict[str, Path], tmp_path: Path, layout: str, unit_bytes: int
 ) -> None:
     out = tmp_path / "out.zarr"
     report = convert_distributed(
         [corpus],
         out,
-        engine="local",
+        options=ConvertOptions(**SPLIT, **LAYOUTS[layout]),
+        runner="local",
         unit_bytes=unit_bytes,
         write_run_tokens=10000,  # several write tasks per split, not aligned to anything
-        **SPLIT,
-        **LAYOUTS[layout],
     )
     assert_same_store(out, reference[layout])
-    want = convert_files([corpus], tmp_path / "again.zarr", **SPLIT, **LAYOUTS[layout])
+    want = convert_files(
+        [corpus], tmp_path / "again.zarr", options=ConvertOptions(**SPLIT, **LAYOUTS[layout])
+    )
     for field in ("documents", "empty_documents", "sequences", "tokens", "max_token_id"):
         assert getattr(report, field) == getattr(want, field)
     assert report.documents > 1500 and report.empty_documents > 10
@@ -151,27 +153,102 @@ def test_in_process_engine_equals_single_machine(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["again.zarr", "out.zarr"]
 
 
+# -- the commit protocol: the single-machine writer's, through both converters ------------------
+
+
+def convert_with(kind: str, inputs: list[Path], out: Path, options: ConvertOptions) -> Any:
+    if kind == "files":
+        return convert_files(inputs, out, options=options)
+    return convert_distributed(inputs, out, options=options, runner="local", unit_bytes=5000)
+
+
+@pytest.mark.parametrize("kind", ["files", "distributed"])
+def test_overwrite_never_replaces_a_directory_that_is_not_a_dataset(
+    kind: str, corpus: Path, tmp_path: Path
+) -> None:
+    project = tmp_path / "my_project"
+    (project / "src").mkdir(parents=True)
+    (project / "src" / "train.py").write_text("print('my training script')\n")
+    (project / "notes.txt").write_text("keep me")
+    before = tree(project)
+    with pytest.raises(ConfigError) as info:
+        convert_with(kind, [corpus], project, ConvertOptions(overwrite=True))
+    assert type(info.value) is ConfigError
+    assert str(info.value) == (
+        f"{project} exists and is not a flat-tokens store (it holds notes.txt, src); overwrite "
+        "only replaces a flat-tokens store or an empty directory: remove it yourself or choose "
+        "another output path"
+    )
+    assert tree(project) == before  # every file, and its contents
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["my_project"]  # no staging, no pieces
+
+
+@pytest.mark.parametrize("kind", ["files", "distributed"])
+def test_an_existing_dataset_is_refused_then_replaced(
+    kind: str, corpus: Path, reference: dict[str, Path], tmp_path: Path
+) -> None:
+    from asyncflat.writer.flat_tokens import write_flat_tokens
+    from asyncflat.writer.output import OutputExistsError
+
+    out = tmp_path / "out.zarr"
+    write_flat_tokens(out, {"train": [[1, 2, 3]], "validation": [[4]]})
+    before = tree(out)
+    with pytest.raises(OutputExistsError) as info:
+        convert_with(kind, [corpus], out, ConvertOptions(**SPLIT, **LAYOUTS["v3"]))
+    assert str(info.value) == f"{out} already exists (pass overwrite=True to replace it)"
+    assert tree(out) == before
+    replace = ConvertOptions(overwrite=True, **SPLIT, **LAYOUTS["v3"])
+    convert_with(kind, [corpus], out, replace)
+    assert_same_store(out, reference["v3"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.zarr"]
+
+
+def test_convert_options_name_the_bad_field() -> None:
+    bad: list[tuple[dict[str, Any], str]] = [
+        (
+            {"validation_fraction": 1.5},
+            r"ConvertOptions.validation_fraction must be in \[0, 1\], got 1.5",
+        ),
+        ({"validation_fraction": float("nan")}, r"validation_fraction .*got nan"),
+        ({"workers": -1}, r"ConvertOptions.workers must be an integer >= 0, got -1"),
+        ({"zarr_format": 4}, r"ConvertOptions.zarr_format must be 2 or 3, got 4"),
+        ({"chunk_tokens": 0}, r"ConvertOptions.chunk_tokens must be >= 1, got 0"),
+        ({"chunk_tokens": "1M"}, r"ConvertOptions.chunk_tokens must be an integer, got '1M'"),
+        ({"shard_tokens": 1000, "chunk_tokens": 300}, r"shard_tokens \(1000\) needs .* multiple"),
+        ({"shard_tokens": 1024, "chunk_tokens": 512, "zarr_format": 2}, r"needs zarr_format=3"),
+        ({"overwrite": "yes"}, r"ConvertOptions.overwrite must be a bool, got 'yes'"),
+        ({"storage_options": [1]}, r"ConvertOptions.storage_options must be a mapping"),
+        ({"max_document_bytes": 0}, r"ConvertOptions.max_document_bytes must be an integer >= 1"),
+        ({"tokenizer": 3}, r"ConvertOptions.tokenizer must be a spec string or a Tokenizer, got 3"),
+    ]
+    for fields, message in bad:
+        with pytest.raises(ConfigError, match=message):
+            ConvertOptions(**fields)
+    options = ConvertOptions(chunk_tokens=512, shard_tokens=2048, storage_options={"a": 1})
+    assert options.storage_dict == {"a": 1} and ConvertOptions().storage_dict is None
+
+
 def test_changed_tokenizer_is_refused_on_resume(corpus: Path, tmp_path: Path) -> None:
     from test_convert import make_tokenizer_json
 
     tok = make_tokenizer_json(tmp_path, [_doc(random.Random(i)) for i in range(50)])
     out, work = tmp_path / "out.zarr", tmp_path / "work"
-    options: dict[str, Any] = dict(engine="local", work_dir=str(work), unit_bytes=3000, **SPLIT)
-    first = convert_distributed([corpus], out, tokenizer=str(tok), keep_pieces=True, **options)
+    run: dict[str, Any] = dict(runner="local", work_dir=str(work), unit_bytes=3000)
+    tokenized = ConvertOptions(tokenizer=str(tok), **SPLIT)
+    replacing = ConvertOptions(tokenizer=str(tok), overwrite=True, **SPLIT)
+    first = convert_distributed([corpus], out, options=tokenized, keep_pieces=True, **run)
     assert first.units_resumed == 0 and (work / "plan.json").exists()
-    again = convert_distributed(
-        [corpus], out, tokenizer=str(tok), overwrite=True, keep_pieces=True, **options
-    )
+    again = convert_distributed([corpus], out, options=replacing, keep_pieces=True, **run)
     assert again.units_resumed == again.units > 3  # every piece reused
     (work / "mine.txt").write_text("a file of the user's")
     with pytest.raises(ConfigError, match=r"different conversion \(changed since: tokenizer\)"):
-        convert_distributed([corpus], tmp_path / "o2.zarr", tokenizer="bytes", **options)
+        convert_distributed([corpus], tmp_path / "o2.zarr", options=ConvertOptions(**SPLIT), **run)
     tok.write_text(tok.read_text().replace('"alpha"', '"ALPHA"'))  # same path, new contents
     with pytest.raises(ConfigError, match=r"changed since: tokenizer\)"):
-        convert_distributed([corpus], tmp_path / "o3.zarr", tokenizer=str(tok), **options)
+        convert_distributed([corpus], tmp_path / "o3.zarr", options=tokenized, **run)
     assert not (tmp_path / "o2.zarr").exists() and not (tmp_path / "o3.zarr").exists()
     (work / "plan.json").unlink()  # start afresh in the same directory
-    convert_distributed([corpus], out, tokenizer=str(tok), overwrite=True, **options)
+    convert_distributed([corpus], out, options=replacing, **run)
     assert sorted(p.name for p in work.iterdir()) == ["mine.txt"]  # only our own files removed
 
 
@@ -180,7 +257,7 @@ def test_progress_is_logged(corpus: Path, tmp_path: Path, caplog: pytest.LogCapt
 
     with caplog.at_level(logging.INFO, logger="asyncflat.writer.distributed"):
         report = convert_distributed(
-            [corpus], tmp_path / "o.zarr", engine="local", unit_bytes=20000
+            [corpus], tmp_path / "o.zarr", runner="local", unit_bytes=20000
         )
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tokenized")]
     total = sum(report.tokens.values())
@@ -194,11 +271,19 @@ def test_wrong_argument_types_are_clear(corpus: Path, tmp_path: Path) -> None:
     from asyncflat.errors import ArgumentTypeError
 
     with pytest.raises(ArgumentTypeError, match="unit_bytes"):
-        convert_distributed([corpus], tmp_path / "o.zarr", engine="local", unit_bytes="64M")  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="engine must be 'ray', 'local' or an Engine"):
-        convert_distributed([corpus], tmp_path / "o.zarr", engine="dask")
+        convert_distributed([corpus], tmp_path / "o.zarr", runner="local", unit_bytes="64M")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="runner must be 'ray', 'local' or a TaskRunner"):
+        convert_distributed([corpus], tmp_path / "o.zarr", runner="dask")
+    with pytest.raises(ConfigError, match=r"needs ConvertOptions\.tokenizer as a spec string"):
+        convert_distributed(
+            [corpus], tmp_path / "o.zarr", options=ConvertOptions(tokenizer=BytesTokenizer())
+        )
+    with pytest.raises(ArgumentTypeError, match=r'argument "options" \(dict\)'):
+        convert_distributed([corpus], tmp_path / "o.zarr", options={"seed": 1})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="options must be a ConvertOptions, got dict"):
+        convert_files([corpus], tmp_path / "o.zarr", options={"seed": 1})  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="unit_bytes must be an integer >= 1"):
-        convert_distributed([corpus], tmp_path / "o.zarr", engine="local", unit_bytes=0)
+        convert_distributed([corpus], tmp_path / "o.zarr", runner="local", unit_bytes=0)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -208,14 +293,14 @@ def test_bad_json_names_file_and_line_of_a_later_range(tmp_path: Path) -> None:
     path = tmp_path / "bad.jsonl"
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(ConfigError, match=rf"{path}:322: invalid JSON"):
-        convert_distributed([path], tmp_path / "o.zarr", engine="local", unit_bytes=1000)
+        convert_distributed([path], tmp_path / "o.zarr", runner="local", unit_bytes=1000)
     lines[321] = json.dumps({"body": "no text field"})
     path.write_text("\n".join(lines) + "\n")
     # The first run's pieces are of another input now: refused, and the message says why.
     with pytest.raises(ConfigError, match=r"different conversion \(changed since: inputs\)"):
-        convert_distributed([path], tmp_path / "o.zarr", engine="local", unit_bytes=1000)
+        convert_distributed([path], tmp_path / "o.zarr", runner="local", unit_bytes=1000)
     with pytest.raises(ConfigError, match=rf"{path}:322: no field 'text'"):
-        convert_distributed([path], tmp_path / "o2.zarr", engine="local", unit_bytes=1000)
+        convert_distributed([path], tmp_path / "o2.zarr", runner="local", unit_bytes=1000)
     assert not (tmp_path / "o.zarr").exists() and not (tmp_path / "o2.zarr").exists()
 
 
@@ -228,7 +313,11 @@ def test_memory_url_output_commits_root_metadata_last(
     url = "memory://asyncflat-dist-test/out.zarr"
     try:
         convert_distributed(
-            [corpus], url, engine="local", unit_bytes=5000, **SPLIT, **LAYOUTS["v3_sharded"]
+            [corpus],
+            url,
+            options=ConvertOptions(**SPLIT, **LAYOUTS["v3_sharded"]),
+            runner="local",
+            unit_bytes=5000,
         )
         want = tree(reference["v3_sharded"])
         got = {
@@ -244,10 +333,10 @@ def test_memory_url_output_commits_root_metadata_last(
 def test_failed_write_pass_leaves_no_output_and_keeps_pieces(
     corpus: Path, reference: dict[str, Path], tmp_path: Path
 ) -> None:
-    from asyncflat.writer.distributed import InProcessEngine
+    from asyncflat.writer.distributed import InProcessRunner
     from asyncflat.writer.distributed.write import run_write_job
 
-    class DiskFullOnSecondWrite(InProcessEngine):
+    class DiskFullOnSecondWrite(InProcessRunner):
         def map(self, fn: Any, jobs: Any) -> Iterator[tuple[int, Any]]:
             for i, result in super().map(fn, jobs):
                 if fn is run_write_job and i == 1:
@@ -255,13 +344,13 @@ def test_failed_write_pass_leaves_no_output_and_keeps_pieces(
                 yield i, result
 
     out = tmp_path / "out.zarr"
-    options: dict[str, Any] = dict(unit_bytes=3000, write_run_tokens=10000, **SPLIT)
+    run: dict[str, Any] = dict(
+        options=ConvertOptions(**SPLIT, **LAYOUTS["v3"]), unit_bytes=3000, write_run_tokens=10000
+    )
     with pytest.raises(OSError, match="disk full"):
-        convert_distributed(
-            [corpus], out, engine=DiskFullOnSecondWrite(), **options, **LAYOUTS["v3"]
-        )
+        convert_distributed([corpus], out, runner=DiskFullOnSecondWrite(), **run)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.zarr.pieces"]
-    report = convert_distributed([corpus], out, engine="local", **options, **LAYOUTS["v3"])
+    report = convert_distributed([corpus], out, runner="local", **run)
     assert report.units_resumed == report.units
     assert_same_store(out, reference["v3"])
 
@@ -272,7 +361,7 @@ def test_local_tiktoken_file(corpus: Path, tmp_path: Path) -> None:
     import tiktoken
     from tiktoken_ext.openai_public import r50k_pat_str
 
-    from asyncflat.writer.convert import load_tokenizer
+    from asyncflat.text.tokenizer import load_tokenizer
 
     ranks = {bytes([i]): i for i in range(256)}
     for merged in (b"th", b"the", b" t", b" the", b"al", b"alpha", "é".encode()):
@@ -290,10 +379,9 @@ def test_local_tiktoken_file(corpus: Path, tmp_path: Path) -> None:
     assert [t.tolist() for t in tok.encode_batch(texts)] == [want.encode_ordinary(t) for t in texts]
     assert tok.encode_batch(["the"])[0].tolist() == [ranks[b"the"]]
     out, ref = tmp_path / "out.zarr", tmp_path / "ref.zarr"
-    convert_files([corpus], ref, tokenizer=str(path), **SPLIT)
-    convert_distributed(
-        [corpus], out, tokenizer=str(path), engine="local", unit_bytes=5000, **SPLIT
-    )
+    options = ConvertOptions(tokenizer=str(path), **SPLIT)
+    convert_files([corpus], ref, options=options)
+    convert_distributed([corpus], out, options=options, runner="local", unit_bytes=5000)
     assert_same_store(out, ref)
     bad = tmp_path / "mine.tiktoken"
     bad.write_bytes(path.read_bytes())
@@ -346,11 +434,10 @@ def test_ray_equals_single_machine(
         report = convert_distributed(
             [corpus],
             out,
-            engine="ray",
+            options=ConvertOptions(**SPLIT, **LAYOUTS[layout]),
+            runner="ray",
             unit_bytes=3000,
             write_run_tokens=10000,
-            **SPLIT,
-            **LAYOUTS[layout],
         )
         assert report.parallelism == 2 and report.units > 10
         assert_same_store(out, reference[layout])
@@ -372,7 +459,7 @@ def test_ray_input_error_fails_fast_naming_line(
     path.write_text("\n".join(lines) + "\n")
     t0 = time.perf_counter()
     with pytest.raises(ConfigError, match=rf"{path}:251: invalid JSON"):
-        convert_distributed([path], tmp_path / "o.zarr", engine="ray", unit_bytes=1000)
+        convert_distributed([path], tmp_path / "o.zarr", runner="ray", unit_bytes=1000)
     assert time.perf_counter() - t0 < 30
     assert not (tmp_path / "o.zarr").exists()
 
@@ -400,8 +487,19 @@ def big_corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Pa
     corpus = make_corpus(root / "in", scale=8)
     tok = make_tokenizer_json(root, [" ".join(WORDS)])
     ref = root / "ref.zarr"
-    convert_files([corpus], ref, tokenizer=str(tok), **SPLIT, **LAYOUTS["v3_sharded"])
+    options = ConvertOptions(tokenizer=str(tok), **SPLIT, **LAYOUTS["v3_sharded"])
+    convert_files([corpus], ref, options=options)
     return corpus, tok, ref
+
+
+#: A driver in a process of its own: argv is corpus, output, Ray address, ConvertOptions as JSON.
+DRIVER = (
+    "import sys, json\n"
+    "from asyncflat.writer.convert import ConvertOptions\n"
+    "from asyncflat.writer.distributed import convert_distributed\n"
+    "convert_distributed([sys.argv[1]], sys.argv[2], runner='ray', ray_address=sys.argv[3], "
+    "options=ConvertOptions(**json.loads(sys.argv[4])), **{run!r})\n"
+)
 
 
 def _kill_one_tokenize_worker(stop: threading.Event, killed: list[int]) -> None:
@@ -423,12 +521,8 @@ def test_ray_worker_killed_mid_task_is_retried(
     """The driver runs in a process of its own, on the module's cluster: a Ray abort in it (see
     ``_RAY_TASK_MANAGER_BUG``) fails at most this test, and is retried once."""
     corpus, tok, ref = big_corpus
-    options = dict(tokenizer=str(tok), unit_bytes=2000, **SPLIT, **LAYOUTS["v3_sharded"])
-    script = (
-        "import sys, json; from asyncflat.writer.distributed import convert_distributed; "
-        "convert_distributed([sys.argv[1]], sys.argv[2], engine='ray', ray_address=sys.argv[3], "
-        "**json.loads(sys.argv[4]))"
-    )
+    options = dict(tokenizer=str(tok), **SPLIT, **LAYOUTS["v3_sharded"])
+    script = DRIVER.format(run=dict(unit_bytes=2000))
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     for attempt in range(2):
         out = tmp_path / f"out{attempt}.zarr"
@@ -461,14 +555,9 @@ def test_ray_driver_killed_then_rerun_resumes(
 ) -> None:
     corpus, tok, ref = big_corpus
     out, work = tmp_path / "out.zarr", tmp_path / "work"
-    options = dict(
-        tokenizer=str(tok), work_dir=str(work), unit_bytes=2000, **SPLIT, **LAYOUTS["v3_sharded"]
-    )
-    script = (
-        "import sys, json; from asyncflat.writer.distributed import convert_distributed; "
-        "convert_distributed([sys.argv[1]], sys.argv[2], engine='ray', ray_address=sys.argv[3], "
-        "**json.loads(sys.argv[4]))"
-    )
+    options = dict(tokenizer=str(tok), **SPLIT, **LAYOUTS["v3_sharded"])
+    run = dict(work_dir=str(work), unit_bytes=2000)
+    script = DRIVER.format(run=run)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     driver = subprocess.Popen(
         [sys.executable, "-c", script, str(corpus), str(out), ray_cluster, json.dumps(options)],
@@ -486,7 +575,9 @@ def test_ray_driver_killed_then_rerun_resumes(
         driver.wait()
     done_before = {p.name: p.stat().st_mtime_ns for p in work.glob("pieces/*.json")}
     assert not out.exists()
-    report = convert_distributed([corpus], out, engine="ray", **options)
+    report = convert_distributed(
+        [corpus], out, options=ConvertOptions(**options), runner="ray", **run
+    )
     assert len(done_before) >= 4
     assert report.units_resumed >= len(done_before) and report.units_resumed < report.units
     assert_same_store(out, ref)
@@ -517,12 +608,10 @@ def test_ray_into_bucket_equals_local(
     report = convert_distributed(
         [corpus],
         url,
-        engine="ray",
-        storage_options=options,
+        options=ConvertOptions(storage_options=options, **SPLIT, **LAYOUTS["v3_sharded"]),
+        runner="ray",
         unit_bytes=5000,
         write_run_tokens=20000,
-        **SPLIT,
-        **LAYOUTS["v3_sharded"],
     )
     assert report.output == url
     fs = fsspec.filesystem(protocol, **options)
@@ -549,7 +638,9 @@ def test_ray_into_bucket_equals_local(
                 np.asarray(got.is_seq_start), np.asarray(want.is_seq_start)
             )
     with pytest.raises(ConfigError, match="already exists"):
-        convert_distributed([corpus], url, engine="local", storage_options=options, **SPLIT)
+        convert_distributed(
+            [corpus], url, options=ConvertOptions(storage_options=options), runner="local"
+        )
 
 
 def test_cli_engine_ray(
@@ -603,17 +694,18 @@ def test_oversized_document_fails_alike_on_both_engines(tmp_path: Path) -> None:
     naming the same line (or row) of the file, from a unit in the middle of it."""
     inputs = oversized_inputs(tmp_path / "in")
     assert len(inputs) == 4
-    options: dict[str, Any] = dict(engine="local", unit_bytes=300)
+    run: dict[str, Any] = dict(runner="local", unit_bytes=300)
+    bound = ConvertOptions(max_document_bytes=1000)
     for path in inputs.values():
         with pytest.raises(ConfigError) as single:
-            convert_files([path], tmp_path / "single.zarr", max_document_bytes=1000)
+            convert_files([path], tmp_path / "single.zarr", options=bound)
         with pytest.raises(ConfigError) as dist:
             convert_distributed(
                 [path],
                 tmp_path / "d.zarr",
+                options=bound,
                 work_dir=str(tmp_path / f"pieces{path.suffix}"),
-                max_document_bytes=1000,
-                **options,
+                **run,
             )
         assert str(dist.value) == str(single.value)
         assert "of at least 1,200 bytes is over max_document_bytes (1,000" in str(dist.value)
@@ -623,12 +715,11 @@ def test_oversized_document_fails_alike_on_both_engines(tmp_path: Path) -> None:
     # A piece tokenized under one bound is not reused under another (it is in the fingerprint).
     work = str(tmp_path / "pieces.txt")
     with pytest.raises(ConfigError, match=r"changed since: max_document_bytes\)"):
-        convert_distributed([inputs[".txt"]], tmp_path / "d.zarr", work_dir=work, **options)
+        convert_distributed([inputs[".txt"]], tmp_path / "d.zarr", work_dir=work, **run)
     # A bound that fits accepts them, and the outputs are equal.
-    convert_files(list(inputs.values()), tmp_path / "single.zarr", max_document_bytes=1200)
-    convert_distributed(
-        list(inputs.values()), tmp_path / "d.zarr", max_document_bytes=1200, **options
-    )
+    fits = ConvertOptions(max_document_bytes=1200)
+    convert_files(list(inputs.values()), tmp_path / "single.zarr", options=fits)
+    convert_distributed(list(inputs.values()), tmp_path / "d.zarr", options=fits, **run)
     assert_same_store(tmp_path / "d.zarr", tmp_path / "single.zarr")
 
 
@@ -675,10 +766,17 @@ def test_symlink_rules_are_the_single_machine_ones(tmp_path: Path) -> None:
     for follow, docs in ((False, 1), (True, 2)):
         out = tmp_path / f"o{follow}.zarr"
         report = convert_distributed(
-            [corpus], out, engine="local", follow_symlinks=follow, validation_fraction=0.0
+            [corpus],
+            out,
+            options=ConvertOptions(validation_fraction=0.0),
+            runner="local",
+            follow_symlinks=follow,
         )
         want = convert_files(
-            [corpus], tmp_path / f"w{follow}.zarr", follow_symlinks=follow, validation_fraction=0.0
+            [corpus],
+            tmp_path / f"w{follow}.zarr",
+            options=ConvertOptions(validation_fraction=0.0),
+            follow_symlinks=follow,
         )
         assert report.documents == want.documents == docs
         assert_same_store(out, tmp_path / f"w{follow}.zarr")
@@ -691,11 +789,12 @@ def test_ray_and_cli_enforce_max_document_bytes(
 
     inputs = oversized_inputs(tmp_path / "in")
     path = inputs[".jsonl"]
+    bound = ConvertOptions(max_document_bytes=1000)
     with pytest.raises(ConfigError) as single:
-        convert_files([path], tmp_path / "single.zarr", max_document_bytes=1000)
+        convert_files([path], tmp_path / "single.zarr", options=bound)
     with pytest.raises(ConfigError) as ray:
         convert_distributed(
-            [path], tmp_path / "ray.zarr", engine="ray", unit_bytes=300, max_document_bytes=1000
+            [path], tmp_path / "ray.zarr", options=bound, runner="ray", unit_bytes=300
         )
     assert str(ray.value) == str(single.value) and f"{path}:91: document" in str(ray.value)
     # From the command line: the bound reaches the Ray tasks, and both engines say the same.
@@ -783,13 +882,13 @@ def test_a_piece_lost_before_the_write_pass_is_named(
 ) -> None:
     import fsspec
 
-    from asyncflat.writer.distributed import InProcessEngine
+    from asyncflat.writer.distributed import InProcessRunner
     from asyncflat.writer.distributed.layout import split_stats
 
     work = str(tmp_path / "work") if where == "local" else "memory://asyncflat-lost/work"
     fs, root = fsspec.core.url_to_fs(work)
 
-    class LosesAPiece(InProcessEngine):
+    class LosesAPiece(InProcessRunner):
         def map(self, fn: Any, jobs: Any) -> Iterator[tuple[int, Any]]:
             if fn is split_stats:
                 fs.rm(f"{root}/pieces/00000002.lengths")
@@ -798,7 +897,7 @@ def test_a_piece_lost_before_the_write_pass_is_named(
     try:
         with pytest.raises(ConfigError, match=rf"piece {work}/pieces/00000002.lengths is missing"):
             convert_distributed(
-                [corpus], tmp_path / "o.zarr", engine=LosesAPiece(), work_dir=work, unit_bytes=5000
+                [corpus], tmp_path / "o.zarr", runner=LosesAPiece(), work_dir=work, unit_bytes=5000
             )
     finally:
         if where == "memory":

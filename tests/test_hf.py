@@ -14,6 +14,7 @@ from asyncflat import HuggingFaceDataParams, TokenBatchParams, get_loader
 from asyncflat.cli import main
 from asyncflat.errors import ConfigError, StepOutOfRangeError
 from asyncflat.integrations.hf import HuggingFaceDataLoader, convert_hf_dataset
+from asyncflat.writer.convert import ConvertOptions
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 
@@ -54,7 +55,9 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
 
 def test_convert_data_file_directory_keeps_its_splits(corpus: dict, tmp_path: Path) -> None:
     out = tmp_path / "out.zarr"
-    report = convert_hf_dataset(corpus["data"], out, tokenizer=corpus["tokenizer"])
+    report = convert_hf_dataset(
+        corpus["data"], out, options=ConvertOptions(tokenizer=corpus["tokenizer"])
+    )
     encode = corpus["encode"]
     assert_dataset(
         out,
@@ -72,7 +75,9 @@ def test_convert_save_to_disk_and_single_file(corpus: dict, tmp_path: Path) -> N
     saved = tmp_path / "saved"
     datasets.Dataset.from_dict({"text": corpus["train"]}).save_to_disk(str(saved))
     out = tmp_path / "saved.zarr"
-    convert_hf_dataset(saved, out, tokenizer=corpus["tokenizer"], validation_fraction=0.25)
+    convert_hf_dataset(
+        saved, out, options=ConvertOptions(tokenizer=corpus["tokenizer"], validation_fraction=0.25)
+    )
     expected = expected_splits(corpus["train"], corpus["encode"], 0.25)
     assert_dataset(out, expected)
 
@@ -80,8 +85,7 @@ def test_convert_save_to_disk_and_single_file(corpus: dict, tmp_path: Path) -> N
     convert_hf_dataset(
         corpus["data"] / "train.jsonl",
         out2,
-        tokenizer=corpus["tokenizer"],
-        validation_fraction=0.25,
+        options=ConvertOptions(tokenizer=corpus["tokenizer"], validation_fraction=0.25),
     )
     assert_dataset(out2, expected)
 

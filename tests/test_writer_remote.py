@@ -23,7 +23,7 @@ from zarr.core.buffer import default_buffer_prototype
 from asyncflat.errors import ConfigError, DatasetFormatError, StorageError
 from asyncflat.format.codec import SPLITS
 from asyncflat.format.split import open_split
-from asyncflat.storage.filesystems import close_filesystem, make_store
+from asyncflat.storage.filesystems import close_store, make_store
 from asyncflat.storage.guarded import guard_store
 from asyncflat.writer.flat_tokens import FlatTokensWriter, OutputExistsError, write_flat_tokens
 
@@ -61,7 +61,7 @@ async def _with_store(url: str, options: dict[str, Any] | None, fn: Any) -> Any:
     try:
         return await fn(store)
     finally:
-        await close_filesystem(getattr(store, "fs", None))
+        await close_store(store)
 
 
 def read_split(url: str, options: dict[str, Any] | None, split: str) -> dict[str, Any]:

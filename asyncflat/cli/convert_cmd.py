@@ -141,7 +141,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         raise ConfigError("--ray-address and --work-dir need --engine ray")
     if args.engine == "ray" and args.hf_dataset:
         raise ConfigError("--engine ray converts files; --hf-dataset runs on this machine only")
-    from asyncflat.writer.flat_tokens import OutputExistsError
+    from asyncflat.writer.output import OutputExistsError
 
     try:
         report = _run_convert(args)
@@ -168,6 +168,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _run_convert(args: argparse.Namespace) -> Any:
+    from asyncflat.writer.options import ConvertOptions
+
     storage_options = None
     if args.storage_options:
         try:
@@ -176,7 +178,7 @@ def _run_convert(args: argparse.Namespace) -> Any:
             raise ConfigError(f"--storage-options must be a JSON object: {exc}") from None
         if not isinstance(storage_options, dict):
             raise ConfigError("--storage-options must be a JSON object")
-    options = dict(
+    options = ConvertOptions(
         tokenizer=args.tokenizer,
         validation_fraction=args.validation_fraction,
         seed=args.seed,
@@ -193,30 +195,28 @@ def _run_convert(args: argparse.Namespace) -> Any:
         from asyncflat.integrations.hf import convert_hf_dataset
 
         return convert_hf_dataset(
-            args.hf_dataset, args.output, name=args.hf_name, text_field=args.text_field, **options
+            args.hf_dataset,
+            args.output,
+            options=options,
+            name=args.hf_name,
+            text_field=args.text_field,
         )
+    reading = dict(
+        text_field=args.text_field, txt_mode=args.txt_mode, follow_symlinks=args.follow_symlinks
+    )
     if args.engine == "ray":
         from asyncflat.writer.distributed import convert_distributed
 
-        del options["workers"]  # the cluster's CPUs are the workers
+        # options.workers is not read there: the cluster's CPUs are the workers
         return convert_distributed(
             args.inputs,
             args.output,
-            text_field=args.text_field,
-            txt_mode=args.txt_mode,
-            follow_symlinks=args.follow_symlinks,
-            engine="ray",
+            options=options,
+            runner="ray",
             ray_address=args.ray_address,
             work_dir=args.work_dir,
-            **options,
+            **reading,
         )
     from asyncflat.writer.convert import convert_files
 
-    return convert_files(
-        args.inputs,
-        args.output,
-        text_field=args.text_field,
-        txt_mode=args.txt_mode,
-        follow_symlinks=args.follow_symlinks,
-        **options,
-    )
+    return convert_files(args.inputs, args.output, options=options, **reading)

@@ -10,7 +10,7 @@
   earlier batch to get there. For training runs, convert once and use :class:`ShufflingLoader`.
 
 Only local data is read; nothing is fetched from the Hugging Face Hub, and tokenizers are local
-``tokenizer.json`` files (see :func:`asyncflat.writer.convert.load_tokenizer`).
+``tokenizer.json`` files (see :func:`asyncflat.text.tokenizer.load_tokenizer`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from jax.sharding import Sharding
 from asyncflat.config import HuggingFaceDataParams, TokenBatchParams, step_argument
 from asyncflat.errors import ConfigError, LoaderClosedError, StepOutOfRangeError
 from asyncflat.loader.shared.batch import BatchBuilder, BatchType, TokenBatch, default_sharding
-from asyncflat.writer.convert import ConvertReport, Tokenizer, convert_documents, load_tokenizer
+from asyncflat.text.tokenizer import Tokenizer, load_tokenizer
+from asyncflat.writer.convert import ConvertOptions, ConvertReport, convert_documents
 
 __all__ = ["HuggingFaceDataLoader", "convert_hf_dataset", "open_hf_dataset"]
 
@@ -111,16 +112,17 @@ def convert_hf_dataset(
     path: str | os.PathLike[str],
     output: str | os.PathLike[str],
     *,
+    options: ConvertOptions | None = None,
     name: str | None = None,
     text_field: str = "text",
-    **options: Any,
 ) -> ConvertReport:
     """Convert a local ``datasets`` dataset (see :func:`open_hf_dataset`) to flat-tokens.
 
     Its ``train`` split becomes ``train``. When it has a ``validation`` split, that becomes
     ``validation``; otherwise ``validation`` is drawn from ``train`` by the converter's
-    deterministic ``validation_fraction`` rule. Other splits are ignored. The remaining keyword
-    arguments are those of :func:`asyncflat.writer.convert.convert_texts`.
+    deterministic ``validation_fraction`` rule. Other splits are ignored. ``output`` and
+    ``options`` (a :class:`~asyncflat.writer.options.ConvertOptions`) are those of
+    :func:`asyncflat.writer.convert.convert_texts`.
     """
     splits = open_hf_dataset(path, name)
     if "train" not in splits:
@@ -137,7 +139,7 @@ def convert_hf_dataset(
             for text in _iter_texts(splits["validation"], text_field, f"{path} [validation]"):
                 yield "validation", text
 
-    return convert_documents(documents(), output, **options)
+    return convert_documents(documents(), output, options=options)
 
 
 class HuggingFaceDataLoader:

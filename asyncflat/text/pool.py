@@ -79,7 +79,7 @@ def tokenized_batches(
     except BrokenProcessPool:  # from submit(), once a dead worker has broken the pool
         raise _worker_died(tokenizer) from None
     finally:
-        _stop_pool(pool, kill=not finished)
+        stop_pool(pool, kill=not finished)
 
 
 def _result(
@@ -110,7 +110,7 @@ def _processes(pool: ProcessPoolExecutor) -> list[Any]:
     return list((getattr(pool, "_processes", None) or {}).values())
 
 
-def _stop_pool(pool: ProcessPoolExecutor, *, kill: bool) -> None:
+def stop_pool(pool: ProcessPoolExecutor, *, kill: bool) -> None:
     """Shut ``pool`` down; with ``kill``, workers still busy after a grace period are killed."""
     if not kill:
         pool.shutdown(wait=True, cancel_futures=True)

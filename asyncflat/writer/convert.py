@@ -6,24 +6,26 @@ submission order, so the output does not depend on the number of workers), assig
 and appended through :class:`FlatTokensWriter`, whose staged commit means a conversion that
 fails or is killed leaves no dataset at the output (a local path or any fsspec URL).
 
-* Inputs (:func:`iter_documents`): ``.txt`` (one document per line, or per file with
+* Inputs (:func:`asyncflat.text.corpus.iter_documents`): ``.txt`` (one document per line, or per file with
   ``txt_mode="file"``), ``.jsonl`` (one JSON object per line, text in ``text_field``) and
   ``.parquet`` (a string column ``text_field``, read with pyarrow); ``.txt.gz`` and ``.jsonl.gz``
   too. A directory stands for the supported files under it, in sorted order; symlinks leading
   out of it are skipped unless ``follow_symlinks``. No document may exceed
   ``max_document_bytes`` (checked while reading).
-* Tokenizers (:func:`load_tokenizer`): ``"bytes"`` (UTF-8 bytes, id = byte + 1, so id 0 stays
-  free for padding, as seqax's ``bytes_utf8``); a local Hugging Face ``tokenizer.json`` (or a
-  directory holding one), via the ``tokenizers`` library; ``"tiktoken:NAME"`` when tiktoken's
-  encoding file is already in its local cache, or a local ``.tiktoken`` file. Nothing is ever
-  downloaded. A tokenizer failure in any worker is a :class:`TokenizerError`; the workers are
-  stopped and the partial output removed.
+* Tokenizers (:func:`asyncflat.text.tokenizer.load_tokenizer`): ``"bytes"`` (UTF-8 bytes,
+  id = byte + 1, so id 0 stays free for padding, as seqax's ``bytes_utf8``); a local Hugging
+  Face ``tokenizer.json`` (or a directory holding one), via the ``tokenizers`` library;
+  ``"tiktoken:NAME"`` when tiktoken's encoding file is already in its local cache, or a local
+  ``.tiktoken`` file. Nothing is ever downloaded. A tokenizer failure in any worker is a
+  :class:`~asyncflat.text.tokenizer.TokenizerError`; the workers are stopped and the partial
+  output removed.
 * Splits: document ``i`` (counting every document read, empty ones included) goes to
   ``validation`` when ``splitmix64(seed, i) / 2**64 < validation_fraction``, else to ``train``:
   deterministic, independent of batching and workers, and stable when the corpus grows at its
   end. Documents that tokenize to nothing are skipped (a flat-tokens sequence has >= 1 token).
 
 The stored ``max_token_id`` is the largest id that occurs in each split (the writer's rule).
+Every converter takes its settings as one :class:`~asyncflat.writer.options.ConvertOptions`.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -43,42 +45,23 @@ from tqdm.auto import tqdm
 from asyncflat.errors import ConfigError
 from asyncflat.format.codec import SPLITS
 from asyncflat.text.corpus import (
-    DEFAULT_MAX_DOCUMENT_BYTES,
     InputProgress,
     check_document_size,
-    check_max_document_bytes,
     expand_inputs,
-    iter_documents,
     iter_file_documents,
 )
 from asyncflat.text.pool import tokenized_batches
-from asyncflat.text.tokenizer import (  # the tokenizer classes are re-exported for existing callers
-    BytesTokenizer,
-    HuggingFaceTokenizer,
-    TiktokenFileTokenizer,
-    TiktokenTokenizer,
-    Tokenizer,
-    TokenizerError,
-    check_tokenizer,
-    load_tokenizer,
-    tokenize_batch,
-)
+from asyncflat.text.tokenizer import check_tokenizer, load_tokenizer
 from asyncflat.writer.flat_tokens import FlatTokensWriter
+from asyncflat.writer.options import ConvertOptions
 
 __all__ = [
-    "DEFAULT_MAX_DOCUMENT_BYTES",
-    "BytesTokenizer",
+    "ConvertOptions",
     "ConvertReport",
-    "HuggingFaceTokenizer",
-    "TiktokenFileTokenizer",
-    "TiktokenTokenizer",
-    "Tokenizer",
-    "TokenizerError",
     "convert_documents",
     "convert_files",
     "convert_texts",
-    "iter_documents",
-    "load_tokenizer",
+    "options_or_default",
     "validation_mask",
 ]
 
@@ -114,18 +97,6 @@ def validation_mask(indices: np.ndarray, fraction: float, seed: int) -> np.ndarr
 
 
 # --------------------------------------------------------------------------------------------
-# Tokenization, in worker processes
-# --------------------------------------------------------------------------------------------
-
-
-def _tokenize(
-    tokenizer: Tokenizer, texts: Sequence[str], first: int = 0
-) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids of ``texts``, concatenated (uint32), and their lengths (int64)."""
-    return tokenize_batch(tokenizer, texts, first)
-
-
-# --------------------------------------------------------------------------------------------
 # The conversion
 # --------------------------------------------------------------------------------------------
 
@@ -152,6 +123,25 @@ class ConvertReport:
         out["tokens_per_s"] = self.tokens_per_s
         return out
 
+    def summary(self) -> str:
+        """One line for the log: documents, output, tokens per split, speed."""
+        return (
+            f"converted {self.documents} documents ({self.empty_documents} empty, skipped) to "
+            f"{self.output}: {self.tokens} tokens, {self.tokens_per_s:.0f} tokens/s"
+        )
+
+
+def options_or_default(options: ConvertOptions | None) -> ConvertOptions:
+    """``options``, or the defaults for None; anything else is a ConfigError."""
+    if options is None:
+        return ConvertOptions()
+    if not isinstance(options, ConvertOptions):
+        raise ConfigError(
+            f"options must be a ConvertOptions, got {type(options).__name__} (build one with "
+            "asyncflat.writer.convert.ConvertOptions(...))"
+        )
+    return options
+
 
 def _batched(items: Iterable[Any], size: int, chars: int = CHARS_PER_BATCH) -> Iterator[list[Any]]:
     """``(split, text)`` items in lists of at most ``size`` items and about ``chars`` characters."""
@@ -165,13 +155,6 @@ def _batched(items: Iterable[Any], size: int, chars: int = CHARS_PER_BATCH) -> I
             batch, batch_chars = [], 0
     if batch:
         yield batch
-
-
-def _check_options(tok: Tokenizer, validation_fraction: float, workers: Any) -> None:
-    check_tokenizer(tok)
-    validation_mask(np.zeros(0), validation_fraction, seed=0)  # validate the fraction up front
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
-        raise ConfigError(f"workers must be an integer >= 0, got {workers!r}")
 
 
 def _warn_small_splits(report: ConvertReport, chunk_tokens: int, fraction: float) -> None:
@@ -200,111 +183,128 @@ def _warn_small_splits(report: ConvertReport, chunk_tokens: int, fraction: float
             )
 
 
+@dataclasses.dataclass
+class _Tally:
+    """What a conversion has written so far."""
+
+    documents: int = 0
+    empty: int = 0
+    max_id: int = 0
+    sequences: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(SPLITS, 0))
+    tokens: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(SPLITS, 0))
+
+    def report(self, output: str, tokenizer: str, seconds: float) -> ConvertReport:
+        return ConvertReport(
+            output=output,
+            tokenizer=tokenizer,
+            documents=self.documents,
+            empty_documents=self.empty,
+            sequences=self.sequences,
+            tokens=self.tokens,
+            max_token_id=self.max_id,
+            seconds=seconds,
+        )
+
+
+def _text_batches(
+    documents: Iterable[tuple[str | None, str]],
+    max_document_bytes: int,
+    batch_splits: collections.deque[list[str | None]],
+) -> Iterator[list[str]]:
+    """Batches of bare texts for the workers; each batch's forced splits wait, in order, in
+    ``batch_splits``. Checks every document's split and size on the way."""
+    index = 0
+    for batch in _batched(documents, DOCS_PER_BATCH):
+        for split, text in batch:
+            if split is not None and split not in SPLITS:
+                raise ConfigError(f"split must be one of {SPLITS} or None, got {split!r}")
+            check_document_size(text, max_document_bytes, f"document {index}")
+            index += 1
+        batch_splits.append([s for s, _ in batch])
+        yield [text for _, text in batch]
+
+
+def _append_batch(
+    writer: FlatTokensWriter,
+    tally: _Tally,
+    tokenized: tuple[np.ndarray, np.ndarray],
+    forced: list[str | None],
+    options: ConvertOptions,
+) -> None:
+    """Assign one tokenized batch's documents to their splits and append them."""
+    ids, lengths = tokenized
+    first = tally.documents
+    tally.documents += len(lengths)
+    is_val = validation_mask(
+        np.arange(first, first + len(lengths)), options.validation_fraction, options.seed
+    )
+    chosen: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
+    for seq, split, val in zip(np.split(ids, np.cumsum(lengths)[:-1]), forced, is_val.tolist()):
+        if not seq.size:
+            tally.empty += 1
+            continue
+        chosen[split or ("validation" if val else "train")].append(seq)
+    if ids.size:
+        tally.max_id = max(tally.max_id, int(ids.max()))
+    for split, split_seqs in chosen.items():
+        if split_seqs:
+            writer.append(split, split_seqs)
+            tally.sequences[split] += len(split_seqs)
+            tally.tokens[split] += sum(s.size for s in split_seqs)
+
+
+def _open_writer(output: str | os.PathLike[str], options: ConvertOptions) -> FlatTokensWriter:
+    return FlatTokensWriter(
+        output,
+        zarr_format=options.zarr_format,
+        chunk_tokens=options.chunk_tokens,
+        shard_tokens=options.shard_tokens,
+        overwrite=options.overwrite,
+        storage_options=options.storage_options,
+    )
+
+
 def convert_documents(
     documents: Iterable[tuple[str | None, str]],
     output: str | os.PathLike[str],
     *,
-    tokenizer: str | Tokenizer = "bytes",
-    validation_fraction: float = 0.01,
-    seed: int = 0,
-    workers: int = 1,
-    zarr_format: int = 3,
-    chunk_tokens: int = 1 << 20,
-    shard_tokens: int | None = None,
-    overwrite: bool = False,
-    progress: bool = False,
-    storage_options: Mapping[str, Any] | None = None,
-    max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES,
+    options: ConvertOptions | None = None,
     input_progress: InputProgress | None = None,
 ) -> ConvertReport:
     """Tokenize ``(split, text)`` pairs and write them as a flat-tokens dataset at ``output``.
 
     ``split`` is ``"train"``, ``"validation"`` or None (assigned by :func:`validation_mask`
-    from the document's index). The other arguments are those of :func:`convert_texts`;
-    ``input_progress`` (filled by :func:`iter_documents`) makes the progress bar count input
-    bytes towards their total.
+    from the document's index). ``output`` and ``options`` are those of :func:`convert_texts`;
+    ``input_progress`` (filled while reading files) makes the progress bar count input bytes
+    towards their total.
     """
+    options = options_or_default(options)
     t0 = time.perf_counter()
-    tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
-    _check_options(tok, validation_fraction, workers)
-    check_max_document_bytes(max_document_bytes)
-
-    counts = {"documents": 0, "empty": 0}
-    sequences = dict.fromkeys(SPLITS, 0)
-    tokens = dict.fromkeys(SPLITS, 0)
-    max_id = 0
-    batch_splits: collections.deque[list[str | None]] = collections.deque()
-
-    def texts_only() -> Iterator[list[str]]:
-        # Batches go to the workers as bare texts; their splits wait here, in order.
-        index = 0
-        for batch in _batched(documents, DOCS_PER_BATCH):
-            splits = [s for s, _ in batch]
-            for split, text in batch:
-                if split is not None and split not in SPLITS:
-                    raise ConfigError(f"split must be one of {SPLITS} or None, got {split!r}")
-                check_document_size(text, max_document_bytes, f"document {index}")
-                index += 1
-            batch_splits.append(splits)
-            yield [text for _, text in batch]
-
-    writer = FlatTokensWriter(
-        output,
-        zarr_format=zarr_format,
-        chunk_tokens=chunk_tokens,
-        shard_tokens=shard_tokens,
-        overwrite=overwrite,
-        storage_options=storage_options,
+    tok = (
+        load_tokenizer(options.tokenizer)
+        if isinstance(options.tokenizer, str)
+        else options.tokenizer
     )
-    bar = _progress_bar(progress, input_progress)
+    check_tokenizer(tok)
+    tally = _Tally()
+    forced: collections.deque[list[str | None]] = collections.deque()
+    texts = _text_batches(documents, options.max_document_bytes, forced)
+    writer = _open_writer(output, options)
+    bar = _progress_bar(options.progress, input_progress)
     try:
         # closing(): on any failure the workers are killed now, not when the traceback dies.
-        with writer, contextlib.closing(tokenized_batches(tok, texts_only(), workers)) as batches:
+        with writer, contextlib.closing(tokenized_batches(tok, texts, options.workers)) as batches:
             for ids, lengths in batches:
-                splits = batch_splits.popleft()
-                first = counts["documents"]
-                counts["documents"] += len(lengths)
-                indices = np.arange(first, first + len(lengths))
-                is_val = validation_mask(indices, validation_fraction, seed)
-                seqs = np.split(ids, np.cumsum(lengths)[:-1])
-                chosen: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
-                for seq, forced, val in zip(seqs, splits, is_val.tolist()):
-                    if not seq.size:
-                        counts["empty"] += 1
-                        continue
-                    chosen[forced or ("validation" if val else "train")].append(seq)
-                if ids.size:
-                    max_id = max(max_id, int(ids.max()))
-                for split, split_seqs in chosen.items():
-                    if split_seqs:
-                        writer.append(split, split_seqs)
-                        sequences[split] += len(split_seqs)
-                        tokens[split] += sum(s.size for s in split_seqs)
+                _append_batch(writer, tally, (ids, lengths), forced.popleft(), options)
                 bar.update(_advance(bar, len(lengths), input_progress))
                 bar.set_postfix(
-                    docs=counts["documents"], tokens=sum(tokens.values()), refresh=False
+                    docs=tally.documents, tokens=sum(tally.tokens.values()), refresh=False
                 )
     finally:
         bar.close()
-    report = ConvertReport(
-        output=writer.path,
-        tokenizer=tok.spec,
-        documents=counts["documents"],
-        empty_documents=counts["empty"],
-        sequences=sequences,
-        tokens=tokens,
-        max_token_id=max_id,
-        seconds=time.perf_counter() - t0,
-    )
-    log.info(
-        "converted %d documents (%d empty, skipped) to %s: %s tokens, %.0f tokens/s",
-        report.documents,
-        report.empty_documents,
-        report.output,
-        report.tokens,
-        report.tokens_per_s,
-    )
-    _warn_small_splits(report, chunk_tokens, validation_fraction)
+    report = tally.report(writer.path, tok.spec, time.perf_counter() - t0)
+    log.info("%s", report.summary())
+    _warn_small_splits(report, options.chunk_tokens, options.validation_fraction)
     return report
 
 
@@ -332,86 +332,49 @@ def convert_texts(
     texts: Iterable[str],
     output: str | os.PathLike[str],
     *,
-    tokenizer: str | Tokenizer = "bytes",
-    validation_fraction: float = 0.01,
-    seed: int = 0,
-    workers: int = 1,
-    zarr_format: int = 3,
-    chunk_tokens: int = 1 << 20,
-    shard_tokens: int | None = None,
-    overwrite: bool = False,
-    progress: bool = False,
-    storage_options: Mapping[str, Any] | None = None,
-    max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES,
-    input_progress: InputProgress | None = None,
+    options: ConvertOptions | None = None,
 ) -> ConvertReport:
     """Tokenize ``texts`` (documents, in order) and write them as a flat-tokens dataset.
 
-    * ``output``: a local path or an fsspec URL (``gs://``, ``s3://``, ...; see
-      :class:`FlatTokensWriter`), with ``storage_options`` for its filesystem.
-    * ``tokenizer``: see :func:`load_tokenizer`.
-    * ``validation_fraction`` / ``seed``: which documents go to ``validation`` (module docstring).
-    * ``workers``: tokenizer processes; 0 or 1 tokenizes in this process. The output is the same
-      for every value.
-    * ``zarr_format``, ``chunk_tokens``, ``shard_tokens``, ``overwrite``: as
-      :class:`FlatTokensWriter` (match ``chunk_tokens`` to the loader's read block).
-    * ``max_document_bytes``: the largest document accepted (UTF-8 bytes); a larger one is a
-      :class:`ConfigError` naming it.
+    ``output`` is a local path or an fsspec URL (``gs://``, ``s3://``, ...; see
+    :class:`FlatTokensWriter`); ``options`` (a :class:`ConvertOptions`, default: its defaults)
+    says how: the tokenizer, the split rule, the workers, the stored layout, ``overwrite``.
 
     Nothing appears at ``output`` unless the whole conversion succeeds. Afterwards an empty or
     tiny split is reported as a warning.
     """
-    return convert_documents(
-        ((None, text) for text in texts),
-        output,
-        tokenizer=tokenizer,
-        validation_fraction=validation_fraction,
-        seed=seed,
-        workers=workers,
-        zarr_format=zarr_format,
-        chunk_tokens=chunk_tokens,
-        shard_tokens=shard_tokens,
-        overwrite=overwrite,
-        progress=progress,
-        storage_options=storage_options,
-        max_document_bytes=max_document_bytes,
-        input_progress=input_progress,
-    )
+    return convert_documents(((None, text) for text in texts), output, options=options)
 
 
 def convert_files(
     inputs: Sequence[str | os.PathLike[str]],
     output: str | os.PathLike[str],
     *,
+    options: ConvertOptions | None = None,
     text_field: str = "text",
     txt_mode: str = "line",
     follow_symlinks: bool = False,
-    **options: Any,
 ) -> ConvertReport:
-    """Convert ``.txt`` / ``.jsonl`` / ``.parquet`` files (see :func:`iter_documents`); the other
-    keyword arguments are those of :func:`convert_texts`. With ``progress`` the bar counts input
-    bytes towards their total."""
+    """Convert ``.txt`` / ``.jsonl`` / ``.parquet`` files (see
+    :func:`asyncflat.text.corpus.iter_documents`); ``output`` and ``options`` are those of
+    :func:`convert_texts`. With ``options.progress`` the bar counts input bytes towards their
+    total."""
+    options = options_or_default(options)
     # Fail on a missing or unsupported input before creating anything.
     files = expand_inputs(inputs, follow_symlinks=follow_symlinks)
-    max_document_bytes = check_max_document_bytes(
-        options.get("max_document_bytes", DEFAULT_MAX_DOCUMENT_BYTES)
-    )
     if txt_mode not in ("line", "file"):
         raise ConfigError(f"txt_mode must be 'line' or 'file', got {txt_mode!r}")
     input_progress = InputProgress(total=sum(p.stat().st_size for p in files))
 
-    def documents() -> Iterator[str]:
+    def documents() -> Iterator[tuple[str | None, str]]:
         for path in files:
-            yield from iter_file_documents(
+            for text in iter_file_documents(
                 path,
                 text_field=text_field,
                 txt_mode=txt_mode,
-                max_document_bytes=max_document_bytes,
+                max_document_bytes=options.max_document_bytes,
                 progress=input_progress,
-            )
+            ):
+                yield None, text
 
-    return convert_texts(documents(), output, input_progress=input_progress, **options)
-
-
-# Names kept for callers of the helpers that moved to asyncflat.text.corpus.
-_expand = expand_inputs
+    return convert_documents(documents(), output, options=options, input_progress=input_progress)

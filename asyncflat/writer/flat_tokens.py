@@ -39,6 +39,7 @@ from zarr.core.array_spec import ArrayConfig
 
 from asyncflat.errors import ConfigError, LoaderClosedError
 from asyncflat.format.codec import SPLITS, encode_sequences
+from asyncflat.writer.options import positive_int
 from asyncflat.writer.output import OutputExistsError, open_output
 
 __all__ = ["FlatTokensWriter", "OutputExistsError", "write_flat_tokens"]
@@ -284,53 +285,16 @@ class FlatTokensWriter:
         checksum: bool | None = None,
         blosc_block_bytes: int | None = None,
     ) -> None:
-        chunk_tokens = _positive_int("chunk_tokens", chunk_tokens)
-        if blosc_block_bytes is not None:  # None: the format's default (create_split_arrays)
-            given = blosc_block_bytes
-            try:
-                valid = not isinstance(given, bool)
-                blosc_block_bytes = operator.index(given)  # numpy integers too
-            except TypeError:
-                valid = False
-            if not valid or not 0 <= blosc_block_bytes <= 1 << 30 or blosc_block_bytes % 4:
-                raise ConfigError(
-                    "FlatTokensWriter.blosc_block_bytes must be 0 (Blosc's choice) or a multiple "
-                    f"of 4 up to 2**30, got {given!r}"
-                )
-        if checksum is None:
-            checksum = False
-        if not isinstance(checksum, bool) or (checksum and zarr_format != 3):
-            raise ConfigError(
-                "FlatTokensWriter.checksum must be a bool, and True only with zarr_format=3 "
-                f"(format 2 keeps seqax's exact layout), got {checksum!r} with "
-                f"zarr_format={zarr_format!r}"
-            )
-        if isinstance(zarr_format, bool) or zarr_format not in (2, 3):
-            raise ConfigError(f"FlatTokensWriter.zarr_format must be 2 or 3, got {zarr_format!r}")
-        if shard_tokens is not None:
-            shard_tokens = _positive_int("shard_tokens", shard_tokens)
-            if zarr_format != 3:
-                raise ConfigError(
-                    "FlatTokensWriter.shard_tokens needs zarr_format=3 (format 2 has no sharding), "
-                    f"got zarr_format={zarr_format}"
-                )
-            if shard_tokens % chunk_tokens:
-                raise ConfigError(
-                    f"FlatTokensWriter.shard_tokens ({shard_tokens}) must be a multiple of "
-                    f"chunk_tokens ({chunk_tokens})"
-                )
-        if not isinstance(overwrite, bool):
-            raise ConfigError(f"FlatTokensWriter.overwrite must be a bool, got {overwrite!r}")
-        if not isinstance(path, (str, os.PathLike)):
-            raise ConfigError(
-                f"FlatTokensWriter.path must be a str or os.PathLike, got {reprlib.repr(path)}"
-            )
-        if storage_options is not None and not isinstance(storage_options, Mapping):
-            raise ConfigError(
-                "FlatTokensWriter.storage_options must be a mapping, "
-                f"got {type(storage_options).__name__}"
-            )
-
+        chunk_tokens, shard_tokens, blosc_block_bytes, checksum = _check_arguments(
+            path,
+            zarr_format=zarr_format,
+            chunk_tokens=chunk_tokens,
+            shard_tokens=shard_tokens,
+            overwrite=overwrite,
+            storage_options=storage_options,
+            checksum=checksum,
+            blosc_block_bytes=blosc_block_bytes,
+        )
         self._output = open_output(
             path,
             overwrite=overwrite,
@@ -498,9 +462,63 @@ def _as_arrays(sequences: Any) -> Any:
     return [_as_array(i, seq) for i, seq in enumerate(_iterate(sequences))]
 
 
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ConfigError(f"FlatTokensWriter.{name} must be an integer, got {value!r}")
-    if value < 1:
-        raise ConfigError(f"FlatTokensWriter.{name} must be >= 1, got {value}")
-    return int(value)
+def _check_arguments(
+    path: Any,
+    *,
+    zarr_format: Any,
+    chunk_tokens: Any,
+    shard_tokens: Any,
+    overwrite: Any,
+    storage_options: Any,
+    checksum: Any,
+    blosc_block_bytes: Any,
+) -> tuple[int, int | None, int | None, bool]:
+    """The writer's arguments checked (ConfigError naming the bad one), integers normalised:
+    (chunk_tokens, shard_tokens, blosc_block_bytes, checksum)."""
+    chunk_tokens = positive_int("FlatTokensWriter.chunk_tokens", chunk_tokens)
+    if blosc_block_bytes is not None:  # None: the format's default (create_split_arrays)
+        given = blosc_block_bytes
+        try:
+            valid = not isinstance(given, bool)
+            blosc_block_bytes = operator.index(given)  # numpy integers too
+        except TypeError:
+            valid = False
+        if not valid or not 0 <= blosc_block_bytes <= 1 << 30 or blosc_block_bytes % 4:
+            raise ConfigError(
+                "FlatTokensWriter.blosc_block_bytes must be 0 (Blosc's choice) or a multiple "
+                f"of 4 up to 2**30, got {given!r}"
+            )
+    if checksum is None:
+        checksum = False
+    if not isinstance(checksum, bool) or (checksum and zarr_format != 3):
+        raise ConfigError(
+            "FlatTokensWriter.checksum must be a bool, and True only with zarr_format=3 "
+            f"(format 2 keeps seqax's exact layout), got {checksum!r} with "
+            f"zarr_format={zarr_format!r}"
+        )
+    if isinstance(zarr_format, bool) or zarr_format not in (2, 3):
+        raise ConfigError(f"FlatTokensWriter.zarr_format must be 2 or 3, got {zarr_format!r}")
+    if shard_tokens is not None:
+        shard_tokens = positive_int("FlatTokensWriter.shard_tokens", shard_tokens)
+        if zarr_format != 3:
+            raise ConfigError(
+                "FlatTokensWriter.shard_tokens needs zarr_format=3 (format 2 has no sharding), "
+                f"got zarr_format={zarr_format}"
+            )
+        if shard_tokens % chunk_tokens:
+            raise ConfigError(
+                f"FlatTokensWriter.shard_tokens ({shard_tokens}) must be a multiple of "
+                f"chunk_tokens ({chunk_tokens})"
+            )
+    if not isinstance(overwrite, bool):
+        raise ConfigError(f"FlatTokensWriter.overwrite must be a bool, got {overwrite!r}")
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(
+            f"FlatTokensWriter.path must be a str or os.PathLike, got {reprlib.repr(path)}"
+        )
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise ConfigError(
+            "FlatTokensWriter.storage_options must be a mapping, "
+            f"got {type(storage_options).__name__}"
+        )
+    return chunk_tokens, shard_tokens, blosc_block_bytes, checksum

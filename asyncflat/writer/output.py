@@ -13,11 +13,16 @@ Two kinds of output, one interface (:class:`Output`: a zarr ``store`` to write i
   dataset (no root metadata) until the commit, then a complete one. Replacing an existing
   dataset removes its root metadata first, then the rest, before any new object is written.
 
-Both wrap their store in :class:`GuardedStore`, which turns an ``OSError`` of a write (a full
+Both wrap their store in :class:`OutputStore`, which turns an ``OSError`` of a write (a full
 disk, a permission error) into a :class:`StorageError` naming the object, and which ``stop()``
 fences: no new write starts, and the call returns only when the writes in flight have ended, so
 removing the staging directory afterwards is final (zarr's sync API returns on the first failed
 chunk write while its other writes of the same call are still running and would recreate it).
+
+The distributed converter (:mod:`asyncflat.writer.distributed`) commits through the same two
+classes: its tasks write their objects at :attr:`Output.location` (the staging directory, or the
+URL), and an :class:`ObjectOutput` opened with ``hold_back="root"`` holds back only the root
+group's metadata, so the array metadata the tasks open is in the bucket before they start.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal
 
 from zarr.abc.store import ByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype
@@ -46,15 +51,16 @@ from asyncflat.errors import (
     install_log_redaction,
     option_secrets,
 )
+from asyncflat.format.codec import METADATA_FILES
 from asyncflat.storage.filesystems import is_remote
 from asyncflat.storage.obstore_client import without_client
 
 __all__ = [
-    "GuardedStore",
     "LocalOutput",
     "ObjectOutput",
     "Output",
     "OutputExistsError",
+    "OutputStore",
     "display_url",
     "is_remote",
     "open_output",
@@ -62,13 +68,14 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Object names that hold zarr metadata (format 3, then format 2).
-METADATA_NAMES = frozenset({"zarr.json", ".zgroup", ".zarray", ".zattrs", ".zmetadata"})
 #: Top-level and split-level names of a flat-tokens store: a directory holding nothing else is
 #: one, and ``overwrite`` may replace it. Anything else is refused, so a mistyped ``-o`` never
 #: deletes a user's files.
-_ROOT_NAMES = METADATA_NAMES | {"train", "validation"}
-_SPLIT_NAMES = METADATA_NAMES | {"encoded_tokens", "seq_starts"}
+_ROOT_NAMES = METADATA_FILES | {"train", "validation"}
+_SPLIT_NAMES = METADATA_FILES | {"encoded_tokens", "seq_starts"}
+#: What an :class:`OutputStore` holds back until the commit: nothing, every metadata object, or
+#: the root group's only (the distributed converter's tasks must open the array metadata).
+HoldBack = Literal["none", "metadata", "root"]
 #: How long ``stop()`` waits for writes in flight before giving up on them.
 _STOP_WAIT_S = 120.0
 
@@ -94,27 +101,41 @@ def _storage_error(exc: Exception, what: str) -> StorageError:
     return StorageError(f"{what}: {reason}")
 
 
-class GuardedStore(WrapperStore[Store]):
-    """A store whose writes name the object on failure, can be fenced, and may hold back metadata.
+class OutputStore(WrapperStore[Store]):
+    """The store an :class:`Output` hands to zarr: its writes name the object on failure, can be
+    fenced (:meth:`stop`), and may hold back metadata until the commit.
 
-    ``display`` is the output's name in messages. With ``defer_metadata`` every metadata object
-    is kept in :attr:`deferred` (and served from there to zarr) instead of being written.
+    ``display`` is the output's name in messages. ``hold_back`` says which metadata objects are
+    kept in :attr:`deferred` (and served from there to zarr) instead of being written.
     """
 
-    def __init__(self, store: Store, *, display: str, defer_metadata: bool = False) -> None:
+    def __init__(self, store: Store, *, display: str, hold_back: HoldBack = "none") -> None:
         super().__init__(store)
         self.display = display.rstrip("/")
-        self.defer_metadata = defer_metadata
+        self.hold_back = hold_back
         self.deferred: dict[str, Buffer] = {}
         self._cond = threading.Condition()
         self._in_flight = 0
         self._stopped = False
 
-    def _with_store(self, store: Store) -> GuardedStore:
-        return GuardedStore(store, display=self.display, defer_metadata=self.defer_metadata)
+    def _with_store(self, store: Store) -> OutputStore:
+        return OutputStore(store, display=self.display, hold_back=self.hold_back)
 
     def _is_deferred(self, key: str) -> bool:
-        return self.defer_metadata and key.rsplit("/", 1)[-1] in METADATA_NAMES
+        if self.hold_back == "none" or key.rsplit("/", 1)[-1] not in METADATA_FILES:
+            return False
+        return self.hold_back == "metadata" or "/" not in key
+
+    async def write_deferred(self) -> None:
+        """Write the held-back metadata: deepest first; within a group, ``zarr.json`` /
+        ``.zgroup`` after ``.zattrs``, so a reader finds the root only when all is in place."""
+
+        def order(key: str) -> tuple[int, int]:
+            name = key.rsplit("/", 1)[-1]
+            return (-key.count("/"), name in ("zarr.json", ".zgroup"))
+
+        for key in sorted(self.deferred, key=order):
+            await self._store.set(key, self.deferred[key])
 
     async def set(self, key: str, value: Buffer) -> None:
         if self._is_deferred(key):
@@ -216,7 +237,9 @@ class Output:
     """The target of one writer: a zarr ``store`` to write into, then ``commit`` or ``abort``."""
 
     display: str
-    store: GuardedStore
+    #: where the objects are written until the commit: the staging directory, or the URL
+    location: str
+    store: OutputStore
 
     def commit(self) -> None:
         raise NotImplementedError
@@ -226,9 +249,14 @@ class Output:
 
 
 class LocalOutput(Output):
-    """A local directory, written into a staging directory beside it and renamed into place."""
+    """A local directory, written into a staging directory beside it and renamed into place.
 
-    def __init__(self, path: str, *, overwrite: bool) -> None:
+    ``staging_tag`` names the staging directory ``<path>.partial-<tag>`` (default: random); a
+    caller that reruns the same job passes a stable tag, and a previous run's leftover staging
+    directory of that name is removed first.
+    """
+
+    def __init__(self, path: str, *, overwrite: bool, staging_tag: str | None = None) -> None:
         self.path = os.path.abspath(path)
         self.display = self.path
         self.overwrite = overwrite
@@ -238,12 +266,15 @@ class LocalOutput(Output):
             os.makedirs(parent, exist_ok=True)
         except OSError as exc:
             raise _storage_error(exc, f"cannot create the parent directory {parent}") from exc
-        self.staging = f"{self.path}.partial-{secrets.token_hex(6)}"
+        self.staging = f"{self.path}.partial-{staging_tag or secrets.token_hex(6)}"
+        if staging_tag is not None:
+            shutil.rmtree(self.staging, ignore_errors=True)
         try:
             os.mkdir(self.staging)
         except OSError as exc:
             raise _storage_error(exc, f"cannot create {self.staging}") from exc
-        self.store = GuardedStore(LocalStore(self.staging), display=self.display)
+        self.location = self.staging
+        self.store = OutputStore(LocalStore(self.staging), display=self.display)
         # If the writer is dropped without commit()/abort(), still remove the staging directory.
         self._cleanup = weakref.finalize(self, shutil.rmtree, self.staging, ignore_errors=True)
 
@@ -295,12 +326,22 @@ class LocalOutput(Output):
 
 
 class ObjectOutput(Output):
-    """An fsspec URL: chunks at their final keys, metadata held back and written last."""
+    """An fsspec URL: chunks at their final keys, metadata held back and written last.
+
+    ``hold_back``: every metadata object (``"metadata"``, the writer's), or only the root
+    group's (``"root"``, for writers in other processes that open the arrays themselves).
+    """
 
     def __init__(
-        self, url: str, *, overwrite: bool, storage_options: dict[str, Any] | None
+        self,
+        url: str,
+        *,
+        overwrite: bool,
+        storage_options: dict[str, Any] | None,
+        hold_back: HoldBack = "metadata",
     ) -> None:
         self.url = url.rstrip("/")
+        self.location = self.url
         self.display = display_url(self.url)
         options = {"skip_instance_cache": True, **without_client(storage_options)}
         try:
@@ -309,7 +350,7 @@ class ObjectOutput(Output):
             raise ConfigError(
                 f"cannot write to {self.display}: {type(exc).__name__}: {exc}"
             ) from None
-        self.store = GuardedStore(raw, display=self.display, defer_metadata=True)
+        self.store = OutputStore(raw, display=self.display, hold_back=hold_back)
         self._raw = raw
         self._committed = self._aborted = False
         try:
@@ -340,14 +381,14 @@ class ObjectOutput(Output):
         }
         _check_replaceable(self.display, top, below)
         # A reader must never see the old root with new chunks: the root's metadata goes first.
-        for name in sorted(METADATA_NAMES & set(top)):
+        for name in sorted(METADATA_FILES & set(top)):
             await self._raw.delete(name)
         await self._raw.delete_dir("")
         logger.info("%s: removed the previous dataset", self.display)
 
     def commit(self) -> None:
         try:
-            self._run(self._write_metadata())
+            self._run(self.store.write_deferred())
             self._committed = True
         finally:
             self._close()
@@ -357,16 +398,6 @@ class ObjectOutput(Output):
             sync(_close_filesystem(self._raw.fs))
         except Exception as exc:  # noqa: BLE001 -- closing sessions is best effort
             logger.debug("%s: closing the filesystem failed: %s", self.display, exc)
-
-    async def _write_metadata(self) -> None:
-        # Deepest first; within the root, zarr.json / .zgroup after .zattrs: a reader opening
-        # the root finds it only when everything below it is in place.
-        def order(key: str) -> tuple[int, int]:
-            name = key.rsplit("/", 1)[-1]
-            return (-key.count("/"), name in ("zarr.json", ".zgroup"))
-
-        for key in sorted(self.store.deferred, key=order):
-            await self.store._store.set(key, self.store.deferred[key])
 
     def abort(self) -> None:
         self.store.stop()
@@ -381,20 +412,31 @@ class ObjectOutput(Output):
 
 
 def open_output(
-    path: str | os.PathLike[str], *, overwrite: bool, storage_options: dict[str, Any] | None
+    path: str | os.PathLike[str],
+    *,
+    overwrite: bool,
+    storage_options: dict[str, Any] | None,
+    hold_back: HoldBack = "metadata",
+    staging_tag: str | None = None,
 ) -> Output:
-    """The output for a local path, a ``file://`` URL or any other fsspec URL."""
+    """The output for a local path, a ``file://`` URL or any other fsspec URL.
+
+    ``hold_back`` applies to a URL (see :class:`ObjectOutput`), ``staging_tag`` to a local path
+    (see :class:`LocalOutput`).
+    """
     text = os.fspath(path)
     if is_remote(text):
         # fsspec's and the cloud clients' own log records show the URL they were given
         install_log_redaction(option_secrets(storage_options))
-        return ObjectOutput(text, overwrite=overwrite, storage_options=storage_options)
+        return ObjectOutput(
+            text, overwrite=overwrite, storage_options=storage_options, hold_back=hold_back
+        )
     if storage_options:
         raise ConfigError(
             f"storage_options are for fsspec URLs; {text} is a local path (got "
             f"{len(storage_options)} options)"
         )
-    return LocalOutput(text.removeprefix("file://"), overwrite=overwrite)
+    return LocalOutput(text.removeprefix("file://"), overwrite=overwrite, staging_tag=staging_tag)
 
 
 async def _close_filesystem(fs: Any) -> None:
@@ -417,6 +459,7 @@ def _fsync_tree(root: str) -> None:
 
 
 def _fsync_dir(path: str) -> None:
+    """Flush a directory's entries (a rename into it is durable only after this)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

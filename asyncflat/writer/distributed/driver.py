@@ -2,23 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Literal
 
 import numpy as np
 
 from asyncflat._typecheck import checked
 from asyncflat.errors import ConfigError
 from asyncflat.format.codec import SPLITS
-from asyncflat.text.corpus import DEFAULT_MAX_DOCUMENT_BYTES
-from asyncflat.text.tokenizer import check_tokenizer
-from asyncflat.writer.convert import ConvertReport, load_tokenizer, validation_mask
-from asyncflat.writer.distributed.engines import Engine, InProcessEngine, RayEngine
+from asyncflat.text.tokenizer import check_tokenizer, load_tokenizer
+from asyncflat.writer.convert import ConvertOptions, ConvertReport, options_or_default
 from asyncflat.writer.distributed.layout import SplitLayout, StatsJob, plan_writes, split_stats
 from asyncflat.writer.distributed.pieces import (
     PieceInfo,
@@ -28,9 +27,17 @@ from asyncflat.writer.distributed.pieces import (
 )
 from asyncflat.writer.distributed.plan import Plan, make_plan
 from asyncflat.writer.distributed.progress import Progress
-from asyncflat.writer.distributed.storage import Location, is_url
-from asyncflat.writer.distributed.write import OutputTarget, WriteTask, run_write_job
-from asyncflat.writer.flat_tokens import _positive_int
+from asyncflat.writer.distributed.runners import InProcessRunner, RayRunner, TaskRunner
+from asyncflat.writer.distributed.storage import Location
+from asyncflat.writer.distributed.write import (
+    OutputTarget,
+    WriteTask,
+    commit_output,
+    create_arrays,
+    run_write_job,
+)
+from asyncflat.writer.options import positive_int
+from asyncflat.writer.output import Output, open_output
 
 __all__ = ["DistributedReport", "convert_distributed"]
 
@@ -55,141 +62,173 @@ def convert_distributed(
     inputs: Sequence[str | os.PathLike[str]],
     output: str | os.PathLike[str],
     *,
-    tokenizer: str = "bytes",
+    options: ConvertOptions | None = None,
     text_field: str = "text",
     txt_mode: str = "line",
-    validation_fraction: float = 0.01,
-    seed: int = 0,
-    zarr_format: int = 3,
-    chunk_tokens: int = 1 << 20,
-    shard_tokens: int | None = None,
-    overwrite: bool = False,
-    progress: bool = False,
-    engine: str | Engine = "ray",
+    follow_symlinks: bool = False,
+    runner: str | TaskRunner = "ray",
     ray_address: str | None = None,
     work_dir: str | None = None,
-    storage_options: dict[str, Any] | None = None,
     unit_bytes: int = 64 << 20,
     write_run_tokens: int = 1 << 26,
     keep_pieces: bool = False,
-    max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES,
-    follow_symlinks: bool = False,
 ) -> DistributedReport:
     """Convert files like :func:`asyncflat.writer.convert.convert_files`, as tasks on a cluster.
 
     The output equals the single-machine converter's, array for array and chunk for chunk, for
-    the same inputs and parameters, whatever the number of workers.
+    the same inputs and options, whatever the number of workers. It is committed by the same
+    protocol (:mod:`asyncflat.writer.output`): ``options.overwrite`` replaces only a flat-tokens
+    dataset, and a failed run leaves nothing at ``output``.
 
-    * ``engine``: ``"ray"`` (connects to ``ray_address``, or to the cluster this process is
-      already connected to, or starts a local one), ``"local"`` (in this process), or an
-      :class:`~asyncflat.writer.distributed.engines.Engine`.
+    * ``options``: a :class:`~asyncflat.writer.options.ConvertOptions`; its ``tokenizer`` a spec
+      (every task loads it); its ``workers`` unread (the parallelism is the cluster's).
+    * ``runner``: ``"ray"`` (connects to ``ray_address``, or to the cluster this process is
+      already connected to, or starts a local one), ``"local"`` (in this process), or a
+      :class:`~asyncflat.writer.distributed.runners.TaskRunner`.
     * ``output``: a local path or an fsspec URL (``gs://``, ``s3://``, ...) with
-      ``storage_options``. Every worker must reach it, the inputs (at the same paths) and
-      ``work_dir``.
+      ``options.storage_options``. Every worker must reach it, the inputs (at the same paths)
+      and ``work_dir``.
     * ``work_dir``: where the tokenized pieces go (default ``<output>.pieces``); they take about
       4 bytes per token plus 8 per document, and are removed after the commit unless
       ``keep_pieces``. A rerun with the same inputs, tokenizer and reading options reuses the
       finished pieces there; anything else is refused.
-    * ``max_document_bytes``, ``follow_symlinks``, ``text_field``, ``txt_mode``: read as
-      :func:`asyncflat.writer.convert.convert_files` reads (the same functions, the same errors).
+    * ``follow_symlinks``, ``text_field``, ``txt_mode``, ``options.max_document_bytes``: read
+      as :func:`~asyncflat.writer.convert.convert_files` reads (same functions, same errors).
     * ``unit_bytes``: input bytes per tokenize task (what a killed task loses);
       ``write_run_tokens``: tokens per write task (rounded to whole stored objects).
     """
+    options = options_or_default(options)
     t0 = time.perf_counter()
-    tok = load_tokenizer(tokenizer)
-    check_tokenizer(tok)
-    validation_mask(np.zeros(0), validation_fraction, seed)
-    if isinstance(engine, str) and engine not in ("ray", "local"):
-        raise ConfigError(f"engine must be 'ray', 'local' or an Engine, got {engine!r}")
-    chunk_tokens = _positive_int("chunk_tokens", chunk_tokens)
-    write_run_tokens = _positive_int("write_run_tokens", write_run_tokens)
-    if isinstance(zarr_format, bool) or zarr_format not in (2, 3):
-        raise ConfigError(f"zarr_format must be 2 or 3, got {zarr_format!r}")
-    if shard_tokens is not None:
-        shard_tokens = _positive_int("shard_tokens", shard_tokens)
-        if zarr_format != 3 or shard_tokens % chunk_tokens:
-            raise ConfigError(
-                f"shard_tokens ({shard_tokens}) needs zarr_format=3 and a multiple of "
-                f"chunk_tokens ({chunk_tokens})"
-            )
-
+    spec = _tokenizer_spec(options)
+    write_run_tokens = _check_arguments(runner, write_run_tokens)
+    read = _ReadOptions(spec, text_field, txt_mode, options.max_document_bytes)
     plan = make_plan(
-        inputs,
-        tokenizer=tok.spec,
-        text_field=text_field,
-        txt_mode=txt_mode,
-        unit_bytes=unit_bytes,
-        max_document_bytes=max_document_bytes,
-        follow_symlinks=follow_symlinks,
+        inputs, **dataclasses.asdict(read), unit_bytes=unit_bytes, follow_symlinks=follow_symlinks
     )
-    out = Location(os.fspath(output), storage_options)
-    staging = out if is_url(out.root) else Location(f"{out.root}.partial-{plan.digest[:12]}")
-    target = OutputTarget(out, staging, 3 if zarr_format == 3 else 2)
-    target.prepare(overwrite)
-    work = Location(work_dir or f"{out.root}.pieces", storage_options)
-    _claim_work_dir(work, plan)
-
-    eng: Engine
-    if not isinstance(engine, str):
-        eng = engine
-    elif engine == "ray":
-        eng = RayEngine(ray_address)
-    else:
-        eng = InProcessEngine()
-    try:
-        read = _ReadOptions(text_field, txt_mode, max_document_bytes)
-        pieces, resumed = _tokenize_pass(eng, plan, work, tok.spec, read, progress)
-        layouts = _layouts(eng, pieces, work, validation_fraction, seed)
-        shapes = {s: (layouts[s].tokens, layouts[s].sequences + 1) for s in SPLITS}
-        object_tokens = shard_tokens or chunk_tokens
-        run_objects = max(1, write_run_tokens // object_tokens)
-        tasks = [
-            WriteTask(job, target, work, validation_fraction, seed)
-            for split in SPLITS
-            for job in plan_writes(layouts[split], object_tokens, run_objects)
-        ]
+    root = Location(os.fspath(output), options.storage_dict).root
+    work = Location(work_dir or f"{root}.pieces", options.storage_dict)
+    # The single-machine writer's checks and staging; the root metadata held back until the
+    # commit, the array metadata written for the tasks to open.
+    out = open_output(
+        output,
+        overwrite=options.overwrite,
+        storage_options=options.storage_dict,
+        hold_back="root",
+        staging_tag=plan.digest[:12],
+    )
+    with _task_runner(runner, ray_address) as run:
         try:
-            withheld = target.create(shapes, chunk_tokens=chunk_tokens, shard_tokens=shard_tokens)
-            max_ids = dict.fromkeys(SPLITS, 0)
-            for _, (split, _array, max_id) in eng.map(run_write_job, tasks):
-                max_ids[split] = max(max_ids[split], max_id)
-            target.commit(max_ids, withheld)
+            _claim_work_dir(work, plan)
+            pieces, resumed = _tokenize_pass(run, plan, work, read, options.progress)
+            layouts = _layouts(run, pieces, work, options.validation_fraction, options.seed)
+            tasks = _write_pass(run, out, layouts, work, options, write_run_tokens)
         except BaseException:
-            target.discard()
+            out.abort()
             raise
-        log.info("committed %s (%d write tasks)", out.root, len(tasks))
-        if not keep_pieces:
-            work.remove("pieces", "plan.json")
-    finally:
-        if eng is not engine:
-            eng.close()
-    report = DistributedReport(
-        output=out.root,
-        tokenizer=tok.spec,
+        parallelism = run.parallelism
+    log.info("committed %s (%d write tasks)", root, tasks)
+    if not keep_pieces:
+        work.remove("pieces", "plan.json")
+    report = dataclasses.replace(
+        _report(root, spec, plan, pieces, layouts, time.perf_counter() - t0),
+        units_resumed=resumed,
+        parallelism=parallelism,
+        work_dir=work.root,
+    )
+    log.info("%s", report.summary())
+    return report
+
+
+def _report(
+    root: str,
+    spec: str,
+    plan: Plan,
+    pieces: list[PieceInfo],
+    layouts: dict[str, SplitLayout],
+    seconds: float,
+) -> DistributedReport:
+    return DistributedReport(
+        output=root,
+        tokenizer=spec,
         documents=sum(p.documents for p in pieces),
         empty_documents=sum(p.empty_documents for p in pieces),
         sequences={s: layouts[s].sequences for s in SPLITS},
         tokens={s: layouts[s].tokens for s in SPLITS},
         max_token_id=max((p.max_token_id for p in pieces), default=0),
-        seconds=time.perf_counter() - t0,
+        seconds=seconds,
         units=len(plan.units),
-        units_resumed=resumed,
-        parallelism=eng.parallelism,
-        work_dir=work.root,
     )
-    log.info(
-        "converted %d documents (%d empty, skipped) to %s: %s tokens, %.0f tokens/s",
-        report.documents,
-        report.empty_documents,
-        report.output,
-        report.tokens,
-        report.tokens_per_s,
+
+
+def _check_arguments(runner: str | TaskRunner, write_run_tokens: int) -> int:
+    """Refuse an unknown runner name; returns ``write_run_tokens`` checked."""
+    if isinstance(runner, str) and runner not in ("ray", "local"):
+        raise ConfigError(f"runner must be 'ray', 'local' or a TaskRunner, got {runner!r}")
+    return positive_int("write_run_tokens", write_run_tokens)
+
+
+def _tokenizer_spec(options: ConvertOptions) -> str:
+    """The tokenizer's spec (every task loads it by spec), checked here once."""
+    if not isinstance(options.tokenizer, str):
+        raise ConfigError(
+            "convert_distributed needs ConvertOptions.tokenizer as a spec string (every task "
+            f"loads it by spec), got a {type(options.tokenizer).__name__}"
+        )
+    tok = load_tokenizer(options.tokenizer)
+    check_tokenizer(tok)
+    return tok.spec
+
+
+@contextlib.contextmanager
+def _task_runner(runner: str | TaskRunner, ray_address: str | None) -> Iterator[TaskRunner]:
+    """The runner asked for; one made here is closed on the way out."""
+    if not isinstance(runner, str):
+        yield runner
+        return
+    made: TaskRunner = RayRunner(ray_address) if runner == "ray" else InProcessRunner()
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def _write_pass(
+    runner: TaskRunner,
+    out: Output,
+    layouts: dict[str, SplitLayout],
+    work: Location,
+    options: ConvertOptions,
+    write_run_tokens: int,
+) -> int:
+    """Create the arrays, run the write tasks, commit; returns how many tasks ran."""
+    zarr_format: Literal[2, 3] = 3 if options.zarr_format == 3 else 2
+    target = OutputTarget(Location(out.location, options.storage_dict), zarr_format)
+    object_tokens = options.shard_tokens or options.chunk_tokens
+    run_objects = max(1, write_run_tokens // object_tokens)
+    tasks = [
+        WriteTask(job, target, work, options.validation_fraction, options.seed)
+        for split in SPLITS
+        for job in plan_writes(layouts[split], object_tokens, run_objects)
+    ]
+    create_arrays(
+        out,
+        {s: (layouts[s].tokens, layouts[s].sequences + 1) for s in SPLITS},
+        zarr_format=zarr_format,
+        chunk_tokens=options.chunk_tokens,
+        shard_tokens=options.shard_tokens,
     )
-    return report
+    max_ids = dict.fromkeys(SPLITS, 0)
+    for _, (split, _array, max_id) in runner.map(run_write_job, tasks):
+        max_ids[split] = max(max_ids[split], max_id)
+    commit_output(out, max_ids, zarr_format)
+    return len(tasks)
 
 
 @dataclasses.dataclass(frozen=True)
 class _ReadOptions:
+    """What every tokenize task reads and tokenizes with."""
+
+    tokenizer: str
     text_field: str
     txt_mode: str
     max_document_bytes: int
@@ -215,10 +254,9 @@ def _claim_work_dir(work: Location, plan: Plan) -> None:
 
 
 def _tokenize_pass(
-    engine: Engine,
+    runner: TaskRunner,
     plan: Plan,
     work: Location,
-    spec: str,
     read: _ReadOptions,
     bar: bool,
 ) -> tuple[list[PieceInfo], int]:
@@ -234,7 +272,7 @@ def _tokenize_pass(
                     TokenizeJob(
                         unit,
                         plan.digest,
-                        spec,
+                        read.tokenizer,
                         read.text_field,
                         read.txt_mode,
                         work,
@@ -244,7 +282,7 @@ def _tokenize_pass(
             else:
                 pieces[unit.index] = info
                 progress.resumed(info.tokens, info.input_bytes)
-        for _, info in engine.map(tokenize_unit, todo):
+        for _, info in runner.map(tokenize_unit, todo):
             pieces[info.index] = info
             progress.finished(info.tokens, info.input_bytes)
     finally:
@@ -253,7 +291,7 @@ def _tokenize_pass(
 
 
 def _layouts(
-    engine: Engine, pieces: list[PieceInfo], work: Location, fraction: float, seed: int
+    runner: TaskRunner, pieces: list[PieceInfo], work: Location, fraction: float, seed: int
 ) -> dict[str, SplitLayout]:
     docs = np.array([p.documents for p in pieces], np.int64)
     doc_offset = np.concatenate(([0], np.cumsum(docs)[:-1])).astype(np.int64)
@@ -263,7 +301,7 @@ def _layouts(
         for i in range(0, len(nonempty), _STATS_BATCH)
     ]
     rows: list[tuple[int, int, int, int, int]] = []
-    for _, batch in engine.map(split_stats, jobs):
+    for _, batch in runner.map(split_stats, jobs):
         rows.extend(batch)
     rows.sort()
     offsets = dict(nonempty)

@@ -25,7 +25,8 @@ from asyncflat.text.corpus import (
     iter_parquet_documents,
     iter_range_documents,
 )
-from asyncflat.writer.convert import DOCS_PER_BATCH, Tokenizer, _tokenize, load_tokenizer
+from asyncflat.text.tokenizer import Tokenizer, load_tokenizer, tokenize_batch
+from asyncflat.writer.convert import DOCS_PER_BATCH
 from asyncflat.writer.distributed.plan import Unit
 from asyncflat.writer.distributed.storage import Location
 
@@ -99,7 +100,7 @@ def tokenize_unit(job: TokenizeJob) -> PieceInfo:
     ids_parts: list[np.ndarray] = []
     len_parts: list[np.ndarray] = []
     while batch := list(itertools.islice(docs, DOCS_PER_BATCH)):
-        ids, lengths = _tokenize(tok, batch)
+        ids, lengths = tokenize_batch(tok, batch)
         ids_parts.append(ids)
         len_parts.append(lengths)
     ids = np.concatenate(ids_parts) if ids_parts else np.zeros(0, np.uint32)

@@ -26,9 +26,9 @@ from asyncflat.text.corpus import (
     DEFAULT_MAX_DOCUMENT_BYTES,
     check_max_document_bytes,
     expand_inputs,
+    file_suffix,
     open_parquet,
 )
-from asyncflat.text.corpus import file_suffix as _suffix
 
 __all__ = ["Plan", "Unit", "make_plan", "tokenizer_fingerprint"]
 
@@ -110,7 +110,7 @@ def make_plan(
     for path in files:
         st = path.stat()
         stamps.append([str(path.resolve()), st.st_size, st.st_mtime_ns])
-        suffix = _suffix(path)
+        suffix = file_suffix(path)
         assert suffix is not None
         kind = suffix.removesuffix(".gz").lstrip(".")
         gz = suffix.endswith(".gz")

@@ -1,124 +1,73 @@
-"""The output store: its skeleton, the write tasks, and the commit (metadata last).
+"""The output's arrays, the write tasks, and the commit, through :mod:`asyncflat.writer.output`.
 
-A local output is built in ``<output>.partial-<plan>`` and renamed into place, as the
-single-machine writer does. An fsspec URL (``gs://``, ``s3://``, ``memory://``) has no rename:
-the arrays are written in place and the root group's metadata object is written last, so a
-reader finds either no dataset or a complete one.
+The driver opens the output as the single-machine writer does (:func:`open_output`: the same
+checks before anything is replaced, the same staging and commit); only the root group's metadata
+is held back on an object store, since the tasks open the arrays' metadata themselves. The tasks
+write their objects at the output's :attr:`~asyncflat.writer.output.Output.location` (the
+staging directory, or the URL), reached through an :class:`OutputTarget`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import shutil
 from typing import Any, Literal
 
 import numpy as np
 import zarr
 
-from asyncflat.errors import ConfigError
 from asyncflat.format.codec import SPLITS
 from asyncflat.writer.distributed.layout import WriteJob, selected
 from asyncflat.writer.distributed.pieces import read_lengths_many, read_token_ranges_many
 from asyncflat.writer.distributed.storage import Location
 from asyncflat.writer.flat_tokens import create_split_arrays
-from asyncflat.writer.output import _fsync_dir, _fsync_tree
+from asyncflat.writer.output import Output
 
-__all__ = ["OutputTarget", "run_write_job"]
-
-
-def _root_metadata_names(zarr_format: int) -> tuple[str, ...]:
-    return ("zarr.json",) if zarr_format == 3 else (".zgroup", ".zattrs")
+__all__ = ["OutputTarget", "WriteTask", "commit_output", "create_arrays", "run_write_job"]
 
 
 @dataclasses.dataclass(frozen=True)
 class OutputTarget:
-    """Where the write tasks write (the staging directory for a local output)."""
+    """Where the write tasks write: the output's location (picklable, for other machines)."""
 
-    output: Location
-    staging: Location
+    location: Location
     zarr_format: Literal[2, 3]
 
     def store(self) -> Any:
-        if self.staging.local:
-            return zarr.storage.LocalStore(self.staging.root)
+        if self.location.local:
+            return zarr.storage.LocalStore(self.location.root)
         return zarr.storage.FsspecStore.from_url(
-            self.staging.root, storage_options=self.staging.storage_options or None
+            self.location.root, storage_options=self.location.storage_options or None
         )
 
-    # -- driver side ------------------------------------------------------------------------
 
-    def prepare(self, overwrite: bool) -> None:
-        """Refuse an existing output (unless ``overwrite``); clear a previous run's staging."""
-        names = _root_metadata_names(self.zarr_format) + _root_metadata_names(5 - self.zarr_format)
-        if self.output.local:
-            exists = os.path.lexists(self.output.root)
-        else:
-            exists = any(self.output.exists(n) for n in names)
-        if exists and not overwrite:
-            raise ConfigError(
-                f"convert: {self.output.root} already exists (pass overwrite=True to replace it)"
-            )
-        if self.output.local:
-            os.makedirs(os.path.dirname(self.output.root), exist_ok=True)
-            shutil.rmtree(self.staging.root, ignore_errors=True)
-        elif exists:
-            # Uncommit first (root metadata), then remove the rest of the old dataset.
-            for name in names:
-                if self.output.exists(name):
-                    self.output.fs.rm(self.output.path(name))
-            self.output.remove_all()
+def create_arrays(
+    output: Output,
+    shapes: dict[str, tuple[int, int]],
+    *,
+    zarr_format: Literal[2, 3],
+    chunk_tokens: int,
+    shard_tokens: int | None,
+) -> None:
+    """Create the groups and arrays at their final shapes (the root's metadata held back)."""
+    root = zarr.open_group(output.store, mode="w", zarr_format=zarr_format)
+    for split in SPLITS:
+        create_split_arrays(
+            root.create_group(split),
+            shapes[split],
+            zarr_format=zarr_format,
+            chunk_tokens=chunk_tokens,
+            shard_tokens=shard_tokens,
+        )
 
-    def create(
-        self,
-        shapes: dict[str, tuple[int, int]],
-        *,
-        chunk_tokens: int,
-        shard_tokens: int | None,
-    ) -> dict[str, bytes]:
-        """Create the groups and arrays at their final shapes; returns the withheld root metadata."""
-        root = zarr.open_group(self.store(), mode="w", zarr_format=self.zarr_format)
-        for split in SPLITS:
-            create_split_arrays(
-                root.create_group(split),
-                shapes[split],
-                zarr_format=self.zarr_format,
-                chunk_tokens=chunk_tokens,
-                shard_tokens=shard_tokens,
-            )
-        withheld: dict[str, bytes] = {}
-        if not self.staging.local:
-            for name in _root_metadata_names(self.zarr_format):
-                data = self.staging.get(name)
-                if data is not None:
-                    withheld[name] = data
-                    self.staging.fs.rm(self.staging.path(name))
-        return withheld
 
-    def discard(self) -> None:
-        """After a failed write pass: remove a local staging directory. (In a bucket the objects
-        stay, uncommitted: no root metadata, so no dataset; a rerun replaces them.)"""
-        if self.staging.local and self.staging.root != self.output.root:
-            shutil.rmtree(self.staging.root, ignore_errors=True)
-
-    def commit(self, max_token_ids: dict[str, int], withheld: dict[str, bytes]) -> None:
-        store = self.store()
-        for split in SPLITS:
-            group = zarr.open_group(store, path=split, mode="r+", zarr_format=self.zarr_format)
-            group.attrs["max_token_id"] = max_token_ids[split]
-        if self.staging.local:
-            _fsync_tree(self.staging.root)
-            old = None
-            if os.path.lexists(self.output.root):
-                old = f"{self.staging.root}.old"
-                os.rename(self.output.root, old)
-            os.rename(self.staging.root, self.output.root)
-            _fsync_dir(os.path.dirname(self.output.root))
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-        else:
-            for name, data in withheld.items():  # the commit: root metadata last
-                self.staging.put(name, data)
+def commit_output(
+    output: Output, max_token_ids: dict[str, int], zarr_format: Literal[2, 3]
+) -> None:
+    """Record each split's ``max_token_id``, then commit the output (root metadata last)."""
+    for split in SPLITS:
+        group = zarr.open_group(output.store, path=split, mode="r+", zarr_format=zarr_format)
+        group.attrs["max_token_id"] = max_token_ids[split]
+    output.commit()
 
 
 # --------------------------------------------------------------------------------------------
@@ -128,6 +77,8 @@ class OutputTarget:
 
 @dataclasses.dataclass(frozen=True)
 class WriteTask:
+    """One write job and what it needs: where to write, the pieces, the split rule."""
+
     job: WriteJob
     target: OutputTarget
     work: Location

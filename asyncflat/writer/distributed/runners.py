@@ -1,8 +1,9 @@
-"""Engines run the passes' tasks: in this process, or as Ray core tasks.
+"""Task runners run the passes' tasks: in this process, or as Ray core tasks.
 
-An engine only needs :meth:`Engine.map`: run a plain function over a list of picklable jobs and
-yield ``(position, result)`` as results arrive, stopping at the first error. The passes know
-nothing about Ray, so another engine (Dask, Beam) is a class like :class:`RayEngine`.
+A runner only needs :meth:`TaskRunner.map`: run a plain function over a list of picklable jobs
+and yield ``(position, result)`` as results arrive, stopping at the first error. The passes know
+nothing about Ray, so another runner (Dask, Beam) is a class like :class:`RayRunner`.
+(Named runners, not engines: :class:`asyncflat.engine.Engine` is the loader's engine.)
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, Protocol, TypeVar
 
 from asyncflat.errors import ConfigError
 
-__all__ = ["Engine", "InProcessEngine", "RayEngine"]
+__all__ = ["InProcessRunner", "RayRunner", "TaskRunner"]
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +23,9 @@ J = TypeVar("J")
 R = TypeVar("R")
 
 
-class Engine(Protocol):
+class TaskRunner(Protocol):
+    """Runs a pass's tasks (see the module docstring)."""
+
     #: how many tasks run at once (sizes the tasks in flight)
     parallelism: int
 
@@ -31,7 +34,7 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
-class InProcessEngine:
+class InProcessRunner:
     """Runs every task here, one after another (tests, and a baseline for the benchmark)."""
 
     parallelism = 1
@@ -48,7 +51,7 @@ class InProcessEngine:
 _DRAIN_TIMEOUT_S = 60.0
 
 
-class RayEngine:
+class RayRunner:
     """Ray core tasks (``ray.remote``) on an existing cluster (``address``) or a local one.
 
     A task whose worker dies is retried by Ray (``max_retries``); an exception raised by the
@@ -74,7 +77,7 @@ class RayEngine:
             import ray
         except ImportError as exc:
             raise ConfigError(
-                "engine 'ray' needs the ray package: pip install 'asyncflat[distributed]'"
+                "the ray runner needs the ray package: pip install 'asyncflat[distributed]'"
             ) from exc
         self._ray = ray
         self._owned = False
