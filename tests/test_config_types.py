@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Union
 
 import numpy as np
@@ -197,50 +197,47 @@ def test_every_config_class_is_exported() -> None:
     assert all(cls.__name__ in asyncflat.__all__ for cls in CONFIG_CLASSES)
 
 
-# -- run-time argument checks of the public entry points (asyncflat._typecheck.checked) ----------
+# -- run-time argument checks of the public entry points -----------------------------------------
 
 
-def test_checked_entry_points_name_the_argument_for_every_kind_of_annotation() -> None:
-    from asyncflat._typecheck import checked
+def test_checked_entry_points_name_the_argument_for_every_kind_of_annotation(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A class, a union of classes, items of a sequence, a callable and an int, each checked at
+    the call (before any work) with a message naming the function and the argument."""
+    from asyncflat.writer.distributed import convert_distributed
 
-    @checked
-    def entry(
-        params: TokenBatchParams,
-        path: str | pathlib.Path,
-        inputs: Sequence[str],
-        hook: Callable[[int], int] | None = None,
-        *,
-        ratio: float = 0.5,
-        anything: Any = None,
-    ) -> int:
-        return len(inputs)
-
-    ok = TokenBatchParams(len=8, batch=2)
-    assert entry(ok, "p", ["a"], lambda x: x, ratio=1, anything=object()) == 1  # int for float
-    assert entry(ok, pathlib.Path("p"), ("a", "b")) == 2
-    cases: list[tuple[Any, str]] = [
-        (lambda: entry({"len": 8}, "p", []), r'argument "params" \(dict\) is not an instance of'),
+    batch = TokenBatchParams(len=8, batch=2)
+    params = FlatTokensParams(str(tmp_path / "absent.zarr"), 1, 2, 4, seed=0, sequence_packing=True)
+    out = str(tmp_path / "out")
+    cases: list[tuple[Callable[[], Any], str]] = [
         (
-            lambda: entry(ok, 3, []),
-            r'argument "path" \(int\) is not an instance of str or pathlib\.Path',
+            lambda: asyncflat.get_loader("train", {"len": 8}, batch),  # type: ignore[arg-type]
+            r'get_loader\(\): argument "config" \(dict\) is not an instance of',
         ),
-        (lambda: entry(ok, "p", [1]), r'item 0 of argument "inputs" \(list\) is not an instance'),
-        (lambda: entry(ok, "p", [], "hook"), r'argument "hook" \(str\)'),
-        (lambda: entry(ok, "p", [], ratio="x"), r'argument "ratio" \(str\)'),
+        (
+            lambda: asyncflat.get_loader("train", params, batch, batch_type="hook"),  # type: ignore[arg-type]
+            r'get_loader\(\): argument "batch_type" \(str\)',
+        ),
+        (
+            lambda: convert_distributed(["a.txt"], 3),  # type: ignore[arg-type]
+            r'convert_distributed\(\): argument "output" \(int\) is not an instance of str or',
+        ),
+        (
+            lambda: convert_distributed([1], out),  # type: ignore[list-item]
+            r'convert_distributed\(\): item 0 of argument "inputs" \(list\) is not an instance',
+        ),
+        (
+            lambda: next(asyncflat.iter_epochs("train", params, batch, start_epoch="x")),  # type: ignore[arg-type]
+            r'iter_epochs\(\): argument "start_epoch" \(str\)',
+        ),
     ]
     for call, match in cases:
-        with pytest.raises(ArgumentTypeError, match=r"entry\(\): " + match):
+        with pytest.raises(ArgumentTypeError, match=match):
             call()
+    assert not (tmp_path / "out").exists()  # refused before any work
     with pytest.raises(TypeError):  # a wrong call is the interpreter's own error, unchanged
-        entry(ok)  # type: ignore[call-arg]
-
-    @checked
-    def partly(known: int, unknown: NotImportedAtRunTime) -> None:  # type: ignore[name-defined]  # noqa: F821
-        pass
-
-    partly(1, object())  # what cannot be resolved is not checked; the rest still is
-    with pytest.raises(ArgumentTypeError, match=r'argument "known" \(str\)'):
-        partly("1", object())
+        asyncflat.get_loader("train")  # type: ignore[call-arg]
 
 
 def test_importing_and_constructing_entry_points_does_not_import_typeguard() -> None:
@@ -254,14 +251,14 @@ def test_importing_and_constructing_entry_points_does_not_import_typeguard() -> 
         """
         import sys
         import asyncflat, asyncflat.loader.shuffling, asyncflat.loader.epochs
-        from asyncflat import TokenBatchParams
-        from asyncflat._typecheck import checked
+        from asyncflat import ArgumentTypeError, TokenBatchParams, get_loader
 
-        @checked
-        def f(a: TokenBatchParams, b: int | None = None) -> None:
+        try:
+            get_loader("train", {"len": 8}, TokenBatchParams(len=8, batch=2))
+        except ArgumentTypeError:
             pass
-
-        f(TokenBatchParams(len=8, batch=2), 3)
+        else:
+            raise AssertionError("no ArgumentTypeError")
         assert "typeguard" not in sys.modules, "typeguard imported"
         """
     )
