@@ -225,7 +225,7 @@ def test_checked_entry_points_name_the_argument_for_every_kind_of_annotation(
         ),
         (
             lambda: convert_distributed([1], out),  # type: ignore[list-item]
-            r'convert_distributed\(\): item 0 of argument "inputs" \(list\) is not an instance',
+            r'convert_distributed\(\): item 0 of argument "inputs" \(list\)',
         ),
         (
             lambda: next(asyncflat.iter_epochs("train", params, batch, start_epoch="x")),  # type: ignore[arg-type]
