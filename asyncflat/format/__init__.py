@@ -7,22 +7,6 @@ May import: ``errors``; a store is any zarr ``Store`` (the guarded one is passed
 :mod:`asyncflat.storage`.
 """
 
-from asyncflat.format.codec import (
-    MANY_CHUNKS,
-    METADATA_FILES,
-    MIN_CHUNK_ELEMENTS,
-    SPLITS,
-    TOKEN_ID_LIMIT,
-    decode,
-    encode_sequences,
-)
+from asyncflat.format.codec import SPLITS, TOKEN_ID_LIMIT, decode, encode_sequences
 
-__all__ = [
-    "MANY_CHUNKS",
-    "METADATA_FILES",
-    "MIN_CHUNK_ELEMENTS",
-    "SPLITS",
-    "TOKEN_ID_LIMIT",
-    "decode",
-    "encode_sequences",
-]
+__all__ = ["SPLITS", "TOKEN_ID_LIMIT", "decode", "encode_sequences"]

@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import Sharding
 
 from asyncflat._typecheck import checked
-from asyncflat.config import EngineOptions, FlatTokensParams, TokenBatchParams, step_argument
+from asyncflat.config import EngineOptions, FlatTokensParams, TokenBatchParams
 from asyncflat.engine import Engine, EngineStats, IntervalStats
 from asyncflat.errors import ConfigError
 from asyncflat.format.codec import SPLITS
@@ -197,9 +197,7 @@ class ShufflingLoader:
     def encoded_rows(self, step: int) -> np.ndarray:
         """This host's rows of ``step`` as stored (flat-tokens codes, uint32[len(host_rows),
         len]): what ``load(step)`` decodes, without jax."""
-        rows = self._life.rows(step_argument(step))
-        assert rows is not None  # (not ready_only)
-        return rows
+        return self._life.encoded_rows(step)
 
     def iter(self, start_step: int = 0) -> BatchIterator:
         """An iterator of ``(step, batch)`` from ``start_step`` to the end of the dataset.

@@ -214,9 +214,7 @@ class MixtureLoader:
     def encoded_rows(self, step: int) -> np.ndarray:
         """This host's rows of ``step`` as stored (flat-tokens codes, uint32[len(host_rows),
         len]): what ``load(step)`` decodes, without jax."""
-        rows = self._life.rows(step_argument(step))
-        assert rows is not None  # (not ready_only)
-        return rows
+        return self._life.encoded_rows(step)
 
     def iter(self, start_step: int = 0) -> BatchIterator:
         """``(step, batch)`` from ``start_step`` to ``step_count``, built ahead on a thread when

@@ -141,6 +141,12 @@ class Lifecycle(Generic[S]):
             return rows
         return self._runner.run(server.rows(step), timeout=self.options.load_timeout_s)
 
+    def encoded_rows(self, step: int) -> np.ndarray:
+        """This host's rows of ``step`` as stored (flat-tokens codes): what ``load`` decodes."""
+        rows = self.rows(step_argument(step))
+        assert rows is not None  # (not ready_only)
+        return rows
+
     def build(self, step: int, *, ready_only: bool = False) -> Any:
         """Build the batch of ``step`` now (what device prefetch and load-ahead run ahead);
         with ``ready_only``, only from finished buffers, else :data:`NOT_READY`."""
