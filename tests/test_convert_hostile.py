@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -252,6 +253,77 @@ def test_workers_are_killed_when_the_writer_fails(
                  "--no-progress", *write_inputs(tmp_path, docs)]) == 1  # fmt: skip
     assert multiprocessing.active_children() == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt"]
+
+
+def test_workers_outlive_the_thread_that_started_them() -> None:
+    """Linux's parent-death signal fires when the starting *thread* ends, not the process."""
+    tokenizer = load_tokenizer("bytes")
+    gen = tokenized_batches(tokenizer, ([f"doc {i}"] * 10 for i in range(500)), workers=2)
+    got = []
+    starter = threading.Thread(target=lambda: got.extend(next(gen) for _ in range(8)))
+    starter.start()
+    starter.join()
+    time.sleep(0.5)  # time for a wrongly delivered SIGKILL to land
+    got.extend(gen)
+    assert len(got) == 500
+    assert multiprocessing.active_children() == []
+
+
+def session_processes(sid: int) -> dict[int, str]:
+    """``{pid: command line}`` of every live process in session ``sid`` (Linux ``/proc``)."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:  # exited meanwhile
+            continue
+        state, _ppid, _pgrp, session = stat.rsplit(")", 1)[1].split()[:4]
+        if int(session) == sid and state != "Z":
+            found[int(entry)] = cmdline.replace(b"\0", b" ").decode(errors="replace")
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="lists processes via /proc")
+def test_no_child_of_convert_outlives_a_sigkilled_parent(tmp_path: Path) -> None:
+    """SIGKILL runs no cleanup: the workers, and what multiprocessing started, must notice."""
+    (tmp_path / "in.txt").write_text(("document number %d " * 10 + "\n") * 300_000)
+    out = tmp_path / "out.zarr"
+    env = {**os.environ, "PYTHONPATH": REPO}
+    args = ["convert", str(tmp_path / "in.txt"), "-o", str(out), "--workers", "2", "--no-progress"]
+    parent = subprocess.Popen(
+        [sys.executable, "-m", "asyncflat", *args],
+        env=env,
+        start_new_session=True,  # its session is the parent and everything it starts
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # two workers, and chunks being written
+            workers = [c for c in session_processes(parent.pid).values() if "spawn_main" in c]
+            if len(workers) == 2 and list(tmp_path.glob("out.zarr.partial-*/train/*/c/*")):
+                break
+            assert parent.poll() is None, "convert ended before it could be killed"
+            time.sleep(0.02)
+        else:
+            pytest.fail(f"no two workers mid-write: {session_processes(parent.pid)}")
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while session_processes(parent.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert session_processes(parent.pid) == {}
+    finally:
+        parent.kill()
+        parent.wait()
+        for pid in session_processes(parent.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def write_inputs(tmp_path: Path, docs: list[str]) -> list[str]:
