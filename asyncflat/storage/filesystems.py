@@ -413,15 +413,24 @@ class PinnedStore(WrapperStore[Store]):
     ``get_object(IfMatch=etag)``; gcsfs: a media GET with ``ifGenerationMatch``; obstore:
     ``get_async(options={"if_match": etag})``). A store whose client is none of these (an
     in-memory or HTTP filesystem) is read as is. The pins are shared by the copies zarr makes
-    (``with_read_only``) and live as long as the loader that opened the store."""
+    (``with_read_only``) and live as long as the loader that opened the store.
 
-    def __init__(self, store: Store, pins: VersionPins | None = None) -> None:
+    ``read``: the conditional read to use instead of the client's (a test's fake store).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        pins: VersionPins | None = None,
+        *,
+        read: ConditionalRead | None = None,
+    ) -> None:
         super().__init__(store)
         self.pins = pins if pins is not None else VersionPins()
-        self._read = conditional_reader(store)
+        self._read = read if read is not None else conditional_reader(store)
 
     def _with_store(self, store: Store) -> PinnedStore:
-        return PinnedStore(store, self.pins)
+        return PinnedStore(store, self.pins, read=self._read)
 
     async def get(
         self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None

@@ -17,6 +17,7 @@ from typing import TypeVar
 
 from asyncflat.config import RetryPolicy
 from asyncflat.errors import StorageError, TransientStorageError, error_text
+from asyncflat.storage.pins import ObjectReplacedError
 
 __all__ = ["is_precondition_failure", "is_throttle", "is_transient", "retrying"]
 
@@ -141,7 +142,11 @@ def is_precondition_failure(exc: BaseException) -> bool:
     if _http_status(exc) == 412 or _error_code(exc) == "PreconditionFailed":
         return True
     return any(
-        type(link).__name__ == "PreconditionError" and type(link).__module__.startswith("obstore")
+        isinstance(link, ObjectReplacedError)
+        or (
+            type(link).__name__ == "PreconditionError"
+            and type(link).__module__.startswith("obstore")
+        )
         for link in _causes(exc)
     )
 
