@@ -9,6 +9,9 @@ and with a connection pool large enough for the requests asyncflat keeps in flig
 (``max_connections``: aiobotocore's default pool of 10 would otherwise cap every fill at 10
 requests, whatever ``max_concurrent_reads`` says). Options the caller set are never overridden.
 :func:`close_store` closes its HTTP sessions on the same loop.
+
+:class:`PinnedStore` (under :func:`bounded`) issues every object read of s3fs, gcsfs and obstore
+itself, pinned to the version first read and conditional on it afterwards (:mod:`.pins`).
 """
 
 from __future__ import annotations
