@@ -688,10 +688,11 @@ def test_silent_store_fails_construction_within_the_deadline(
 # -- replaced objects: every object pinned to the version first read ------------------------------
 
 
-def _uncompressed_copy(root: Path, name: str, change: Callable[[np.ndarray], np.ndarray]) -> Path:
-    """A v3 dataset whose ``encoded_tokens`` chunks are stored as uncompressed Blosc frames
-    (so another content has exactly the same size), each chunk's tokens passed through
-    ``change`` (which keeps every sequence start)."""
+def _replaceable(root: Path, name: str, change: Callable[[Any], Any], *, sharded: bool) -> Path:
+    """A v3 dataset whose validation tokens are passed through ``change`` (which keeps every
+    sequence start). Unsharded, its ``encoded_tokens`` chunks are stored as uncompressed Blosc
+    frames, so that other tokens make an object of exactly the same size; sharded, zarr writes
+    the changed tokens (read with ranged requests: the index, then each inner chunk)."""
     import numcodecs
     import zarr
 
@@ -701,12 +702,16 @@ def _uncompressed_copy(root: Path, name: str, change: Callable[[np.ndarray], np.
         {"train": random_sequences(7, 60), "validation": random_sequences(8, 300)},
         zarr_format=3,
         chunk_tokens=CHUNK,
+        shard_tokens=SHARD if sharded else None,
     )
-    array = zarr.open_array(path / "validation" / "encoded_tokens", mode="r")
-    codec = numcodecs.Blosc(cname="lz4", clevel=0, shuffle=numcodecs.Blosc.BITSHUFFLE)
+    array = zarr.open_array(path / "validation" / "encoded_tokens", mode="r+")
+    if sharded:
+        array[:] = change(np.asarray(array[:]))
+        return path
     count = -(-array.shape[0] // CHUNK)
     tokens = np.zeros(count * CHUNK, np.uint32)  # the last chunk whole, as zarr stores it
     tokens[: array.shape[0]] = array[:]
+    codec = numcodecs.Blosc(cname="lz4", clevel=0, shuffle=numcodecs.Blosc.BITSHUFFLE)
     for index in range(count):
         chunk = tokens[index * CHUNK : (index + 1) * CHUNK]
         (path / "validation" / "encoded_tokens" / "c" / str(index)).write_bytes(
@@ -716,21 +721,24 @@ def _uncompressed_copy(root: Path, name: str, change: Callable[[np.ndarray], np.
 
 
 @pytest.mark.cloud
+@pytest.mark.parametrize("fmt", ["v3", "v3_sharded"])
 def test_replaced_objects_are_refused_until_the_loader_is_reopened(
-    backend: Backend, tmp_path: Path
+    backend: Backend, tmp_path: Path, fmt: str
 ) -> None:
     """A loader reads a pass; every encoded_tokens chunk object is then replaced by one of the
     same size (same sequence starts, other tokens). Loading again never serves the new bytes:
     a load that reads a replaced object raises a StorageError naming it and the version pinned,
-    and keeps raising for it; a loader opened afterwards reads the new data."""
-    old = _uncompressed_copy(tmp_path, "old.zarr", lambda chunk: chunk)
-    new = _uncompressed_copy(tmp_path, "new.zarr", lambda chunk: chunk ^ np.uint32(2))
+    and keeps raising for it; a loader opened afterwards reads the new data. Sharded, the
+    conditional reads are ranged ones."""
+    sharded = fmt == "v3_sharded"
+    old = _replaceable(tmp_path, "old.zarr", lambda chunk: chunk, sharded=sharded)
+    new = _replaceable(tmp_path, "new.zarr", lambda chunk: chunk ^ np.uint32(2), sharded=sharded)
     chunks = sorted((old / "validation" / "encoded_tokens" / "c").iterdir())
-    for path in chunks:  # same size, other bytes
+    for path in chunks:  # other bytes (of the same size, unsharded)
         other = new / path.relative_to(old)
-        assert other.stat().st_size == path.stat().st_size
+        assert sharded or other.stat().st_size == path.stat().st_size
         assert other.read_bytes() != path.read_bytes()
-    where = f"replaced-{backend.name}-{backend.client}/v3.zarr"
+    where = f"replaced-{backend.name}-{backend.client}/{fmt}.zarr"
     prefix = f"{BUCKET}/{where}"
 
     async def upload(fs: Any) -> None:
