@@ -447,7 +447,8 @@ class PinnedStore(WrapperStore[Store]):
         try:
             result = await read(key, byte_range, pinned)
         except VersionMismatch:
-            assert pinned is not None  # only a conditional read can fail its condition
+            if pinned is None:  # no condition was sent: the store's own refusal, named as is
+                raise
             self.pins.mismatch(key, pinned)
         if result is None:
             return None
