@@ -683,3 +683,103 @@ def test_silent_store_fails_construction_within_the_deadline(
             )
     assert elapsed < SHORT.deadline_s + SLACK_S, elapsed
     assert backend.url("data/v3.zarr") in str(info.value)
+
+
+# -- replaced objects: every object pinned to the version first read ------------------------------
+
+
+def _replaceable(root: Path, name: str, change: Callable[[Any], Any], *, sharded: bool) -> Path:
+    """A v3 dataset whose validation tokens are passed through ``change`` (which keeps every
+    sequence start). Unsharded, its ``encoded_tokens`` chunks are stored as uncompressed Blosc
+    frames, so that other tokens make an object of exactly the same size; sharded, zarr writes
+    the changed tokens (read with ranged requests: the index, then each inner chunk)."""
+    import numcodecs
+    import zarr
+
+    path = root / name
+    asyncflat.write_flat_tokens(
+        path,
+        {"train": random_sequences(7, 60), "validation": random_sequences(8, 300)},
+        zarr_format=3,
+        chunk_tokens=CHUNK,
+        shard_tokens=SHARD if sharded else None,
+    )
+    array = zarr.open_array(path / "validation" / "encoded_tokens", mode="r+")
+    if sharded:
+        array[:] = change(np.asarray(array[:]))
+        return path
+    count = -(-array.shape[0] // CHUNK)
+    tokens = np.zeros(count * CHUNK, np.uint32)  # the last chunk whole, as zarr stores it
+    tokens[: array.shape[0]] = array[:]
+    codec = numcodecs.Blosc(cname="lz4", clevel=0, shuffle=numcodecs.Blosc.BITSHUFFLE)
+    for index in range(count):
+        chunk = tokens[index * CHUNK : (index + 1) * CHUNK]
+        (path / "validation" / "encoded_tokens" / "c" / str(index)).write_bytes(
+            codec.encode(change(chunk))
+        )
+    return path
+
+
+@pytest.mark.cloud
+@pytest.mark.parametrize("fmt", ["v3", "v3_sharded"])
+def test_replaced_objects_are_refused_until_the_loader_is_reopened(
+    backend: Backend, tmp_path: Path, fmt: str
+) -> None:
+    """A loader reads a pass; every encoded_tokens chunk object is then replaced by one of the
+    same size (same sequence starts, other tokens). Loading again never serves the new bytes:
+    a load that reads a replaced object raises a StorageError naming it and the version pinned,
+    and keeps raising for it; a loader opened afterwards reads the new data. Sharded, the
+    conditional reads are ranged ones."""
+    sharded = fmt == "v3_sharded"
+    old = _replaceable(tmp_path, "old.zarr", lambda chunk: chunk, sharded=sharded)
+    new = _replaceable(tmp_path, "new.zarr", lambda chunk: chunk ^ np.uint32(2), sharded=sharded)
+    chunks = sorted((old / "validation" / "encoded_tokens" / "c").iterdir())
+    for path in chunks:  # other bytes (of the same size, unsharded)
+        other = new / path.relative_to(old)
+        assert sharded or other.stat().st_size == path.stat().st_size
+        assert other.read_bytes() != path.read_bytes()
+    where = f"replaced-{backend.name}-{backend.client}/{fmt}.zarr"
+    prefix = f"{BUCKET}/{where}"
+
+    async def upload(fs: Any) -> None:
+        await fs._put(str(old), prefix, recursive=True)
+
+    async def replace(fs: Any) -> None:
+        for path in chunks:
+            key = f"{prefix}/{path.relative_to(old).as_posix()}"
+            await fs._pipe_file(key, (new / path.relative_to(old)).read_bytes())
+
+    backend.run(upload)
+    steps = range(18)  # the first three minipochs
+    old_oracle = _oracle(old, "validation", True)
+    params = _params(backend.url(where), backend.options())
+    options = EngineOptions(retry=FAST_RETRY)
+    with ShufflingLoader("validation", params, BATCH, options=options) as loader:
+        for step in range(loader.step_count):  # a whole pass: the first buffers are gone
+            np.testing.assert_array_equal(
+                _encoded(loader.load(step)), old_oracle.encoded_batch(step), err_msg=f"{step}"
+            )
+        backend.run(replace)
+        refused: dict[int, str] = {}
+        for step in steps:
+            try:
+                got = _encoded(loader.load(step))
+            except StorageError as exc:
+                refused[step] = str(exc)
+                continue
+            # Served from bytes read before the replacement: the old data, never the new.
+            np.testing.assert_array_equal(got, old_oracle.encoded_batch(step), err_msg=f"{step}")
+        assert refused, "every load served old bytes: no replaced object was read again"
+        step, message = next(iter(refused.items()))
+        assert backend.url(f"{where}/validation/encoded_tokens/c/") in message, message
+        assert "replaced" in message and "pinned" in message, message
+        assert "ETag" in message or "generation" in message, message
+        with pytest.raises(StorageError, match="replaced"):  # and again: kept until reopened
+            loader.load(step)
+        assert loader.stats()["retries"] == 0  # a refused precondition is never retried
+    here = _oracle(new, "validation", True)
+    with ShufflingLoader("validation", params, BATCH, options=options) as fresh:
+        for step in steps:
+            np.testing.assert_array_equal(
+                _encoded(fresh.load(step)), here.encoded_batch(step), err_msg=f"{step}"
+            )

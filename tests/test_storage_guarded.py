@@ -13,8 +13,10 @@ from zarr.abc.store import RangeByteRequest, SuffixByteRequest
 from zarr.core.buffer import default_buffer_prototype
 from zarr.storage import MemoryStore
 
-from asyncflat import CorruptChunkError, RetryPolicy, TransientStorageError
+from asyncflat import CorruptChunkError, RetryPolicy, StorageError, TransientStorageError
 from asyncflat.storage import AdaptiveLimiter, GuardedStore, IOCounters
+from asyncflat.storage.filesystems import PinnedStore
+from asyncflat.storage.pins import ObjectReplacedError, Version, VersionMismatch, VersionPins
 from asyncflat.testing.faults import FaultyStore
 
 PROTO = default_buffer_prototype()
@@ -110,3 +112,71 @@ def test_copies_share_counters_limits_and_checks() -> None:
             await copy.get("t/c/0", PROTO)
 
     run(main)
+
+
+# -- objects pinned to the version first read ------------------------------------------------
+
+
+class VersionedBucket:
+    """Objects with an ETag per version, read conditionally as S3 does (If-Match -> 412)."""
+
+    def __init__(self, objects: dict[str, bytes]) -> None:
+        self.objects = {key: (value, '"v1"') for key, value in objects.items()}
+        self.reads: list[tuple[str, str | None]] = []
+
+    def replace(self, key: str, value: bytes, etag: str) -> None:
+        self.objects[key] = (value, etag)
+
+    async def read(self, key: str, byte_range: Any, pinned: Version | None) -> Any:
+        self.reads.append((key, pinned.value if pinned is not None else None))
+        if key not in self.objects:
+            return None
+        value, etag = self.objects[key]
+        if pinned is not None and pinned.value != etag:
+            raise VersionMismatch("412 Precondition Failed")
+        if isinstance(byte_range, RangeByteRequest):
+            value = value[byte_range.start : byte_range.end]
+        return value, Version("ETag", etag)
+
+
+def test_a_replaced_object_is_refused_once_without_retry_and_until_reopened() -> None:
+    async def main() -> None:
+        bucket = VersionedBucket({"t/c/0": b"0123456789", "t/c/1": b"abcdefghij"})
+        pinned = PinnedStore(await memory_store({}), read=bucket.read)
+        store, io = await guarded(pinned, max_attempts=5)
+        assert (await store.get("t/c/0", PROTO)).to_bytes() == b"0123456789"  # type: ignore[union-attr]
+        buffer = await store.get("t/c/0", PROTO, RangeByteRequest(2, 4))
+        assert buffer is not None and buffer.to_bytes() == b"23"
+        assert bucket.reads == [("t/c/0", None), ("t/c/0", '"v1"')]  # conditional once pinned
+        bucket.replace("t/c/0", b"9876543210", '"v2"')  # same size, other bytes
+        for _ in range(2):  # refused, and kept refused without asking the store again
+            with pytest.raises(ObjectReplacedError) as info:
+                await store.get("t/c/0", PROTO, RangeByteRequest(2, 4))
+            message = str(info.value)
+            assert "mem://data/t/c/0 (bytes=2-3)" in message
+            assert 'pinned ETag "v1"' in message and "412" in message
+        assert bucket.reads.count(("t/c/0", '"v1"')) == 2  # one refused read, not retried
+        assert io.retries == 0
+        assert isinstance(info.value, StorageError)
+        assert not isinstance(info.value, TransientStorageError)
+        # Other objects read on; a copy zarr makes shares the pins.
+        copy = store.with_read_only(True)
+        assert (await copy.get("t/c/1", PROTO)).to_bytes() == b"abcdefghij"  # type: ignore[union-attr]
+        with pytest.raises(ObjectReplacedError):
+            await copy.get("t/c/0", PROTO)
+        # Reopened (a new loader: new pins), the new version reads.
+        fresh, _ = await guarded(PinnedStore(await memory_store({}), read=bucket.read))
+        assert (await fresh.get("t/c/0", PROTO)).to_bytes() == b"9876543210"  # type: ignore[union-attr]
+
+    run(main)
+
+
+def test_two_first_reads_across_a_replacement_name_both_versions() -> None:
+    pins = VersionPins()
+    pins.record("t/c/0", Version("generation", "11"))
+    with pytest.raises(ObjectReplacedError, match="pinned generation 11, found generation 12"):
+        pins.record("t/c/0", Version("generation", "12"))
+    with pytest.raises(ObjectReplacedError, match="pinned generation 11"):
+        pins.pinned("t/c/0")
+    pins.record("t/c/1", Version("generation", "11"))
+    assert pins.pinned("t/c/1") == Version("generation", "11")

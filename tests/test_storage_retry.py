@@ -8,7 +8,8 @@ import errno
 import pytest
 
 from asyncflat import RetryPolicy, StorageError, TransientStorageError
-from asyncflat.storage.retry import is_throttle, is_transient, retrying
+from asyncflat.storage.pins import ObjectReplacedError
+from asyncflat.storage.retry import is_precondition_failure, is_throttle, is_transient, retrying
 
 
 class HttpError(Exception):
@@ -140,3 +141,45 @@ def test_attempt_timeout_must_be_positive() -> None:
     with pytest.raises(ConfigError, match=r"RetryPolicy\.attempt_timeout_s must be > 0"):
         RetryPolicy(attempt_timeout_s=0)
     assert RetryPolicy().attempt_timeout_s < RetryPolicy().deadline_s
+
+
+def _precondition_failures() -> list[BaseException]:
+    """412s as each client raises them: s3fs (botocore's ClientError translated), obstore, and
+    asyncflat's own refusal; one also arrives inside an error that is otherwise transient."""
+    import obstore.exceptions
+    from botocore.exceptions import ClientError
+    from s3fs.errors import translate_boto_error
+
+    s3 = translate_boto_error(
+        ClientError(
+            {
+                "Error": {"Code": "PreconditionFailed", "Message": "At least one failed"},
+                "ResponseMetadata": {"HTTPStatusCode": 412},
+            },
+            "GetObject",
+        )
+    )
+    hidden = ConnectionResetError("reset")
+    hidden.__cause__ = HttpError(412)
+    return [
+        s3,
+        obstore.exceptions.PreconditionError("Precondition: status code: 412"),
+        ObjectReplacedError("gs://b/o: object replaced"),
+        hidden,
+    ]
+
+
+def test_a_precondition_failure_is_never_retried() -> None:
+    for exc in _precondition_failures():
+        assert is_precondition_failure(exc) and not is_transient(exc), exc
+        calls: list[int] = []
+
+        async def attempt(exc: BaseException = exc, calls: list[int] = calls) -> None:
+            calls.append(1)
+            raise exc
+
+        with pytest.raises(type(exc)):
+            asyncio.run(retrying(attempt, POLICY, describe=lambda: "obj"))
+        assert calls == [1], exc
+    assert not is_precondition_failure(HttpError(503))
+    assert not is_precondition_failure(FileNotFoundError("gone"))

@@ -9,6 +9,9 @@
   when ``storage_options`` asks for it; fsspec-style options translated or refused by name.
 * :mod:`.guarded`: the one gate every object request passes (limits, retries, counters, strict
   checks against missing, truncated or malformed chunk objects).
+* :mod:`.pins`: every object read from a bucket pinned to the version its first read saw;
+  later reads conditional on it (:class:`~asyncflat.storage.filesystems.PinnedStore` issues
+  them), a replaced object refused until the loader is reopened.
 * :mod:`.retry`: which failures are transient, and jittered exponential backoff to a deadline.
 * :mod:`.limiter`: the adaptive (AIMD) bound on requests in flight, and the lane of the
   requests a waiting load needs (:func:`~asyncflat.storage.limiter.demand`).

@@ -9,6 +9,9 @@ and with a connection pool large enough for the requests asyncflat keeps in flig
 (``max_connections``: aiobotocore's default pool of 10 would otherwise cap every fill at 10
 requests, whatever ``max_concurrent_reads`` says). Options the caller set are never overridden.
 :func:`close_store` closes its HTTP sessions on the same loop.
+
+:class:`PinnedStore` (under :func:`bounded`) issues every object read of s3fs, gcsfs and obstore
+itself, pinned to the version first read and conditional on it afterwards (:mod:`.pins`).
 """
 
 from __future__ import annotations
@@ -20,10 +23,16 @@ import os
 import sys
 import threading
 import types
-from collections.abc import Awaitable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
-from zarr.abc.store import ByteRequest, Store
+from zarr.abc.store import (
+    ByteRequest,
+    OffsetByteRequest,
+    RangeByteRequest,
+    Store,
+    SuffixByteRequest,
+)
 from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.storage import FsspecStore, LocalStore, WrapperStore
 
@@ -39,11 +48,14 @@ from asyncflat.errors import (
     scrubbed,
 )
 from asyncflat.storage.local_files import file_kind, is_remote, is_url, pread, pread_into
-from asyncflat.storage.obstore_client import make_obstore_store, without_client
+from asyncflat.storage.obstore_client import make_obstore_store, obstore_reader, without_client
+from asyncflat.storage.pins import Version, VersionMismatch, VersionPins
+from asyncflat.storage.retry import is_precondition_failure
 
 __all__ = [
     "OWN_RETRIES_OPTION",
     "BoundedStore",
+    "PinnedStore",
     "bounded",
     "close_filesystem",
     "close_store",
@@ -382,8 +394,171 @@ class BoundedStore(WrapperStore[Store]):
 
 
 def bounded(store: Store, timeout_s: float) -> Store:
-    """``store`` with each request bounded by ``timeout_s`` (object stores; local disks as is)."""
-    return store if isinstance(store, LocalStore) else BoundedStore(store, timeout_s)
+    """``store`` with each request bounded by ``timeout_s`` and every object it reads pinned to
+    the version first read (:class:`PinnedStore`; object stores only: local disks as is)."""
+    if isinstance(store, LocalStore):
+        return store
+    return BoundedStore(PinnedStore(store), timeout_s)
+
+
+#: A client's conditional read of ``key`` (whole, or a byte range), conditional on the pinned
+#: version when there is one: ``(bytes, the version the response names)``, or None when the
+#: object is absent. Raises :class:`~asyncflat.storage.pins.VersionMismatch` on a 412.
+ConditionalRead = Callable[
+    [str, ByteRequest | None, Version | None], Awaitable[tuple[Any, Version | None] | None]
+]
+
+
+class PinnedStore(WrapperStore[Store]):
+    """Every object read through it is pinned to the version its first read saw, and every
+    later read of it is conditional on that version (:mod:`.pins`): the read is issued here,
+    by the client's own request function, with the precondition, in one request (s3fs:
+    ``get_object(IfMatch=etag)``; gcsfs: a media GET with ``ifGenerationMatch``; obstore:
+    ``get_async(options={"if_match": etag})``). A store whose client is none of these (an
+    in-memory or HTTP filesystem) is read as is. The pins are shared by the copies zarr makes
+    (``with_read_only``) and live as long as the loader that opened the store.
+
+    ``read``: the conditional read to use instead of the client's (a test's fake store).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        pins: VersionPins | None = None,
+        *,
+        read: ConditionalRead | None = None,
+    ) -> None:
+        super().__init__(store)
+        self.pins = pins if pins is not None else VersionPins()
+        self._read = read if read is not None else conditional_reader(store)
+
+    def _with_store(self, store: Store) -> PinnedStore:
+        return PinnedStore(store, self.pins, read=self._read)
+
+    async def get(
+        self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None
+    ) -> Buffer | None:
+        read = self._read
+        if read is None:
+            return await self._store.get(key, prototype, byte_range)
+        pinned = self.pins.pinned(key)  # raises for an object refused before
+        if isinstance(byte_range, RangeByteRequest) and byte_range.end <= byte_range.start:
+            return prototype.buffer.from_bytes(b"")
+        try:
+            result = await read(key, byte_range, pinned)
+        except VersionMismatch:
+            if pinned is None:  # no condition was sent: the store's own refusal, named as is
+                raise
+            self.pins.mismatch(key, pinned)
+        if result is None:
+            return None
+        data, found = result
+        self.pins.record(key, found)
+        return prototype.buffer.from_bytes(data)
+
+    async def get_partial_values(
+        self,
+        prototype: BufferPrototype,
+        key_ranges: Iterable[tuple[str, ByteRequest | None]],
+    ) -> list[Buffer | None]:
+        return list(await asyncio.gather(*(self.get(k, prototype, r) for k, r in key_ranges)))
+
+
+def conditional_reader(store: Store) -> ConditionalRead | None:
+    """The conditional read of ``store``'s client (s3fs, gcsfs, obstore), or None."""
+    if isinstance(store, FsspecStore):
+        gcsfs = sys.modules.get("gcsfs")
+        s3fs = sys.modules.get("s3fs")
+        if s3fs is not None and isinstance(store.fs, s3fs.S3FileSystem):
+            return _S3Reads(store).read
+        if gcsfs is not None and isinstance(store.fs, gcsfs.GCSFileSystem):
+            return _GcsReads(store).read
+        return None
+    return obstore_reader(store)
+
+
+def http_range(byte_range: ByteRequest | None) -> str | None:
+    """The HTTP ``Range`` header of a zarr byte request (None: the whole object)."""
+    if isinstance(byte_range, RangeByteRequest):
+        return f"bytes={byte_range.start}-{byte_range.end - 1}"
+    if isinstance(byte_range, OffsetByteRequest):
+        return f"bytes={byte_range.offset}-"
+    if isinstance(byte_range, SuffixByteRequest):
+        return f"bytes=-{byte_range.suffix}"
+    return None
+
+
+def _object_path(root: str, key: str) -> str:
+    """zarr's FsspecStore path of ``key`` under ``root`` (as its own ``get`` builds it)."""
+    root = root.rstrip("/")
+    return (f"{root}/{key}" if root else key).rstrip("/")
+
+
+class _S3Reads:
+    """s3fs: ``get_object`` through s3fs's own call (its session, credentials, error
+    translation), with ``IfMatch`` once pinned; the ETag (and a versioned bucket's version id)
+    come back with the same response."""
+
+    def __init__(self, store: FsspecStore) -> None:
+        self.store = store
+
+    async def read(
+        self, key: str, byte_range: ByteRequest | None, pinned: Version | None
+    ) -> tuple[Any, Version | None] | None:
+        fs = self.store.fs
+        bucket, name, version_id = fs.split_path(_object_path(self.store.path, key))
+        kwargs: dict[str, Any] = {}
+        header = http_range(byte_range)
+        if header is not None:
+            kwargs["Range"] = header
+        if version_id:
+            kwargs["VersionId"] = version_id
+        if pinned is not None:
+            kwargs["IfMatch"] = pinned.value
+        try:
+            response = await fs._call_s3("get_object", Bucket=bucket, Key=name, **kwargs)
+            try:
+                data = await response["Body"].read()
+            finally:
+                response["Body"].close()
+        except self.store.allowed_exceptions:
+            return None
+        except OSError as exc:
+            if is_precondition_failure(exc):
+                raise VersionMismatch(str(exc)) from exc
+            if "not satisfiable" in str(exc):  # as zarr's FsspecStore: an empty read
+                return b"", pinned
+            raise
+        etag = response.get("ETag")
+        if not etag:
+            return data, None
+        note = f"version id {response['VersionId']}" if response.get("VersionId") else ""
+        return data, Version("ETag", str(etag), note)
+
+
+class _GcsReads:
+    """gcsfs: the media GET gcsfs itself sends (its session and credentials), with
+    ``ifGenerationMatch`` once pinned; the generation comes back in ``x-goog-generation``."""
+
+    def __init__(self, store: FsspecStore) -> None:
+        self.store = store
+
+    async def read(
+        self, key: str, byte_range: ByteRequest | None, pinned: Version | None
+    ) -> tuple[Any, Version | None] | None:
+        fs = self.store.fs
+        path = _object_path(self.store.path, key)
+        header = http_range(byte_range)
+        headers = {"Range": header} if header is not None else {}
+        params = {"ifGenerationMatch": pinned.value} if pinned is not None else {}
+        try:
+            found, data = await fs._call("GET", fs.url(path), headers=headers, **params)
+        except FileExistsError as exc:  # gcsfs's translation of 412 Precondition Failed
+            raise VersionMismatch(str(exc)) from exc
+        except self.store.allowed_exceptions:
+            return None
+        generation = found.get("x-goog-generation")
+        return data, Version("generation", str(generation)) if generation else None
 
 
 def local_root(store: Store) -> str | None:

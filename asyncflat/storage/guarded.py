@@ -4,7 +4,8 @@
 whole source (adaptively, see :mod:`.limiter`), retries transient failures (:mod:`.retry`),
 counts bytes and requests, refuses silently-missing or truncated chunks (zarr would read them
 as fill values, i.e. wrong data), checks Blosc frames before any decoder sees them, and names
-the object and byte range in every error. Shard indexes are read once per shard through one
+the object and byte range in every error (an object replaced since the loader first read it is
+refused by the conditional reads beneath, :mod:`.pins`, and named here). Shard indexes are read once per shard through one
 :class:`~asyncflat.storage.single_flight.SingleFlight` cache.
 """
 
@@ -51,6 +52,7 @@ from asyncflat.storage.gate import (
 )
 from asyncflat.storage.limiter import AdaptiveLimiter
 from asyncflat.storage.local_files import file_kind
+from asyncflat.storage.pins import ObjectReplacedError
 from asyncflat.storage.retry import is_throttle, retrying
 from asyncflat.storage.single_flight import SingleFlight
 
@@ -355,6 +357,8 @@ class GuardedStore(PerKeyWrapperStore):
 
         try:
             buffer = await retrying(attempt, shared.retry, describe=describe, on_retry=count_retry)
+        except ObjectReplacedError as exc:  # never retried; named here, with its range
+            raise ObjectReplacedError(f"reading {describe()}: {exc}") from None
         except AsyncflatError as exc:  # e.g. the last transient error, its message included
             if not carries_secret(exc, shared.secrets):
                 raise

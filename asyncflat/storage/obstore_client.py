@@ -21,9 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 from asyncflat.config import CLIENT_OPTION, client_of
 from asyncflat.errors import ConfigError, error_text, redact
+from asyncflat.storage.pins import Version, VersionMismatch
 
 if TYPE_CHECKING:
-    from zarr.abc.store import Store
+    from collections.abc import Awaitable, Callable
+
+    from zarr.abc.store import ByteRequest, Store
 
 _S3_KEYS = {
     "endpoint_url": "endpoint",
@@ -169,3 +172,63 @@ def make_obstore_store(
             f"{redact(filespec)}: obstore refused these storage_options: {error_text(exc)}"
         ) from None
     return ObjectStore(raw, read_only=True)
+
+
+def obstore_reader(
+    store: Store,
+) -> Callable[[str, ByteRequest | None, Version | None], Awaitable[Any]] | None:
+    """The conditional read of a zarr ``ObjectStore`` over obstore (None for any other store):
+    ``obstore.get_async`` with ``if_match`` set to the pinned ETag (or ``version`` to the
+    pinned version, when the store sends no ETag), the range in the same options; the ETag and
+    version come back in the result's ``meta``. A refused precondition (obstore's
+    ``PreconditionError``, a 412) raises :class:`~asyncflat.storage.pins.VersionMismatch`."""
+    try:
+        from zarr.storage import ObjectStore
+    except ImportError:  # pragma: no cover - zarr without obstore support
+        return None
+    if not isinstance(store, ObjectStore):
+        return None
+    raw = store.store
+
+    async def read(
+        key: str, byte_range: ByteRequest | None, pinned: Version | None
+    ) -> tuple[Any, Version | None] | None:
+        import obstore
+
+        options: dict[str, Any] = {}
+        span = _obstore_range(byte_range)
+        if span is not None:
+            options["range"] = span
+        if pinned is not None:
+            options["if_match" if pinned.kind == "ETag" else "version"] = pinned.value
+        try:
+            result = await obstore.get_async(raw, key, options=options)  # type: ignore[arg-type]
+            data = await result.bytes_async()
+        except obstore.exceptions.PreconditionError as exc:
+            raise VersionMismatch(error_text(exc)) from exc
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return None
+        return data, _obstore_version(result.meta)
+
+    return read
+
+
+def _obstore_range(byte_range: ByteRequest | None) -> Any:
+    from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteRequest
+
+    if isinstance(byte_range, RangeByteRequest):
+        return (byte_range.start, byte_range.end)
+    if isinstance(byte_range, OffsetByteRequest):
+        return {"offset": byte_range.offset}
+    if isinstance(byte_range, SuffixByteRequest):
+        return {"suffix": byte_range.suffix}
+    return None
+
+
+def _obstore_version(meta: Mapping[str, Any]) -> Version | None:
+    """The version obstore's ``ObjectMeta`` names: the ETag (with the version, S3's version id
+    or GCS's generation, said alongside), else the version alone."""
+    etag, version = meta.get("e_tag"), meta.get("version")
+    if etag:
+        return Version("ETag", str(etag), f"version {version}" if version else "")
+    return Version("version", str(version)) if version else None

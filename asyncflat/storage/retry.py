@@ -17,8 +17,9 @@ from typing import TypeVar
 
 from asyncflat.config import RetryPolicy
 from asyncflat.errors import StorageError, TransientStorageError, error_text
+from asyncflat.storage.pins import ObjectReplacedError
 
-__all__ = ["is_throttle", "is_transient", "retrying"]
+__all__ = ["is_precondition_failure", "is_throttle", "is_transient", "retrying"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -133,6 +134,23 @@ def is_throttle(exc: BaseException) -> bool:
     return _http_status(exc) in _THROTTLE_HTTP or _error_code(exc) in _THROTTLE_CODES
 
 
+def is_precondition_failure(exc: BaseException) -> bool:
+    """Whether the store refused a conditional read (HTTP 412 Precondition Failed, S3's
+    ``PreconditionFailed``, obstore's ``PreconditionError``): the object changed since the
+    version the read was conditional on. Permanent: a retry would be refused again, or worse,
+    served the new version."""
+    if _http_status(exc) == 412 or _error_code(exc) == "PreconditionFailed":
+        return True
+    return any(
+        isinstance(link, ObjectReplacedError)
+        or (
+            type(link).__name__ == "PreconditionError"
+            and type(link).__module__.startswith("obstore")
+        )
+        for link in _causes(exc)
+    )
+
+
 def is_transient(exc: BaseException) -> bool:
     """Whether a failed read is worth retrying: throttling, 5xx, timeouts, resets.
 
@@ -141,6 +159,8 @@ def is_transient(exc: BaseException) -> bool:
     """
     if isinstance(exc, TransientStorageError):
         return True
+    if is_precondition_failure(exc):  # the object changed: a retry must not read it again
+        return False
     if isinstance(exc, (FileNotFoundError, PermissionError, StorageError)):
         return False
     status = _http_status(exc)

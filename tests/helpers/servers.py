@@ -38,7 +38,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import unquote, urlparse
+from urllib.parse import parse_qs, unquote, urlparse
 
 __all__ = ["GcsEmulator", "MotoS3", "ProxiedRequest", "TcpProxy", "free_port"]
 
@@ -88,11 +88,34 @@ def _emulator_handler_class() -> type:
 
     class Handler(gse.RequestHandler):
         _sent = frozenset[str]()
+        #: Headers GCS sends with an object's bytes: its generation, and an ETag per version.
+        _object_headers: tuple[tuple[str, str], ...] = ()
 
         def do_GET(self) -> None:
             self._unquote_bucket()
-            self._translate_suffix_range()
+            found = self._object()
+            self._object_headers = ()
+            if found is not None:
+                generation = str(found[1]["generation"])
+                etag = f'"{generation}"'
+                # GCS's preconditions: ifGenerationMatch (JSON API), If-Match (XML API).
+                query = parse_qs(urlparse(self.path).query)
+                wanted = query.get("ifGenerationMatch", [generation])[0]
+                if_match = self.headers.get("If-Match")
+                if wanted != generation or (if_match is not None and if_match != etag):
+                    self._precondition_failed()
+                    return
+                self._object_headers = (("x-goog-generation", generation), ("ETag", etag))
+                self._translate_suffix_range(len(found[0]))
             super().do_GET()
+
+        def _precondition_failed(self) -> None:
+            body = json.dumps({"error": {"code": 412, "message": "conditionNotMet"}}).encode()
+            self.send_response(412)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
 
         def _unquote_bucket(self) -> None:
             # GCS's XML API (/BUCKET/OBJECT, obstore's) takes a percent-encoded bucket name
@@ -111,15 +134,16 @@ def _emulator_handler_class() -> type:
         def end_headers(self) -> None:
             if "last-modified" not in self._sent:
                 super().send_header("Last-Modified", self.date_time_string(_EMULATOR_MTIME))
-            if "etag" not in self._sent:
+            for name, value in self._object_headers:
+                if name.lower() not in self._sent:
+                    super().send_header(name, value)
+            if "etag" not in self._sent and not self._object_headers:
                 super().send_header("ETag", '"asyncflat-emulator"')
-            self._sent = frozenset()
+            self._sent, self._object_headers = frozenset(), ()
             super().end_headers()
 
-        def _translate_suffix_range(self) -> None:
-            match = suffix.fullmatch(self.headers.get("Range") or "")
-            if match is None:
-                return
+        def _object(self) -> tuple[bytes, dict[str, Any]] | None:
+            """The bytes and metadata of the object a download names (None: not one)."""
             path = urlparse(self.path).path
             for pattern in download_patterns:
                 found = pattern.fullmatch(path)
@@ -127,12 +151,19 @@ def _emulator_handler_class() -> type:
                     continue
                 params = {k: unquote(v) for k, v in found.groupdict().items()}
                 try:
-                    size = len(self.storage.get_file(params["bucket_name"], params["object_id"]))
+                    data = self.storage.get_file(params["bucket_name"], params["object_id"])
+                    meta = self.storage.get_file_obj(params["bucket_name"], params["object_id"])
                 except NotFound:  # let the emulator answer 404 itself
-                    return
-                start = max(0, size - int(match.group(1)))
-                self.headers.replace_header("Range", f"bytes={start}-")
+                    return None
+                return data, meta
+            return None
+
+        def _translate_suffix_range(self, size: int) -> None:
+            match = suffix.fullmatch(self.headers.get("Range") or "")
+            if match is None:
                 return
+            start = max(0, size - int(match.group(1)))
+            self.headers.replace_header("Range", f"bytes={start}-")
 
     return Handler
 
