@@ -14,7 +14,8 @@ clauses on those builtins::
     │   └── DatasetTooLargeError (ConfigError) shapes whose plan would exceed its memory budget
     ├── StepOutOfRangeError    (IndexError)   load(step) outside [0, step_count)
     ├── StorageError           (OSError)      a read failed for good (after retries)
-    │   └── TransientStorageError             a read failed in a way worth retrying
+    │   ├── TransientStorageError             a read failed in a way worth retrying
+    │   └── ObjectReplacedError               a bucket object changed since the loader first read it
     ├── LoadTimeoutError       (TimeoutError) load() waited longer than its timeout
     ├── LoaderClosedError      (RuntimeError) the loader was used after close()
     └── LoopReentryError       (RuntimeError) a blocking call made from the engine's own loop
@@ -41,6 +42,7 @@ __all__ = [
     "LoadTimeoutError",
     "LoaderClosedError",
     "LoopReentryError",
+    "ObjectReplacedError",
     "StepOutOfRangeError",
     "StorageError",
     "TransientStorageError",
@@ -88,6 +90,11 @@ class StorageError(AsyncflatError, OSError):
 
 class TransientStorageError(StorageError):
     """A read failure that may succeed when retried (throttling, 5xx, timeouts, resets)."""
+
+
+class ObjectReplacedError(StorageError):
+    """An object changed in the store since the loader first read it (its ETag or generation):
+    refused, never mixed with the version read before, until the loader is reopened."""
 
 
 class LoadTimeoutError(AsyncflatError, TimeoutError):

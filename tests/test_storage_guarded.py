@@ -14,9 +14,10 @@ from zarr.core.buffer import default_buffer_prototype
 from zarr.storage import MemoryStore
 
 from asyncflat import CorruptChunkError, RetryPolicy, StorageError, TransientStorageError
+from asyncflat.errors import ObjectReplacedError
 from asyncflat.storage import AdaptiveLimiter, GuardedStore, IOCounters
 from asyncflat.storage.filesystems import PinnedStore
-from asyncflat.storage.pins import ObjectReplacedError, Version, VersionMismatch, VersionPins
+from asyncflat.storage.pins import Version, VersionMismatch, VersionPins
 from asyncflat.testing.faults import FaultyStore
 
 PROTO = default_buffer_prototype()

@@ -8,7 +8,7 @@ import errno
 import pytest
 
 from asyncflat import RetryPolicy, StorageError, TransientStorageError
-from asyncflat.storage.pins import ObjectReplacedError
+from asyncflat.errors import ObjectReplacedError
 from asyncflat.storage.retry import is_precondition_failure, is_throttle, is_transient, retrying
 
 

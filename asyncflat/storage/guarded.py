@@ -34,6 +34,7 @@ from asyncflat.errors import (
     AsyncflatError,
     CorruptChunkError,
     DatasetFormatError,
+    ObjectReplacedError,
     StorageError,
     carries_secret,
     error_text,
@@ -52,7 +53,6 @@ from asyncflat.storage.gate import (
 )
 from asyncflat.storage.limiter import AdaptiveLimiter
 from asyncflat.storage.local_files import file_kind
-from asyncflat.storage.pins import ObjectReplacedError
 from asyncflat.storage.retry import is_throttle, retrying
 from asyncflat.storage.single_flight import SingleFlight
 

@@ -9,7 +9,7 @@ or ranged, is *conditional* on it (``If-Match: <etag>``, ``ifGenerationMatch=<ge
 no second request, and a replaced object is refused by the store itself (412 Precondition
 Failed) instead of served.
 
-A refused object raises :class:`ObjectReplacedError` (a :class:`~asyncflat.errors.StorageError`:
+A refused object raises :class:`~asyncflat.errors.ObjectReplacedError` (a :class:`~asyncflat.errors.StorageError`:
 the store no longer holds what the loader opened; each version's bytes may be fine, so it is not
 a :class:`~asyncflat.errors.CorruptChunkError`, and it is never retried). The refusal is kept:
 every later read of that object raises it again, without a request, until the loader is
@@ -25,16 +25,11 @@ import dataclasses
 import logging
 from typing import NoReturn
 
-from asyncflat.errors import StorageError
+from asyncflat.errors import ObjectReplacedError
 
-__all__ = ["ObjectReplacedError", "Version", "VersionMismatch", "VersionPins"]
+__all__ = ["Version", "VersionMismatch", "VersionPins"]
 
 log = logging.getLogger(__name__)
-
-
-class ObjectReplacedError(StorageError):
-    """An object changed in the store since the loader first read it: refused, never mixed
-    with the version read before, until the loader is reopened."""
 
 
 class VersionMismatch(Exception):

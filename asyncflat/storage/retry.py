@@ -16,8 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from asyncflat.config import RetryPolicy
-from asyncflat.errors import StorageError, TransientStorageError, error_text
-from asyncflat.storage.pins import ObjectReplacedError
+from asyncflat.errors import ObjectReplacedError, StorageError, TransientStorageError, error_text
 
 __all__ = ["is_precondition_failure", "is_throttle", "is_transient", "retrying"]
 
