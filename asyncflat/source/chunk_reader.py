@@ -20,7 +20,7 @@ from asyncflat.errors import AsyncflatError, CorruptChunkError
 from asyncflat.source.protocol import Targets, UnitWriter
 from asyncflat.storage import blosc as _blosc
 from asyncflat.storage import local_files
-from asyncflat.storage.chunks import Frame, without_crc32c
+from asyncflat.storage.chunks import Frame, split_crc32c
 from asyncflat.storage.counters import IOCounters
 from asyncflat.storage.single_flight import SingleFlight
 
@@ -68,13 +68,16 @@ class ChunkObjects(Protocol):
 
 
 def decode(name: str, frame: Frame, first_item: int, out: np.ndarray) -> None:
-    """Items of ``frame`` into ``out``; a frame that does not decode is a CorruptChunkError."""
+    """Items of ``frame`` into ``out``, its crc32c (if any) verified first in the same job; a
+    frame that does not decode, or fails its checksum, is a CorruptChunkError."""
     try:
         frame.decode_into(first_item, out)
     except _blosc.BloscError as exc:
         raise CorruptChunkError(
             f"{name} encoded_tokens: chunk object {frame.key} does not decode: {exc}"
         ) from exc
+    except CorruptChunkError as exc:  # the checksum: name the dataset too
+        raise CorruptChunkError(f"{name} encoded_tokens: {exc}") from exc
 
 
 class BlockReader:
@@ -231,7 +234,7 @@ class BlockReader:
 class ChunkReader:
     """``encoded_tokens`` chunks into the engine's buffers, and a load's rows, decoded here
     (``codec`` "blosc" or "raw"; ``checksum``: each object ends with zarr's crc32c, verified
-    here too) or, when ``codec`` is None, by ``decoded`` (zarr: the whole chunk, copied)."""
+    here too, in the job that decodes the chunk, before its first decode) or, when ``codec`` is None, by ``decoded`` (zarr: the whole chunk, copied)."""
 
     def __init__(
         self,
@@ -420,12 +423,20 @@ class ChunkReader:
             lo = chunk_id * self._token_chunk
             hi = min(lo + self._token_chunk, self._token_count)
             raise type(exc)(f"{self._name} encoded_tokens[{lo}:{hi}]: {exc}") from exc
+        stored = None
         if self._checksum:
+            # Verified by the frame's first decode, in the same job on the CPU pool: no thread
+            # hop of its own, and no pass over the bytes before the decode can start.
             where = f"{self._name} encoded_tokens: chunk object {key}"
-            data = await asyncio.get_running_loop().run_in_executor(
-                None, without_crc32c, data, where
-            )
-        return Frame(data, first, key, blosc=self._codec == "blosc", nbytes=self._chunk_nbytes)
+            data, stored = split_crc32c(data, where)
+        return Frame(
+            data,
+            first,
+            key,
+            blosc=self._codec == "blosc",
+            nbytes=self._chunk_nbytes,
+            crc32c=stored,
+        )
 
     async def aclose(self) -> None:
         """Forget cached frames and layouts (idempotent)."""
