@@ -22,6 +22,7 @@ import ctypes.util
 import dataclasses
 import functools
 import logging
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -66,19 +67,26 @@ class Frame:
     #: verified against ``data`` before the first decode; None: the chunk has none.
     crc32c: int | None = None
     _verified: bool = dataclasses.field(default=False, compare=False, repr=False)
+    _verifying: threading.Lock = dataclasses.field(
+        default_factory=threading.Lock, compare=False, repr=False
+    )
 
     def verify(self) -> None:
-        """Check ``data`` against the stored crc32c (once: a cached frame serves many fills),
-        else :class:`CorruptChunkError` naming the chunk object and both checksums.
+        """Check ``data`` against the stored crc32c (once: a cached frame serves many fills and
+        rows, and a second decode waits for the first check rather than repeating it), else
+        :class:`CorruptChunkError` naming the chunk object and both checksums.
 
         CPU-bound and GIL-free: run it off the loop, in the job that decodes the chunk."""
         if self.crc32c is None or self._verified:
             return
-        computed = crc32c(self.data)
-        if computed != self.crc32c:
-            raise CorruptChunkError(_mismatch(f"chunk object {self.key}", self.crc32c, computed))
-        # Two decode threads may both check it first: the same result either way.
-        object.__setattr__(self, "_verified", True)
+        with self._verifying:
+            if self._verified:
+                return
+            computed = crc32c(self.data)
+            if computed != self.crc32c:
+                where = f"chunk object {self.key}"
+                raise CorruptChunkError(_mismatch(where, self.crc32c, computed))
+            object.__setattr__(self, "_verified", True)
 
     def decode_into(self, first_item: int, out: np.ndarray) -> None:
         """Items ``[first_item, first_item + len(out))`` of the chunk into ``out``, the chunk's
