@@ -279,27 +279,48 @@ class ChunkReader:
             if await self._read_range_into(chunk_id, targets, writer) is not None:
                 return
         lo = chunk_id * self._token_chunk
+
+        async def write(frame: Frame) -> bool:
+            def fill_targets() -> None:
+                for first_item, out in targets:
+                    decode(self._name, frame, first_item, out)
+
+            return await writer.write(fill_targets)
+
         if self._codec == "raw" and not self._checksum:  # fetch just the bytes we use, uncached
-            frame = await self._read_frame(chunk_id, (start - lo, stop - lo))
-        elif self._codec is not None:  # the whole object (a Blosc frame, or checksummed)
-            frame = await self._chunks.get(chunk_id, lambda: self._read_frame(chunk_id))
-        else:  # zarr decodes the whole chunk once for every fill that needs it; we copy
-            assert self._decoded is not None, "a reader without a codec decodes through zarr"
-            decoded = self._decoded
-            frame = await self._chunks.get(chunk_id, lambda: decoded(chunk_id))
-
-        def fill_targets() -> None:
-            for first_item, out in targets:
-                decode(self._name, frame, first_item, out)
-
-        try:
-            wrote = await writer.write(fill_targets)
-        except AsyncflatError:
-            # Bad bytes must not stay cached for the fills that come after: fetch them afresh.
-            self._chunks.forget(chunk_id, frame)
-            raise
+            wrote = await write(await self._read_frame(chunk_id, (start - lo, stop - lo)))
+        else:  # the whole object (a Blosc frame, or checksummed), or zarr's decoded chunk
+            wrote = await self._with_frame(chunk_id, write)
         if wrote and self._codec is not None:
             self._io.bytes_decoded += sum(out.nbytes for _, out in targets)
+
+    async def _with_frame(self, chunk_id: int, use: Callable[[Frame], Awaitable[T]]) -> T:
+        """``use(frame)`` with the whole frame of chunk ``chunk_id``, shared by the fills and
+        rows that need it (zarr decodes it once when this reader has no codec).
+
+        Bad bytes must not stay cached for the reads that come after: a failure forgets the
+        frame. A frame taken from the cache may have been read before its object was repaired
+        or replaced (and never decoded, its fill dropped): where it fails its checksum or its
+        decode, it is read afresh and ``use`` tried once more."""
+        if self._codec is not None:
+            read: Callable[[], Awaitable[Frame]] = lambda: self._read_frame(chunk_id)  # noqa: E731
+        else:
+            assert self._decoded is not None, "a reader without a codec decodes through zarr"
+            decoded = self._decoded
+            read = lambda: decoded(chunk_id)  # noqa: E731
+        for attempt in range(2):
+            cached = chunk_id in self._chunks
+            frame = await self._chunks.get(chunk_id, read)
+            try:
+                return await use(frame)
+            except CorruptChunkError:
+                self._chunks.forget(chunk_id, frame)
+                if not cached or attempt:
+                    raise
+            except AsyncflatError:
+                self._chunks.forget(chunk_id, frame)
+                raise
+        raise AssertionError("unreachable")  # pragma: no cover
 
     async def _read_range_into(
         self, chunk_id: int, targets: Targets, writer: UnitWriter
@@ -402,10 +423,12 @@ class ChunkReader:
 
     async def _decode_whole(self, chunk_id: int, first_item: int, out: np.ndarray) -> None:
         """Items of chunk ``chunk_id`` from its whole object (shared with the fills)."""
-        frame = await self._chunks.get(chunk_id, lambda: self._read_frame(chunk_id))
-        await asyncio.get_running_loop().run_in_executor(
-            None, decode, self._name, frame, first_item, out
-        )
+        loop = asyncio.get_running_loop()
+
+        async def use(frame: Frame) -> None:
+            await loop.run_in_executor(None, decode, self._name, frame, first_item, out)
+
+        await self._with_frame(chunk_id, use)
 
     async def _read_frame(self, chunk_id: int, items: tuple[int, int] | None = None) -> Frame:
         """The stored bytes of ``encoded_tokens`` chunk ``chunk_id``, bypassing zarr's decoder.

@@ -249,6 +249,6 @@ def _native_crc32c() -> Callable[[int, int, int], int] | None:
         function.restype = ctypes.c_uint32
         function.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
         if function(0, b"123456789", 9) == _CHECK_VALUE:
-            return function  # type: ignore[no-any-return]
+            return function
     log.info("no native crc32c library found: checksums are computed holding the GIL")
     return None
