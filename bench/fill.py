@@ -11,7 +11,8 @@ from ``stats()["fills"]``; prefetch is off so fills do not overlap.
 ``checksum``: what the crc32c of every chunk (the writer's default in format 3) costs a fill:
 the same tokens written with and without it (``FlatTokensWriter(checksum=...)``), fills
 alternating between the two stores (A B A B ...) so machine noise hits both alike; the best and
-the median whole fill of each, and their ratios; target: a cost of at most 5%.
+the median whole fill of each, their ratios, and the process's CPU seconds per useful GB of
+each; target: a cost of at most 5% (by the median fills).
 ``--checksum-only`` measures just that (no tensorstore, no 2^28-token stores).
 
 Prints one JSON line (GB/s of useful tokens, 1 GB = 1e9 bytes).
@@ -176,18 +177,23 @@ def checksum_figures(tokens: int, rounds: int) -> dict:
     }
 
 
+def meets_checksum_target(figures: dict) -> bool:
+    """The cost of checksums, by the median fill of each store (the best fill of a noisy
+    machine swings by more than the target), at most :data:`CHECKSUM_TARGET`."""
+    return 1 - figures["crc32c_over_plain_median"] <= CHECKSUM_TARGET
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=REFERENCE_TOKENS)
     parser.add_argument("--checksum-tokens", type=int, default=1 << 26)
-    parser.add_argument("--checksum-rounds", type=int, default=3)
+    parser.add_argument("--checksum-rounds", type=int, default=6)
     parser.add_argument(
         "--checksum-only", action="store_true", help="only the with/without checksum comparison"
     )
     args = parser.parse_args()
     checksum = checksum_figures(args.checksum_tokens, args.checksum_rounds)
-    cost = 1 - checksum["crc32c_over_plain"]
-    checksum["meets_checksum_target"] = cost <= CHECKSUM_TARGET
+    checksum["meets_checksum_target"] = meets_checksum_target(checksum)
     if args.checksum_only:
         emit({"bench": "fill", "checksum": checksum})
         return

@@ -54,6 +54,11 @@ INLINE_DECODE_BYTES = 1 << 17
 class ChunkObjects(Protocol):
     """Where the ``encoded_tokens`` chunk objects of a split are read from."""
 
+    #: Whole objects of a checksummed array come back with their crc32c already verified, in
+    #: the job that read them while their bytes were in that core's cache (a plain local
+    #: split's files); else the reader verifies it in the job that decodes the chunk.
+    verifies_crc32c: bool
+
     def key(self, chunk_id: int) -> str:
         """The store key of chunk ``chunk_id``."""
         ...
@@ -448,10 +453,13 @@ class ChunkReader:
             raise type(exc)(f"{self._name} encoded_tokens[{lo}:{hi}]: {exc}") from exc
         stored = None
         if self._checksum:
-            # Verified by the frame's first decode, in the same job on the CPU pool: no thread
-            # hop of its own, and no pass over the bytes before the decode can start.
+            # Verified by the frame's first decode, in the same job on the CPU pool (no thread
+            # hop of its own, no pass over the bytes before the decode can start), unless the
+            # job that read the object verified it already.
             where = f"{self._name} encoded_tokens: chunk object {key}"
             data, stored = split_crc32c(data, where)
+            if self._objects.verifies_crc32c:
+                stored = None
         return Frame(
             data,
             first,
