@@ -239,7 +239,9 @@ class BlockReader:
 class ChunkReader:
     """``encoded_tokens`` chunks into the engine's buffers, and a load's rows, decoded here
     (``codec`` "blosc" or "raw"; ``checksum``: each object ends with zarr's crc32c, verified
-    here too, in the job that decodes the chunk, before its first decode) or, when ``codec`` is None, by ``decoded`` (zarr: the whole chunk, copied)."""
+    once per object read, by the job that read it where a thread reads it (see
+    :attr:`ChunkObjects.verifies_crc32c`), else by the job that decodes the chunk, before its
+    first decode) or, when ``codec`` is None, by ``decoded`` (zarr: the whole chunk, copied)."""
 
     def __init__(
         self,

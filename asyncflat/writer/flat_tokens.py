@@ -257,8 +257,8 @@ class FlatTokensWriter:
         verifies on every read, so a flipped bit on disk is a ``CorruptChunkError`` naming the
         chunk object, not wrong tokens. Format 2 has none (True is refused): seqax's exact
         layout has no room for one (see docs/format.md). The cost is measured by
-        ``bench/fill.py`` (docs/performance.md): the checksum is computed off the GIL, in the
-        job that decodes the chunk.
+        ``bench/fill.py`` (docs/performance.md): the checksum is computed off the GIL, with
+        no thread hop of its own (in the job that reads or decodes the chunk).
       * ``overwrite``: replace an existing flat-tokens store (or an empty directory) at
         ``path``; anything else there is refused, naming what was found. Without it an existing
         path is an :class:`OutputExistsError` (a :class:`ConfigError`; raised at construction,
