@@ -199,3 +199,39 @@ def test_a_seqax_store_without_checksums_still_reads(
             targets = np.asarray(batch.targets)
             got = (targets << 1) | np.asarray(batch.is_seq_start).astype(np.uint32)
             np.testing.assert_array_equal(got, expected.encoded_batch(step), err_msg=str(step))
+
+
+class DroppedWriter:
+    """The writer of a fill dropped before its unit decoded: nothing is written."""
+
+    async def write(self, fill_targets: Callable[[], None]) -> bool:
+        return False
+
+
+def test_a_frame_read_before_a_repair_is_read_again(sequences: list[np.ndarray]) -> None:
+    """A chunk object read while damaged, its fill dropped before the decode (so never
+    verified), stays cached; once the object is repaired, the next read that finds the cached
+    frame failing its checksum reads the object afresh instead of raising."""
+    store = Store("memory", Path("."), sequences)  # through zarr: verified beside the decode
+    encoded, _ = encode_sequences(sequences)
+    key = f"{store.root}/train/encoded_tokens/c/1"
+    clean = store.fs.cat_file(key)
+    store.flip(1)
+
+    async def main() -> None:
+        source = await store.open()
+        try:
+            await source.read_into(
+                CHUNK, CHUNK + 10, [(0, np.empty(10, np.uint32))], DroppedWriter()
+            )
+            store.fs.pipe_file(key, clean)  # repaired
+            out = np.empty(300, np.uint32)
+            await source.read_into(CHUNK + 100, CHUNK + 400, [(100, out)], Writer())
+            np.testing.assert_array_equal(out, encoded[CHUNK + 100 : CHUNK + 400])
+        finally:
+            await source.aclose()
+
+    try:
+        asyncio.run(main())
+    finally:
+        store.remove()
