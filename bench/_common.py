@@ -49,7 +49,8 @@ def ensure_dataset(layout: str, tokens: int = REFERENCE_TOKENS) -> str:
 
     # the writer's format version in the name: a store written by an older default (Blosc's own
     # block size before 32 KiB blocks) is not reused
-    path = bench_dir() / f"{layout}-{tokens}-w2.zarr"
+    # (w3: format 3 with crc32c checksums, the writer's default since issue 37)
+    path = bench_dir() / f"{layout}-{tokens}-w3.zarr"
     if path.exists():
         return str(path)
     kwargs = {

@@ -210,6 +210,29 @@ def test_inspect_text_and_json(
     assert report["verify"]["token_count"] == tokens
 
 
+def test_inspect_says_whether_checksums_are_present(
+    dataset: tuple[Path, list[np.ndarray]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from helpers.seqax_v2 import write_seqax_v2
+
+    path, seqs = dataset  # written with the writer's defaults: checksummed
+    rc, out, _ = run(capsys, "inspect", str(path), "--split", "train", "--no-progress")
+    assert rc == 0
+    assert (
+        "checksums: crc32c on every chunk of encoded_tokens and seq_starts, verified on every read"
+        in out
+    )
+    rc, out, _ = run(capsys, "inspect", str(path), "--split", "train", "--json", "--no-progress")
+    summary = json.loads(out)["splits"]["train"]["summary"]
+    assert summary["token_checksums"] is True and summary["seq_starts_checksums"] is True
+
+    seqax = tmp_path / "seqax.zarr"
+    write_seqax_v2(seqax, {"train": seqs[:50], "validation": []})
+    rc, out, _ = run(capsys, "inspect", str(seqax), "--split", "train", "--no-progress")
+    assert rc == 0
+    assert "checksums: none (a damaged chunk may decode into wrong tokens unnoticed)" in out
+
+
 def test_inspect_reports_parameters_too_large(
     dataset: tuple[Path, list[np.ndarray]], capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -40,13 +40,14 @@ class Writer:
         return True
 
 
-@pytest.fixture(scope="module", params=["v2-blosc", "v3-blosc", "v3-sharded"])
+@pytest.fixture(scope="module", params=["v2-blosc", "v3-blosc", "v3-crc32c", "v3-sharded"])
 def dataset(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple:
     kind = request.param
     path = str(tmp_path_factory.mktemp(kind) / "data.zarr")
     kwargs: dict[str, Any] = {
         "v2-blosc": dict(zarr_format=2, chunk_tokens=CHUNK),
-        "v3-blosc": dict(zarr_format=3, chunk_tokens=CHUNK),
+        "v3-blosc": dict(zarr_format=3, chunk_tokens=CHUNK, checksum=False),
+        "v3-crc32c": dict(zarr_format=3, chunk_tokens=CHUNK),  # the default: checksummed
         "v3-sharded": dict(zarr_format=3, chunk_tokens=CHUNK, shard_tokens=4 * CHUNK),
     }[kind]
     sequences = random_sequences(7, 200)
@@ -65,7 +66,9 @@ def test_read_into_fills_the_views_it_is_given(dataset: tuple) -> None:
 
     async def main() -> None:
         source: TokenSource = await open_source(path)
-        assert source.partial_reads is (kind != "v3-sharded")  # direct Blosc or zarr's decoder
+        # Direct Blosc reads just the bytes it needs; a checksummed chunk is verified whole, and
+        # a sharded one is zarr's to decode.
+        assert source.partial_reads is (kind in ("v2-blosc", "v3-blosc"))
         assert not source.remote and source.token_chunk == CHUNK
         start, stop = CHUNK + 100, 2 * CHUNK - 50
         a, b = np.empty(300, np.uint32), np.empty(17, np.uint32)
@@ -210,8 +213,12 @@ def test_a_row_read_costs_its_blosc_blocks_not_half_a_chunk(
     read: dict[int | None, int] = {}
     for block_bytes in (0, 1 << 15, None):
         path = str(tmp_path / f"data-{block_bytes}.zarr")
-        with FlatTokensWriter(
-            path, zarr_format=zarr_format, chunk_tokens=chunk, blosc_block_bytes=block_bytes
+        with FlatTokensWriter(  # no checksum: one is verified over its whole object
+            path,
+            zarr_format=zarr_format,
+            chunk_tokens=chunk,
+            blosc_block_bytes=block_bytes,
+            checksum=False if zarr_format == 3 else None,
         ) as writer:
             writer.append("train", sequences)
 

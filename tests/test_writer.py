@@ -256,7 +256,7 @@ def test_writer_format2_matches_seqax_layout(tmp_path: Path) -> None:
 
 
 def test_writer_format3_codecs(tmp_path: Path) -> None:
-    write_flat_tokens(tmp_path / "plain", {"train": [[1]]}, chunk_tokens=1024)
+    write_flat_tokens(tmp_path / "summed", {"train": [[1]]}, chunk_tokens=1024)
     write_flat_tokens(tmp_path / "sharded", {"train": [[1]]}, chunk_tokens=1024, shard_tokens=4096)
     blosc = {
         "name": "blosc",
@@ -268,16 +268,27 @@ def test_writer_format3_codecs(tmp_path: Path) -> None:
             "blocksize": 32768,  # small blocks: a row read decodes a few KiB (test_source)
         },
     }
+    crc = {"name": "crc32c"}
 
-    plain = json.loads((tmp_path / "plain/train/encoded_tokens/zarr.json").read_text())
-    assert plain["data_type"] == "uint32"
-    assert plain["chunk_grid"]["configuration"]["chunk_shape"] == [1024]
-    little = {"name": "bytes", "configuration": {"endian": "little"}}
-    assert plain["codecs"] == [little, blosc]
-    # checksum=True: a crc32c after Blosc, so damage at rest is an error, not wrong tokens.
-    write_flat_tokens(tmp_path / "summed", {"train": [[1]]}, chunk_tokens=1024, checksum=True)
+    # By default a crc32c after Blosc (which has none), so damage at rest is an error, not
+    # wrong tokens: on every chunk of both arrays.
     summed = json.loads((tmp_path / "summed/train/encoded_tokens/zarr.json").read_text())
-    assert summed["codecs"] == [little, blosc, {"name": "crc32c"}]
+    assert summed["data_type"] == "uint32"
+    assert summed["chunk_grid"]["configuration"]["chunk_shape"] == [1024]
+    little = {"name": "bytes", "configuration": {"endian": "little"}}
+    assert summed["codecs"] == [little, blosc, crc]
+    starts = json.loads((tmp_path / "summed/train/seq_starts/zarr.json").read_text())
+    assert starts["data_type"] == "uint64"
+    assert starts["codecs"][1]["configuration"]["blocksize"] == 0
+    assert starts["codecs"][2:] == [crc]
+    assert starts["chunk_grid"]["configuration"]["chunk_shape"] == [65536]
+
+    # checksum=False: the format-3 layout without them.
+    write_flat_tokens(tmp_path / "plain", {"train": [[1]]}, chunk_tokens=1024, checksum=False)
+    plain = json.loads((tmp_path / "plain/train/encoded_tokens/zarr.json").read_text())
+    assert plain["codecs"] == [little, blosc]
+    plain_starts = json.loads((tmp_path / "plain/train/seq_starts/zarr.json").read_text())
+    assert [c["name"] for c in plain_starts["codecs"]] == ["bytes", "blosc"]
     with pytest.raises(ConfigError, match="checksum"):
         write_flat_tokens(tmp_path / "v2", {"train": [[1]]}, zarr_format=2, checksum=True)
 
@@ -286,12 +297,15 @@ def test_writer_format3_codecs(tmp_path: Path) -> None:
     (codec,) = sharded["codecs"]
     assert codec["name"] == "sharding_indexed"
     assert codec["configuration"]["chunk_shape"] == [1024]
-    assert codec["configuration"]["codecs"][1:] == [blosc]
+    assert codec["configuration"]["codecs"][1:] == [blosc, crc]  # each inner chunk has its own
 
-    starts = json.loads((tmp_path / "plain/train/seq_starts/zarr.json").read_text())
-    assert starts["data_type"] == "uint64"
-    assert starts["codecs"][1]["configuration"]["blocksize"] == 0
-    assert starts["chunk_grid"]["configuration"]["chunk_shape"] == [65536]
+
+def test_format2_stays_seqax_exact_without_checksums(tmp_path: Path) -> None:
+    """Format 2 is seqax's exact layout: the default writes no checksum (docs/format.md)."""
+    write_flat_tokens(tmp_path / "v2", {"train": [[1, 2]]}, zarr_format=2, chunk_tokens=1024)
+    meta = json.loads((tmp_path / "v2/train/encoded_tokens/.zarray").read_text())
+    assert meta["compressor"]["id"] == "blosc"
+    assert meta["filters"] is None
 
 
 # ---------------------------------------------------------------------------------------------

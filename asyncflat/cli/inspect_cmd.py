@@ -119,6 +119,17 @@ def _print_summary(summary: Any) -> None:
         f"  seq_starts: chunks of {s.seq_starts_chunk:,}, {codecs}; "
         f"{human_bytes(s.seq_starts_nbytes)} -> {human_bytes(s.seq_starts_nbytes_stored)} stored"
     )
+    print(f"  checksums: {_checksums_line(s)}")
+
+
+def _checksums_line(s: Any) -> str:
+    """Whether the chunks carry crc32c checksums (verified on every read) or not."""
+    if s.token_checksums:
+        also = " and seq_starts" if s.seq_starts_checksums else ""
+        return f"crc32c on every chunk of encoded_tokens{also}, verified on every read"
+    if s.seq_starts_checksums:
+        return "crc32c on seq_starts only; encoded_tokens has none (damage may go unnoticed)"
+    return "none (a damaged chunk may decode into wrong tokens unnoticed)"
 
 
 def _print_figures(f: Any, args: argparse.Namespace, spb: int) -> None:

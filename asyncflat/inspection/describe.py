@@ -1,4 +1,5 @@
-"""``describe_split``: sizes, storage layout, codecs and the sequence-length distribution."""
+"""``describe_split``: sizes, storage layout, codecs, checksums and the sequence-length
+distribution."""
 
 from __future__ import annotations
 
@@ -59,6 +60,22 @@ def _codec_names(array: Any) -> list[str]:
     return names
 
 
+def _has_checksums(array: Any) -> bool:
+    """Whether every chunk of ``array`` carries zarr's crc32c (format 3, sharded or not; a
+    format-2 ``crc32c`` compressor or filter counts too)."""
+    from zarr.codecs import Crc32cCodec, ShardingCodec
+    from zarr.core.metadata import ArrayV2Metadata
+
+    meta = array.metadata
+    if isinstance(meta, ArrayV2Metadata):
+        codecs = [*(meta.filters or ()), meta.compressor]
+        return any(getattr(codec, "codec_id", None) == "crc32c" for codec in codecs)
+    chain = list(meta.codecs)
+    if chain and isinstance(chain[0], ShardingCodec):
+        chain = list(chain[0].codecs)
+    return any(isinstance(codec, Crc32cCodec) for codec in chain)
+
+
 async def _describe(
     filespec: str,
     split: str,
@@ -110,6 +127,8 @@ async def _summarise(
         seq_starts_nbytes_stored=int(await starts.nbytes_stored()),
         lengths=lengths,
         read_filespec=filespec,  # with its credentials: kept off the shown fields
+        token_checksums=_has_checksums(tokens),
+        seq_starts_checksums=_has_checksums(starts),
     )
 
 

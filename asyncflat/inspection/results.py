@@ -46,6 +46,11 @@ class SplitSummary:
     #: The filespec as given, credentials included, for :func:`loader_figures`' own reads (None:
     #: ``filespec``). Never shown: ``repr()`` and :meth:`to_dict` leave it out.
     read_filespec: str | None = dataclasses.field(default=None, repr=False, compare=False)
+    #: Every ``encoded_tokens`` chunk (inside a shard: every inner chunk) ends with zarr's
+    #: crc32c, which the loader verifies on every read (writer default in format 3).
+    token_checksums: bool = False
+    #: The same for ``seq_starts``.
+    seq_starts_checksums: bool = False
 
     @property
     def compression_ratio(self) -> float | None:

@@ -20,7 +20,7 @@ from asyncflat.errors import AsyncflatError, CorruptChunkError
 from asyncflat.source.protocol import Targets, UnitWriter
 from asyncflat.storage import blosc as _blosc
 from asyncflat.storage import local_files
-from asyncflat.storage.chunks import Frame, without_crc32c
+from asyncflat.storage.chunks import Frame, split_crc32c
 from asyncflat.storage.counters import IOCounters
 from asyncflat.storage.single_flight import SingleFlight
 
@@ -54,6 +54,11 @@ INLINE_DECODE_BYTES = 1 << 17
 class ChunkObjects(Protocol):
     """Where the ``encoded_tokens`` chunk objects of a split are read from."""
 
+    #: Whole objects of a checksummed array come back with their crc32c already verified, in
+    #: the job that read them while their bytes were in that core's cache (a plain local
+    #: split's files); else the reader verifies it in the job that decodes the chunk.
+    verifies_crc32c: bool
+
     def key(self, chunk_id: int) -> str:
         """The store key of chunk ``chunk_id``."""
         ...
@@ -68,13 +73,16 @@ class ChunkObjects(Protocol):
 
 
 def decode(name: str, frame: Frame, first_item: int, out: np.ndarray) -> None:
-    """Items of ``frame`` into ``out``; a frame that does not decode is a CorruptChunkError."""
+    """Items of ``frame`` into ``out``, its crc32c (if any) verified first in the same job; a
+    frame that does not decode, or fails its checksum, is a CorruptChunkError."""
     try:
         frame.decode_into(first_item, out)
     except _blosc.BloscError as exc:
         raise CorruptChunkError(
             f"{name} encoded_tokens: chunk object {frame.key} does not decode: {exc}"
         ) from exc
+    except CorruptChunkError as exc:  # the checksum: name the dataset too
+        raise CorruptChunkError(f"{name} encoded_tokens: {exc}") from exc
 
 
 class BlockReader:
@@ -231,7 +239,9 @@ class BlockReader:
 class ChunkReader:
     """``encoded_tokens`` chunks into the engine's buffers, and a load's rows, decoded here
     (``codec`` "blosc" or "raw"; ``checksum``: each object ends with zarr's crc32c, verified
-    here too) or, when ``codec`` is None, by ``decoded`` (zarr: the whole chunk, copied)."""
+    once per object read, by the job that read it where a thread reads it (see
+    :attr:`ChunkObjects.verifies_crc32c`), else by the job that decodes the chunk, before its
+    first decode) or, when ``codec`` is None, by ``decoded`` (zarr: the whole chunk, copied)."""
 
     def __init__(
         self,
@@ -276,27 +286,48 @@ class ChunkReader:
             if await self._read_range_into(chunk_id, targets, writer) is not None:
                 return
         lo = chunk_id * self._token_chunk
+
+        async def write(frame: Frame) -> bool:
+            def fill_targets() -> None:
+                for first_item, out in targets:
+                    decode(self._name, frame, first_item, out)
+
+            return await writer.write(fill_targets)
+
         if self._codec == "raw" and not self._checksum:  # fetch just the bytes we use, uncached
-            frame = await self._read_frame(chunk_id, (start - lo, stop - lo))
-        elif self._codec is not None:  # the whole object (a Blosc frame, or checksummed)
-            frame = await self._chunks.get(chunk_id, lambda: self._read_frame(chunk_id))
-        else:  # zarr decodes the whole chunk once for every fill that needs it; we copy
-            assert self._decoded is not None, "a reader without a codec decodes through zarr"
-            decoded = self._decoded
-            frame = await self._chunks.get(chunk_id, lambda: decoded(chunk_id))
-
-        def fill_targets() -> None:
-            for first_item, out in targets:
-                decode(self._name, frame, first_item, out)
-
-        try:
-            wrote = await writer.write(fill_targets)
-        except AsyncflatError:
-            # Bad bytes must not stay cached for the fills that come after: fetch them afresh.
-            self._chunks.forget(chunk_id, frame)
-            raise
+            wrote = await write(await self._read_frame(chunk_id, (start - lo, stop - lo)))
+        else:  # the whole object (a Blosc frame, or checksummed), or zarr's decoded chunk
+            wrote = await self._with_frame(chunk_id, write)
         if wrote and self._codec is not None:
             self._io.bytes_decoded += sum(out.nbytes for _, out in targets)
+
+    async def _with_frame(self, chunk_id: int, use: Callable[[Frame], Awaitable[T]]) -> T:
+        """``use(frame)`` with the whole frame of chunk ``chunk_id``, shared by the fills and
+        rows that need it (zarr decodes it once when this reader has no codec).
+
+        Bad bytes must not stay cached for the reads that come after: a failure forgets the
+        frame. A frame taken from the cache may have been read before its object was repaired
+        or replaced (and never decoded, its fill dropped): where it fails its checksum or its
+        decode, it is read afresh and ``use`` tried once more."""
+        if self._codec is not None:
+            read: Callable[[], Awaitable[Frame]] = lambda: self._read_frame(chunk_id)  # noqa: E731
+        else:
+            assert self._decoded is not None, "a reader without a codec decodes through zarr"
+            decoded = self._decoded
+            read = lambda: decoded(chunk_id)  # noqa: E731
+        for attempt in range(2):
+            cached = chunk_id in self._chunks
+            frame = await self._chunks.get(chunk_id, read)
+            try:
+                return await use(frame)
+            except CorruptChunkError:
+                self._chunks.forget(chunk_id, frame)
+                if not cached or attempt:
+                    raise
+            except AsyncflatError:
+                self._chunks.forget(chunk_id, frame)
+                raise
+        raise AssertionError("unreachable")  # pragma: no cover
 
     async def _read_range_into(
         self, chunk_id: int, targets: Targets, writer: UnitWriter
@@ -399,10 +430,12 @@ class ChunkReader:
 
     async def _decode_whole(self, chunk_id: int, first_item: int, out: np.ndarray) -> None:
         """Items of chunk ``chunk_id`` from its whole object (shared with the fills)."""
-        frame = await self._chunks.get(chunk_id, lambda: self._read_frame(chunk_id))
-        await asyncio.get_running_loop().run_in_executor(
-            None, decode, self._name, frame, first_item, out
-        )
+        loop = asyncio.get_running_loop()
+
+        async def use(frame: Frame) -> None:
+            await loop.run_in_executor(None, decode, self._name, frame, first_item, out)
+
+        await self._with_frame(chunk_id, use)
 
     async def _read_frame(self, chunk_id: int, items: tuple[int, int] | None = None) -> Frame:
         """The stored bytes of ``encoded_tokens`` chunk ``chunk_id``, bypassing zarr's decoder.
@@ -420,12 +453,23 @@ class ChunkReader:
             lo = chunk_id * self._token_chunk
             hi = min(lo + self._token_chunk, self._token_count)
             raise type(exc)(f"{self._name} encoded_tokens[{lo}:{hi}]: {exc}") from exc
+        stored = None
         if self._checksum:
+            # Verified by the frame's first decode, in the same job on the CPU pool (no thread
+            # hop of its own, no pass over the bytes before the decode can start), unless the
+            # job that read the object verified it already.
             where = f"{self._name} encoded_tokens: chunk object {key}"
-            data = await asyncio.get_running_loop().run_in_executor(
-                None, without_crc32c, data, where
-            )
-        return Frame(data, first, key, blosc=self._codec == "blosc", nbytes=self._chunk_nbytes)
+            data, stored = split_crc32c(data, where)
+            if self._objects.verifies_crc32c:
+                stored = None
+        return Frame(
+            data,
+            first,
+            key,
+            blosc=self._codec == "blosc",
+            nbytes=self._chunk_nbytes,
+            crc32c=stored,
+        )
 
     async def aclose(self) -> None:
         """Forget cached frames and layouts (idempotent)."""

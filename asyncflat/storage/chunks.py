@@ -4,12 +4,27 @@
 frame or raw little-endian items, optionally with zarr's crc32c trailer);
 :func:`blosc_frame_prefixes` names the arrays whose objects are exactly one Blosc frame (for the
 guarded store's checks); a :class:`Frame` holds the bytes of one chunk (or of a range of it) and
-decodes items from it; :func:`without_crc32c` checks and strips the crc32c trailer.
+decodes items from it, verifying the chunk's crc32c first when one was stored;
+:func:`split_crc32c` takes the crc32c trailer off an object, :func:`without_crc32c` checks and
+strips it, :func:`crc32c` computes one.
+
+The crc32c is computed by the hardware-accelerated C library that ``google-crc32c`` (a
+dependency of zarr) wraps, called through :mod:`ctypes`, which releases the GIL for the call:
+``google_crc32c.value`` itself holds the GIL for anything but a ``bytes`` object of at least
+1 MiB, so on the decode threads it would stall the loop and the trainer for as long as it runs.
+Where that library cannot be found, ``google_crc32c.value`` (or zarr 3.0's ``crc32c``) is used.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import dataclasses
+import functools
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,7 +33,20 @@ from asyncflat.errors import CorruptChunkError
 from asyncflat.format.split import SplitArrays
 from asyncflat.storage import blosc as _blosc
 
-__all__ = ["Frame", "blosc_frame_prefixes", "numpy_dtype", "raw_codec", "without_crc32c"]
+__all__ = [
+    "Frame",
+    "blosc_frame_prefixes",
+    "crc32c",
+    "numpy_dtype",
+    "raw_codec",
+    "split_crc32c",
+    "without_crc32c",
+]
+
+log = logging.getLogger(__name__)
+
+#: CRC-32C of b"123456789" (RFC 3720's check value): a library found is checked against it.
+_CHECK_VALUE = 0xE3069283
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,12 +63,39 @@ class Frame:
     #: The Blosc header, once checked: a fill decodes several read blocks of one frame, and a
     #: cached frame serves many fills; its bytes never change, so one check holds for all.
     _head: _blosc.Header | None = dataclasses.field(default=None, compare=False, repr=False)
+    #: The crc32c stored with the chunk (its object's trailer, see :func:`split_crc32c`),
+    #: verified against ``data`` before the first decode; None: the chunk has none.
+    crc32c: int | None = None
+    _verified: bool = dataclasses.field(default=False, compare=False, repr=False)
+    _verifying: threading.Lock = dataclasses.field(
+        default_factory=threading.Lock, compare=False, repr=False
+    )
+
+    def verify(self) -> None:
+        """Check ``data`` against the stored crc32c (once: a cached frame serves many fills and
+        rows, and a second decode waits for the first check rather than repeating it), else
+        :class:`CorruptChunkError` naming the chunk object and both checksums.
+
+        CPU-bound and GIL-free: run it off the loop, in the job that decodes the chunk."""
+        if self.crc32c is None or self._verified:
+            return
+        with self._verifying:
+            if self._verified:
+                return
+            computed = crc32c(self.data)
+            if computed != self.crc32c:
+                where = f"chunk object {self.key}"
+                raise CorruptChunkError(_mismatch(where, self.crc32c, computed))
+            object.__setattr__(self, "_verified", True)
 
     def decode_into(self, first_item: int, out: np.ndarray) -> None:
-        """Items ``[first_item, first_item + len(out))`` of the chunk into ``out``.
+        """Items ``[first_item, first_item + len(out))`` of the chunk into ``out``, the chunk's
+        crc32c verified first when it has one (:meth:`verify`).
 
-        CPU-bound and GIL-free for Blosc: run it off the loop. Raises BloscError.
+        CPU-bound and GIL-free for Blosc: run it off the loop. Raises BloscError, or
+        CorruptChunkError when the checksum does not match.
         """
+        self.verify()
         if self.blosc:
             head = _blosc.decode_into(self.data, first_item, out, self.nbytes, head=self._head)
             if head is not None and self._head is None:
@@ -117,31 +172,83 @@ def raw_codec(array: Any) -> tuple[str | None, bool]:
     return ("blosc", checksum) if name == "blosc" and _blosc.AVAILABLE else (None, False)
 
 
+def split_crc32c(data: np.ndarray, where: str) -> tuple[np.ndarray, int]:
+    """``data`` (an object of a chunk written with zarr's ``crc32c`` codec) without its 4-byte
+    trailer, and the checksum stored there; not verified yet (see :meth:`Frame.verify`)."""
+    if data.nbytes < 4:
+        raise CorruptChunkError(f"{where} is too short for its crc32c ({data.nbytes} bytes)")
+    stored = int(data[-4:].view("<u4")[0])
+    return np.ascontiguousarray(data[:-4]), stored
+
+
 def without_crc32c(data: np.ndarray, where: str) -> np.ndarray:
     """``data`` without its crc32c trailer, once the checksum matches, else CorruptChunkError
-    naming ``where`` (the chunk object). CPU-bound: run it off the loop."""
-    if data.nbytes < 4:
-        raise CorruptChunkError(f"{where} is too short for its crc32c")
-    stored = int(data[-4:].view("<u4")[0])
-    body = np.ascontiguousarray(data[:-4])
-    view = body.view()
-    view.flags.writeable = False  # google_crc32c takes read-only buffers only
-    computed = _crc32c(view)
+    naming ``where`` (the chunk object) and both checksums. CPU-bound: run it off the loop."""
+    body, stored = split_crc32c(data, where)
+    computed = crc32c(body)
     if computed != stored:
-        raise CorruptChunkError(
-            f"{where} fails its crc32c checksum "
-            f"(stored {stored:#010x}, computed {computed:#010x}): the object is damaged"
-        )
+        raise CorruptChunkError(_mismatch(where, stored, computed))
     return body
 
 
-def _crc32c(data: memoryview | np.ndarray) -> int:
-    """CRC-32C of ``data`` with whichever implementation zarr installed: ``google-crc32c``
-    (zarr >= 3.1) or ``crc32c`` (zarr 3.0)."""
+def _mismatch(where: str, stored: int, computed: int) -> str:
+    return (
+        f"{where} fails its crc32c checksum (stored {stored:#010x}, computed {computed:#010x}): "
+        "the object is damaged"
+    )
+
+
+def crc32c(data: np.ndarray | bytes) -> int:
+    """CRC-32C of ``data`` (a contiguous buffer), the GIL released while it runs (see the
+    module docstring)."""
+    array = np.frombuffer(data, np.uint8) if isinstance(data, bytes) else data
+    if not array.flags.c_contiguous:
+        array = np.ascontiguousarray(array)
+    native = _native_crc32c()
+    if native is not None:
+        return int(native(0, array.ctypes.data, array.nbytes))
+    view = array.view(np.uint8).reshape(-1).view()
+    view.flags.writeable = False  # google_crc32c takes read-only buffers only
+    return _python_crc32c(view)
+
+
+def _python_crc32c(data: np.ndarray) -> int:
+    """CRC-32C through the Python binding zarr installed: ``google-crc32c`` (zarr >= 3.1) or
+    ``crc32c`` (zarr 3.0). Holds the GIL (google-crc32c releases it only for large ``bytes``)."""
     try:
         import google_crc32c
     except ImportError:
-        import crc32c
+        import crc32c as crc32c_module
 
-        return int(crc32c.crc32c(data))
+        return int(crc32c_module.crc32c(data))
     return int(google_crc32c.value(data))
+
+
+@functools.cache
+def _native_crc32c() -> Callable[[int, int, int], int] | None:
+    """``crc32c_extend(crc, address, length)`` of the C library google-crc32c wraps (its wheel's
+    copy, else the system's), called through ctypes, which releases the GIL; None when none is
+    found or one found does not give the standard check value."""
+    candidates: list[str] = []
+    try:
+        import google_crc32c
+    except ImportError:
+        pass
+    else:
+        site = Path(google_crc32c.__file__).resolve().parent.parent
+        for folder in ("google_crc32c.libs", "google_crc32c/.dylibs", "google_crc32c"):
+            candidates += sorted(str(p) for p in (site / folder).glob("libcrc32c*"))
+    system = ctypes.util.find_library("crc32c")
+    if system:
+        candidates.append(system)
+    for candidate in candidates:
+        try:
+            function = ctypes.CDLL(candidate).crc32c_extend
+        except (OSError, AttributeError):
+            continue
+        function.restype = ctypes.c_uint32
+        function.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
+        if function(0, b"123456789", 9) == _CHECK_VALUE:
+            return function
+    log.info("no native crc32c library found: checksums are computed holding the GIL")
+    return None

@@ -72,19 +72,22 @@ def create_split_arrays(
     zarr_format: int,
     chunk_tokens: int,
     shard_tokens: int | None,
-    checksum: bool = False,
+    checksum: bool | None = None,
     blosc_block_bytes: int | None = None,
 ) -> tuple[zarr.Array, zarr.Array]:
     """Create one split's ``encoded_tokens`` and ``seq_starts`` arrays in ``group``.
 
     ``shape`` is (tokens, seq_starts entries). Shared with the distributed converter so both
-    write the same array metadata and codecs, hence the same chunk bytes. ``checksum`` (format 3)
-    appends zarr's crc32c to every ``encoded_tokens`` chunk. ``blosc_block_bytes`` is the Blosc
+    write the same array metadata and codecs, hence the same chunk bytes. ``checksum`` (format 3;
+    None: on in format 3, off in format 2) appends zarr's crc32c to every chunk of both arrays.
+    ``blosc_block_bytes`` is the Blosc
     block size of ``encoded_tokens`` (0: Blosc's own choice, as seqax's tools write; None: the
     format's default, :data:`BLOSC_BLOCK_BYTES` in format 3, 0 in format 2).
     """
     if blosc_block_bytes is None:
         blosc_block_bytes = BLOSC_BLOCK_BYTES if zarr_format == 3 else 0
+    if checksum is None:
+        checksum = zarr_format == 3
     if zarr_format == 2:
         # seqax's exact layout, so seqax (zarr 2.x) can read what we write.
         compressor = Blosc(cname="lz4", clevel=5, shuffle=Blosc.BITSHUFFLE)
@@ -117,6 +120,7 @@ def create_split_arrays(
         )
         # zarr's crc32c after Blosc (which has no checksum): a damaged chunk is an error, not
         # wrong tokens. Inside a shard each inner chunk carries its own.
+        crc = [Crc32cCodec()] if checksum else []
         tokens = group.create_array(
             "encoded_tokens",
             shape=(shape[0],),
@@ -124,7 +128,7 @@ def create_split_arrays(
             shards=(shard_tokens,) if shard_tokens else None,
             dtype="uint32",
             fill_value=0,
-            compressors=[tokens_codec, Crc32cCodec()] if checksum else tokens_codec,
+            compressors=[tokens_codec, *crc],
             config=_ARRAY_CONFIG,
         )
         starts = group.create_array(
@@ -133,7 +137,7 @@ def create_split_arrays(
             chunks=(SEQ_STARTS_CHUNK,),
             dtype="uint64",
             fill_value=0,
-            compressors=codec,
+            compressors=[codec, *crc],
             config=_ARRAY_CONFIG,
         )
     return tokens, starts
@@ -150,7 +154,7 @@ class _SplitWriter:
         zarr_format: int,
         chunk_tokens: int,
         shard_tokens: int | None,
-        checksum: bool = False,
+        checksum: bool | None = None,
         blosc_block_bytes: int | None = None,
     ) -> None:
         self.split = split
@@ -248,12 +252,13 @@ class FlatTokensWriter:
         the loader's read block (see the module docstring). seqax used 4,194,304.
       * ``shard_tokens``: format 3 only, a multiple of ``chunk_tokens``; groups chunks into one
         stored object each (fewer, larger objects for object stores). Memory then holds a shard.
-      * ``checksum``: format 3 only (off by default): each chunk of ``encoded_tokens`` ends with
-        zarr's ``crc32c`` of its bytes (Blosc has none), which the loader verifies, so a flipped
-        bit on disk is a ``CorruptChunkError``, not wrong tokens. Off by default because it
-        costs more than 5% of fill throughput (8-21% measured by ``bench/checksum.py`` on a
-        2-core machine: the whole compressed object is hashed, the decode reads only the items
-        it uses).
+      * ``checksum``: on by default in format 3 (False turns it off): each chunk of both
+        arrays ends with zarr's ``crc32c`` of its bytes (Blosc has none), which the loader
+        verifies on every read, so a flipped bit on disk is a ``CorruptChunkError`` naming the
+        chunk object, not wrong tokens. Format 2 has none (True is refused): seqax's exact
+        layout has no room for one (see docs/format.md). The cost is measured by
+        ``bench/fill.py`` (docs/performance.md): the checksum is computed off the GIL, with
+        no thread hop of its own (in the job that reads or decodes the chunk).
       * ``overwrite``: replace an existing flat-tokens store (or an empty directory) at
         ``path``; anything else there is refused, naming what was found. Without it an existing
         path is an :class:`OutputExistsError` (a :class:`ConfigError`; raised at construction,
@@ -489,7 +494,7 @@ def _check_arguments(
                 f"of 4 up to 2**30, got {given!r}"
             )
     if checksum is None:
-        checksum = False
+        checksum = zarr_format == 3  # format 2: seqax's exact layout, which has no checksum
     if not isinstance(checksum, bool) or (checksum and zarr_format != 3):
         raise ConfigError(
             "FlatTokensWriter.checksum must be a bool, and True only with zarr_format=3 "
