@@ -28,10 +28,8 @@ from typing import Any, TypeVar
 
 from zarr.abc.store import (
     ByteRequest,
-    OffsetByteRequest,
     RangeByteRequest,
     Store,
-    SuffixByteRequest,
 )
 from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.storage import FsspecStore, LocalStore, WrapperStore
@@ -47,6 +45,7 @@ from asyncflat.errors import (
     redact,
     scrubbed,
 )
+from asyncflat.storage.guarded import PerKeyWrapperStore, describe_range
 from asyncflat.storage.local_files import file_kind, is_remote, is_url, pread, pread_into
 from asyncflat.storage.obstore_client import make_obstore_store, obstore_reader, without_client
 from asyncflat.storage.pins import Version, VersionMismatch, VersionPins
@@ -409,7 +408,7 @@ ConditionalRead = Callable[
 ]
 
 
-class PinnedStore(WrapperStore[Store]):
+class PinnedStore(PerKeyWrapperStore):
     """Every object read through it is pinned to the version its first read saw, and every
     later read of it is conditional on that version (:mod:`.pins`): the read is issued here,
     by the client's own request function, with the precondition, in one request (s3fs:
@@ -456,13 +455,6 @@ class PinnedStore(WrapperStore[Store]):
         self.pins.record(key, found)
         return prototype.buffer.from_bytes(data)
 
-    async def get_partial_values(
-        self,
-        prototype: BufferPrototype,
-        key_ranges: Iterable[tuple[str, ByteRequest | None]],
-    ) -> list[Buffer | None]:
-        return list(await asyncio.gather(*(self.get(k, prototype, r) for k, r in key_ranges)))
-
 
 def conditional_reader(store: Store) -> ConditionalRead | None:
     """The conditional read of ``store``'s client (s3fs, gcsfs, obstore), or None."""
@@ -479,13 +471,7 @@ def conditional_reader(store: Store) -> ConditionalRead | None:
 
 def http_range(byte_range: ByteRequest | None) -> str | None:
     """The HTTP ``Range`` header of a zarr byte request (None: the whole object)."""
-    if isinstance(byte_range, RangeByteRequest):
-        return f"bytes={byte_range.start}-{byte_range.end - 1}"
-    if isinstance(byte_range, OffsetByteRequest):
-        return f"bytes={byte_range.offset}-"
-    if isinstance(byte_range, SuffixByteRequest):
-        return f"bytes=-{byte_range.suffix}"
-    return None
+    return None if byte_range is None else describe_range(byte_range)
 
 
 def _object_path(root: str, key: str) -> str:
