@@ -266,12 +266,19 @@ class Lifecycle(Generic[S]):
                 if server is not None:
                     server.release()  # the loop has stopped: nothing can hold a buffer now
 
+    #: the logger as the class holds it: at interpreter shutdown the module's globals may
+    #: already be None when a forgotten loader is collected
+    _log = log
+
     def __del__(self) -> None:  # a forgotten loader must not keep its thread nor its buffers
         if not getattr(self, "_closed", True):
             try:
                 self.close()
-            except Exception:
-                log.debug("closing a collected %s failed", self.kind, exc_info=True)
+            except Exception:  # noqa: BLE001 - a finalizer must never raise
+                try:
+                    self._log.debug("closing a collected %s failed", self.kind, exc_info=True)
+                except Exception:  # noqa: BLE001 - logging torn down at shutdown
+                    pass
 
 
 async def _call(read: Callable[[], T]) -> T:
