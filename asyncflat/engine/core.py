@@ -140,16 +140,22 @@ class Engine:
                 with self._lock:
                     for fill in fills:
                         fill.owners -= 1
-        self._record_step(step, time.perf_counter() - t0)
+        self.record_step(step, time.perf_counter() - t0)
         return out
 
-    def try_gather(self, step: int, batch_indices: np.ndarray) -> np.ndarray | None:
+    def try_gather(
+        self, step: int, batch_indices: np.ndarray, *, record: bool = True
+    ) -> np.ndarray | None:
         """:meth:`gather` from the caller's thread, when nothing needs the loop; else None.
 
         The steady state (every row already in a finished buffer) skips the round trip to the
         loop thread; at the first step of a minipoch the prefetch of the next one is handed to
         the loop without waiting for it. A missing block or an error returns None: use
         :meth:`gather`, which waits.
+
+        ``record`` False leaves the step out of the figures: a caller that may still fall back
+        to :meth:`gather` for the same load (a mixture step whose other sources are not ready)
+        records it with :meth:`record_step` once it knows, so a load is never counted twice.
         """
         self._check_open()
         self.plan.check_step(step)
@@ -170,8 +176,15 @@ class Engine:
             if due and self._loop is not None:
                 # Fire and forget: the loop re-checks, so a request sent twice starts one fill.
                 self._loop.call_soon_threadsafe(self._start_prefetches, groups)
-            self._recorder.step(step, time.perf_counter() - t0)
+            if record:
+                self._recorder.step(step, time.perf_counter() - t0)
         return out
+
+    def record_step(self, step: int, wait: float) -> None:
+        """Count a load of ``step`` served in ``wait`` seconds (after ``try_gather(...,
+        record=False)``). Any thread."""
+        with self._lock:
+            self._recorder.step(step, wait)
 
     async def aclose(self) -> None:
         """Cancel every fill and worker, free the buffers now (not at the next garbage
@@ -272,7 +285,3 @@ class Engine:
             return
         with self._lock:
             self._fills.prefetch_after(groups)
-
-    def _record_step(self, step: int, wait: float) -> None:
-        with self._lock:
-            self._recorder.step(step, wait)
