@@ -10,6 +10,7 @@ over a :class:`~asyncflat.source.protocol.TokenSource`.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import threading
 import time
@@ -101,6 +102,8 @@ class Engine:
             recorder=self._recorder,
             closed=lambda: self._closed,
         )
+        #: unpin() calls waiting for the lock (see unpin)
+        self._unpins: collections.deque[list[tuple[int, int]]] = collections.deque()
         self._closed = False  # no load is served any more
         self._aclosed = False  # workers, row reads and the source closed
 
@@ -122,6 +125,7 @@ class Engine:
             groups = self._groups(loc)
             fills: list[Fill] = []
             with self._lock:
+                self._apply_unpins()
                 for stream, minipoch in groups:
                     keep = {m for s, m in groups if s == stream}
                     fill = self._fills.ensure(stream, minipoch, step, keep=keep)
@@ -222,11 +226,26 @@ class Engine:
         """Pin ``keys`` (from :meth:`pin_keys`) for an iterator: a prefetch never evicts their
         fills, a load of another minipoch takes an extra buffer first. Any thread."""
         with self._lock:
+            self._apply_unpins()
             if not self._closed:
                 self._fills.pin(keys, 1)
 
     def unpin(self, keys: list[tuple[int, int]]) -> None:
-        with self._lock:
+        """Drop a pin of ``keys``. Any thread, and never blocks: when the engine's lock is
+        taken (perhaps by this very thread, a garbage collection having run an iterator's
+        finalizer in the middle of a load) the release is queued and applied by the next
+        holder of the lock before it reads a pin."""
+        self._unpins.append(keys)  # a deque: appends are atomic
+        if self._lock.acquire(blocking=False):
+            try:
+                self._apply_unpins()
+            finally:
+                self._lock.release()
+
+    def _apply_unpins(self) -> None:
+        """Apply the queued :meth:`unpin` calls (under the lock)."""
+        while self._unpins:
+            keys = self._unpins.popleft()
             if not self._closed:
                 self._fills.pin(keys, -1)
 
@@ -278,10 +297,12 @@ class Engine:
         if self._closed:
             return
         with self._lock:
+            self._apply_unpins()
             self._fills.start_deferred_prefetch(stream, minipoch)
 
     def _start_prefetches(self, groups: Groups) -> None:
         if self._closed:
             return
         with self._lock:
+            self._apply_unpins()
             self._fills.prefetch_after(groups)

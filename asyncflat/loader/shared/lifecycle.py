@@ -196,6 +196,22 @@ class Lifecycle(Generic[S]):
         # not from the loop's thread: the builder may be waiting on this very thread
         self._prefetchers.stop(builder, join=not self._runner.in_loop_thread())
 
+    def release_collected(self, builder: BackgroundBuilder[Any] | None, pin: Pin) -> None:
+        """What a collected iterator held (its pin, its builder), let go of on the loop's
+        thread, never on the collecting one: the garbage collector runs finalizers on whatever
+        thread allocates, which may hold the engine's lock (a pin released there deadlocked),
+        a builder's, or be the thread the builder waits on. Run here only when no loop runs
+        (the loader is closed: its engine takes no pin any more and its builders are stopped).
+        """
+        if not self._runner.call_soon(self._release, builder, pin):
+            self._release(builder, pin)
+
+    def _release(self, builder: BackgroundBuilder[Any] | None, pin: Pin) -> None:
+        if builder is None:
+            pin.release()
+        else:
+            self.stop_prefetch(builder, pin)
+
     # -- figures ------------------------------------------------------------------------------
 
     @property
