@@ -133,8 +133,9 @@ class FlatTokensParams:
     consecutive sequences (rows); a *shuffle buffer* holds ``read_blocks_per_shuffle_buffer``
     randomly chosen blocks per stream; a *minipoch* is one refill of every stream's buffer.
 
-    ``filespec`` is a local path (``str`` or ``os.PathLike``, stored as ``str``) or a URL such as
-    ``gs://bucket/data.zarr``. ``storage_options`` (asyncflat's addition, keyword, after the
+    ``filespec`` is a local path (``str`` or ``os.PathLike``, stored as an absolute ``str``:
+    resolved against the working directory when the params are built, so a later ``os.chdir()``
+    changes nothing) or a URL such as ``gs://bucket/data.zarr``. ``storage_options`` (asyncflat's addition, keyword, after the
     reference's fields) is passed to the fsspec filesystem for a URL; it usually holds
     credentials, so ``repr()`` shows its keys only. Its ``"client"`` key (asyncflat's) chooses
     who reads ``s3://`` and ``gs://`` URLs: ``"fsspec"`` (the default) or ``"obstore"`` (a Rust
@@ -160,6 +161,10 @@ class FlatTokensParams:
                 "FlatTokensParams.filespec must be a non-empty path (str or os.PathLike) or URL "
                 f"string, got {type(filespec).__name__} {redact_url(str(filespec))!r}"
             )
+        if "://" not in filespec:
+            # A local path is resolved now: a relative one read after os.chdir() would name
+            # another file (or none), and fills and row reads open their files long after.
+            filespec = os.path.abspath(filespec)
         object.__setattr__(self, "filespec", filespec)
         _int_field(self, "streams", minimum=1)
         _int_field(self, "read_blocks_per_shuffle_buffer", minimum=1)

@@ -11,6 +11,10 @@ a prefetch started by one thread cancelled the fill another thread's load was wa
 from __future__ import annotations
 
 import collections
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -28,6 +32,7 @@ from asyncflat.testing.faults import FaultyStore
 
 pytestmark = pytest.mark.timeout(120)
 
+REPO = str(Path(__file__).resolve().parents[1])
 SINGLE = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 BATCH = TokenBatchParams(len=16, batch=8)
 
@@ -181,3 +186,79 @@ def test_an_iterator_pins_each_minipoch_once_not_each_step(
         iterator.close()
         assert not log.held()
         assert len(log.calls) <= 2
+
+
+#: A collected iterator's finalizer run by a full collection on the engine's loop thread while
+#: that thread holds the engine's lock (a source whose counters the engine reads under it).
+PIN_RELEASED_UNDER_THE_LOCK = """
+    import asyncio, faulthandler, gc, sys
+    import jax
+    import asyncflat
+    from asyncflat import EngineOptions, FlatTokensParams, ShufflingLoader, TokenBatchParams
+    from asyncflat.source.local_source import LocalTokenSource
+
+    faulthandler.dump_traceback_later(30, exit=True)  # a deadlock fails fast, with the stacks
+
+
+    class CollectingSource(LocalTokenSource):
+        # Runs a full collection when the engine reads its counters (under the engine's lock).
+
+        armed = False
+
+        @property
+        def io(self):
+            if CollectingSource.armed:
+                CollectingSource.armed = False
+                gc.collect()
+                print("collected", flush=True)
+            return self._counters
+
+        @io.setter
+        def io(self, value):
+            self._counters = value
+
+
+    path, depth = sys.argv[1], int(sys.argv[2])
+    source = asyncio.run(CollectingSource.open_plain(path, "train"))
+    params = FlatTokensParams(path, 2, 2, 4, 0, True)
+    options = EngineOptions(prefetch_to_device=depth)
+    with ShufflingLoader("train", params, TokenBatchParams(len=16, batch=8),
+                         jax.sharding.SingleDeviceSharding(jax.devices()[0]),
+                         source=source, options=options) as loader:
+        iterator = loader.iter()
+        next(iterator)
+        cycle = [iterator]
+        cycle.append(cycle)  # only the collector frees it: its finalizer runs inside gc.collect()
+        del iterator, cycle
+        CollectingSource.armed = True
+        loader.stats()  # the engine's lock is held while it reads source.io
+        assert not CollectingSource.armed
+        for step in range(loader.step_count):  # the released pin lets loads evict as before
+            loader.load(step)
+    print("ok", flush=True)
+"""
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_an_iterator_collected_while_its_thread_holds_the_engine_lock_does_not_deadlock(
+    depth: int, sequences: list[np.ndarray], tmp_path: Path
+) -> None:
+    """The garbage collector runs finalizers on whatever thread allocates. An iterator dropped
+    in a reference cycle, collected on a thread holding the engine's lock, released its pin
+    there: ``Engine.unpin`` took the same lock and the thread hung for good. Now the finalizer
+    hands the release to the loop's thread (``Lifecycle.release_collected``) and ``unpin``
+    never blocks (a release meeting a held lock is applied by its next holder). In a
+    subprocess, with a faulthandler guard: a deadlock fails in seconds, with the stacks."""
+    path = str(tmp_path / "data.zarr")
+    asyncflat.write_flat_tokens(path, {"train": sequences}, zarr_format=3, chunk_tokens=512)
+    script = textwrap.dedent(PIN_RELEASED_UNDER_THE_LOCK)
+    env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run(
+        [sys.executable, "-c", script, path, str(depth)],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["collected", "ok"], result.stdout

@@ -116,6 +116,8 @@ def test_built_from_a_plain_dict_and_asdict_round_trips(cls: type) -> None:
         got = getattr(built, name)
         if dataclasses.is_dataclass(got):
             got = dataclasses.asdict(got)
+        if cls is FlatTokensParams and name == "filespec":
+            value = str(pathlib.Path(value).absolute())  # a local path is resolved when built
         assert got == value, name
     assert from_dict(cls, dataclasses.asdict(built)) == built
 

@@ -651,3 +651,36 @@ def test_every_method_of_a_loader_refuses_to_run_in_a_forked_child(dataset: str)
         f"{name}: closed"
         for name in ("load", "iter", "stats", "interval_stats", "__iter__", "encoded_rows")
     ], result.stdout
+
+
+def test_a_close_failing_at_interpreter_shutdown_prints_nothing(dataset: str) -> None:
+    """A loader left open whose ``close()`` fails when it is collected at shutdown, once the
+    module's globals are torn down (its ``log`` is None by then): the finalizer swallows it, no
+    ``AttributeError`` from ``__del__``, no "Exception ignored" on stderr. Before, ``__del__``
+    logged the failure through the module's ``log`` and raised AttributeError."""
+    script = """
+        import atexit, sys, jax
+        import asyncflat.loader.shared.lifecycle as lifecycle
+        from asyncflat import FlatTokensParams, ShufflingLoader, TokenBatchParams
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        loader = ShufflingLoader("train", FlatTokensParams(sys.argv[1], 2, 2, 4, 3, True),
+                                 TokenBatchParams(len=16, batch=8), one)
+        loader.load(0)
+        real_close = lifecycle.Lifecycle.close
+
+        def failing_close(self):
+            real_close(self)
+            raise RuntimeError("close failed at shutdown")
+
+        lifecycle.Lifecycle.close = failing_close
+
+        def tear_down():  # what interpreter shutdown does to a module's globals
+            lifecycle.log = None
+
+        atexit.register(tear_down)  # runs after the library's own exit hook (LIFO)
+        print("bye", flush=True)
+    """
+    result = run_script(script, dataset, timeout=90)
+    assert result.returncode == 0 and result.stdout.strip() == "bye", result.stderr
+    for noise in ("AttributeError", "Exception ignored", "Traceback"):
+        assert noise not in result.stderr, result.stderr

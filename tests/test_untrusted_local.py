@@ -286,3 +286,56 @@ def test_a_chunk_replaced_by_another_encoding_of_the_same_size_is_read_as_it_is_
     before, after = asyncio.run(asyncio.wait_for(main(), timeout=20))
     np.testing.assert_array_equal(before, encoded[CHUNK + 200 : CHUNK + 216])
     np.testing.assert_array_equal(after, encoded[CHUNK + 200 : CHUNK + 216])
+
+
+@pytest.mark.parametrize(
+    "codec,reader,how",
+    [
+        ("blosc", "zarr", "rows"),  # pread of the chunk file
+        ("blosc", "zarr", "fill"),  # the store layer (zarr's local store)
+        ("blosc", "plain", "rows"),  # the zarr-free reader
+        ("blosc", "plain", "fill"),
+        ("raw", "zarr", "rows"),
+        ("raw", "zarr", "fill"),
+    ],
+)
+@pytest.mark.parametrize("loop", ["self", "pair"])
+def test_a_symlink_loop_is_a_corrupt_chunk_on_every_path(
+    tmp_path: Path, codec: str, reader: str, how: str, loop: str
+) -> None:
+    """A chunk file that is a symlink loop is a damaged store on every read path: the same
+    :class:`CorruptChunkError` naming the file (the row path raised StorageError, the store
+    layer CorruptChunkError)."""
+    from asyncflat.source.local_source import LocalTokenSource
+
+    path = tmp_path / "d.zarr"
+    write(path, codec)
+    target = chunk_path(path, 1)
+    target.unlink()
+    if loop == "self":
+        target.symlink_to(target)
+    else:
+        other = target.parent / "other"
+        other.symlink_to(target)
+        target.symlink_to(other)
+
+    async def main() -> BaseException | None:
+        if reader == "zarr":
+            source: Any = await ZarrTokenSource.open(str(path), "train")
+        else:
+            source = await LocalTokenSource.open_plain(str(path), "train")
+            assert source is not None, "the zarr-free reader should open this layout"
+        try:
+            if how == "rows":
+                await source.read_items(1, 200, np.empty(16, np.uint32))
+            else:
+                await source.read_tokens(CHUNK, CHUNK + 16)
+        except Exception as exc:
+            return exc
+        finally:
+            await source.aclose()
+        return None
+
+    outcome = asyncio.run(asyncio.wait_for(main(), timeout=20))
+    assert isinstance(outcome, CorruptChunkError), repr(outcome)
+    assert str(target) in str(outcome), str(outcome)

@@ -10,6 +10,7 @@ over a :class:`~asyncflat.source.protocol.TokenSource`.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import threading
 import time
@@ -101,6 +102,8 @@ class Engine:
             recorder=self._recorder,
             closed=lambda: self._closed,
         )
+        #: unpin() calls waiting for the lock (see unpin)
+        self._unpins: collections.deque[list[tuple[int, int]]] = collections.deque()
         self._closed = False  # no load is served any more
         self._aclosed = False  # workers, row reads and the source closed
 
@@ -122,6 +125,7 @@ class Engine:
             groups = self._groups(loc)
             fills: list[Fill] = []
             with self._lock:
+                self._apply_unpins()
                 for stream, minipoch in groups:
                     keep = {m for s, m in groups if s == stream}
                     fill = self._fills.ensure(stream, minipoch, step, keep=keep)
@@ -140,16 +144,22 @@ class Engine:
                 with self._lock:
                     for fill in fills:
                         fill.owners -= 1
-        self._record_step(step, time.perf_counter() - t0)
+        self.record_step(step, time.perf_counter() - t0)
         return out
 
-    def try_gather(self, step: int, batch_indices: np.ndarray) -> np.ndarray | None:
+    def try_gather(
+        self, step: int, batch_indices: np.ndarray, *, record: bool = True
+    ) -> np.ndarray | None:
         """:meth:`gather` from the caller's thread, when nothing needs the loop; else None.
 
         The steady state (every row already in a finished buffer) skips the round trip to the
         loop thread; at the first step of a minipoch the prefetch of the next one is handed to
         the loop without waiting for it. A missing block or an error returns None: use
         :meth:`gather`, which waits.
+
+        ``record`` False leaves the step out of the figures: a caller that may still fall back
+        to :meth:`gather` for the same load (a mixture step whose other sources are not ready)
+        records it with :meth:`record_step` once it knows, so a load is never counted twice.
         """
         self._check_open()
         self.plan.check_step(step)
@@ -170,8 +180,15 @@ class Engine:
             if due and self._loop is not None:
                 # Fire and forget: the loop re-checks, so a request sent twice starts one fill.
                 self._loop.call_soon_threadsafe(self._start_prefetches, groups)
-            self._recorder.step(step, time.perf_counter() - t0)
+            if record:
+                self._recorder.step(step, time.perf_counter() - t0)
         return out
+
+    def record_step(self, step: int, wait: float) -> None:
+        """Count a load of ``step`` served in ``wait`` seconds (after ``try_gather(...,
+        record=False)``). Any thread."""
+        with self._lock:
+            self._recorder.step(step, wait)
 
     async def aclose(self) -> None:
         """Cancel every fill and worker, free the buffers now (not at the next garbage
@@ -209,11 +226,26 @@ class Engine:
         """Pin ``keys`` (from :meth:`pin_keys`) for an iterator: a prefetch never evicts their
         fills, a load of another minipoch takes an extra buffer first. Any thread."""
         with self._lock:
+            self._apply_unpins()
             if not self._closed:
                 self._fills.pin(keys, 1)
 
     def unpin(self, keys: list[tuple[int, int]]) -> None:
-        with self._lock:
+        """Drop a pin of ``keys``. Any thread, and never blocks: when the engine's lock is
+        taken (perhaps by this very thread, a garbage collection having run an iterator's
+        finalizer in the middle of a load) the release is queued and applied by the next
+        holder of the lock before it reads a pin."""
+        self._unpins.append(keys)  # a deque: appends are atomic
+        if self._lock.acquire(blocking=False):
+            try:
+                self._apply_unpins()
+            finally:
+                self._lock.release()
+
+    def _apply_unpins(self) -> None:
+        """Apply the queued :meth:`unpin` calls (under the lock)."""
+        while self._unpins:
+            keys = self._unpins.popleft()
             if not self._closed:
                 self._fills.pin(keys, -1)
 
@@ -265,14 +297,12 @@ class Engine:
         if self._closed:
             return
         with self._lock:
+            self._apply_unpins()
             self._fills.start_deferred_prefetch(stream, minipoch)
 
     def _start_prefetches(self, groups: Groups) -> None:
         if self._closed:
             return
         with self._lock:
+            self._apply_unpins()
             self._fills.prefetch_after(groups)
-
-    def _record_step(self, step: int, wait: float) -> None:
-        with self._lock:
-            self._recorder.step(step, wait)

@@ -68,24 +68,25 @@ class Fill:
     stream: int
     minipoch: int
     buffer_index: int
-    buffer: np.ndarray  # (rows_in_buffer, len) view of the stream's buffer
-    perm: np.ndarray  # buffer row served at each position
-    blocks: np.ndarray  # global read-block id of each slot
-    deadlines: np.ndarray  # first step needing each slot
+    # (arrays and events out of repr: a unit's failure is logged with its fill, not a dump)
+    buffer: np.ndarray = dataclasses.field(repr=False)  # (rows_in_buffer, len) view of a buffer
+    perm: np.ndarray = dataclasses.field(repr=False)  # buffer row served at each position
+    blocks: np.ndarray = dataclasses.field(repr=False)  # global read-block id of each slot
+    deadlines: np.ndarray = dataclasses.field(repr=False)  # first step needing each slot
     reason: str  # "prefetch" or "demand"
     needed_from: int  # the first step that needs it
-    pending: np.ndarray  # units still outstanding per slot
-    ready: list[asyncio.Event]
+    pending: np.ndarray = dataclasses.field(repr=False)  # units still outstanding per slot
+    ready: list[asyncio.Event] = dataclasses.field(repr=False)
     started: float
     progress: FillProgress
     finished: float | None = None
     error: BaseException | None = None
     cancelled: bool = False
     blocks_done: int = 0
-    units: list[Unit] = dataclasses.field(default_factory=list)  # all of the fill's reads
+    units: list[Unit] = dataclasses.field(default_factory=list, repr=False)  # all its reads
     #: decodes writing into ``buffer`` right now; ``drained`` is set when there are none
     writers: int = 0
-    drained: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    drained: asyncio.Event = dataclasses.field(default_factory=asyncio.Event, repr=False)
     #: the previous occupant's ``drained``: its last writes must land before ours
     write_after: asyncio.Event | None = None
     #: a load waits on it: it runs at full speed from now on

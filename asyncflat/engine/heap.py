@@ -60,7 +60,13 @@ def trim_later(loop: asyncio.AbstractEventLoop) -> None:
     function = _resolve()
     if function is None:
         return
-    future = loop.run_in_executor(None, _trim, function)
+    try:
+        future = loop.run_in_executor(None, _trim, function)
+    except RuntimeError:
+        # The pool is shut down (the loader is closing, or the interpreter exits while a fill
+        # finishes): nothing to hand back for, and the fill's unit must not fail over it.
+        log.debug("malloc_trim skipped: the executor is shut down")
+        return
     future.add_done_callback(_quiet)
 
 

@@ -29,7 +29,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from asyncflat.errors import LoaderClosedError, LoadTimeoutError, LoopReentryError
@@ -183,6 +183,20 @@ class LoopThread:
         started.wait()
         self._loop = loop
         log.debug("started event loop thread %s", self._name)
+
+    def call_soon(self, callback: Callable[..., Any], *args: Any) -> bool:
+        """Schedule ``callback(*args)`` on the running loop's thread; False (and not scheduled)
+        when no loop runs (not started, closed, or a forked child). Takes no lock and never
+        starts the loop: safe from a finalizer on any thread, whatever locks that thread holds
+        (a garbage collection can run a finalizer anywhere)."""
+        loop = self._loop
+        if loop is None or self._closed or self._pid != os.getpid() or loop.is_closed():
+            return False
+        try:
+            loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # closed meanwhile
+            return False
+        return True
 
     def in_loop_thread(self) -> bool:
         return self._thread is not None and threading.current_thread() is self._thread

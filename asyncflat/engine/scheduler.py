@@ -177,6 +177,9 @@ class UnitScheduler(Generic[U]):
                 if held:
                     self.background_active -= 1
                 self._poke()
+            # An idle worker must not keep its last unit (and so that unit's fill, its ready
+            # events and a view of its buffer) alive until it takes the next one.
+            del unit, taken
 
     def _take(self) -> tuple[U, bool] | None:
         """The most urgent unit a worker may run now (demand first) and whether it holds a

@@ -131,10 +131,19 @@ class EpochIterator(Iterator[tuple[int, int, TokenBatch]]):
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    #: the logger as the class holds it (module globals may be None at interpreter shutdown)
+    _log = log
+
     def __del__(self) -> None:
         gen = getattr(self, "_gen", None)
         if gen is not None:
-            gen.close()
+            try:
+                gen.close()
+            except Exception:  # noqa: BLE001 - a finalizer must never raise
+                try:
+                    self._log.debug("closing a collected epoch iterator failed", exc_info=True)
+                except Exception:  # noqa: BLE001 - logging torn down at shutdown
+                    pass
 
     def _run(
         self,

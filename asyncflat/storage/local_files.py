@@ -90,6 +90,10 @@ def _open_local(root: str, path: str, where: str) -> int:
         except FileNotFoundError:
             raise CorruptChunkError(f"{where}: is a broken symlink (to {real})") from None
         except OSError as exc2:
+            if exc2.errno in (errno.ELOOP, errno.EMLINK):
+                # A symlink loop (realpath stops inside it): a damaged store, as the zarr path
+                # says of the same object ("is a broken symlink"), never a transient failure.
+                raise CorruptChunkError(f"{where}: is a symlink loop ({exc2.strerror})") from None
             raise StorageError(f"reading {where} failed: {exc2}") from None
     try:
         # A directory on the way may be a symlink too: check where the file really is. Linux

@@ -13,6 +13,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -136,17 +137,24 @@ class Passes:
         """The rows of every group without the loop when all are ready in open passes and no
         next pass is due, else None (the caller then runs :meth:`gather` on the loop)."""
         results = []
+        served: list[tuple[Engine, int, float]] = []
         for group in groups:
             engine = self.engine_now(group.source, group.epoch)
             if engine is None or self.next_pass_due(group):
                 return None
+            t0 = time.perf_counter()
             try:
-                rows = engine.try_gather(group.step, group.rows)
+                # Not recorded yet: if a later group is not ready, the loop path gathers (and
+                # records) every group again.
+                rows = engine.try_gather(group.step, group.rows, record=False)
             except LoaderClosedError:  # this pass was just evicted: the loop path reopens it
                 return None
             if rows is None:
                 return None
+            served.append((engine, group.step, time.perf_counter() - t0))
             results.append(rows)
+        for engine, step, wait in served:
+            engine.record_step(step, wait)
         return results
 
     async def engine(self, index: int, epoch: int) -> Engine:

@@ -41,6 +41,8 @@ class IteratorOwner(Protocol):
 
     def stop_prefetch(self, builder: BackgroundBuilder[Any], pin: Pin) -> None: ...
 
+    def release_collected(self, builder: BackgroundBuilder[Any] | None, pin: Pin) -> None: ...
+
 
 class BatchIterator(Iterator[tuple[int, Any]]):
     """``(step, batch)`` pairs of a loader, built ahead when prefetching.
@@ -61,11 +63,10 @@ class BatchIterator(Iterator[tuple[int, Any]]):
             self._pin.move(start)
         if depth and start < self._stop_step:
             self._prefetch = owner.start_prefetch(start, depth)
-            # The finalizer holds the owner and the builder, never this iterator, so a dropped
-            # iterator is collected and its thread stopped.
-            self._finalizer = weakref.finalize(self, owner.stop_prefetch, self._prefetch, self._pin)
-        else:
-            self._finalizer = weakref.finalize(self, self._pin.release)
+        # The finalizer holds the owner, the builder and the pin, never this iterator, so a
+        # dropped iterator is collected and its thread stopped; it hands the release to the
+        # loop's thread (the collecting thread may hold the engine's lock), close() does it here.
+        self._finalizer = weakref.finalize(self, owner.release_collected, self._prefetch, self._pin)
         # Not at interpreter exit: joining a thread blocked in a load could wait a whole
         # load; the thread is a daemon and the loop's own exit hook cancels its load.
         self._finalizer.atexit = False
@@ -105,8 +106,11 @@ class BatchIterator(Iterator[tuple[int, Any]]):
     def close(self) -> None:
         """Stop the prefetch thread and drop the batches built ahead. Idempotent."""
         self._step = self._stop_step
-        if self._finalizer is not None:
-            self._finalizer()
+        if self._finalizer is not None and self._finalizer.detach() is not None:
+            if self._prefetch is None:
+                self._pin.release()
+            else:
+                self._owner.stop_prefetch(self._prefetch, self._pin)
 
     def __enter__(self) -> BatchIterator:
         return self

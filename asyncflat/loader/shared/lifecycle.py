@@ -196,6 +196,22 @@ class Lifecycle(Generic[S]):
         # not from the loop's thread: the builder may be waiting on this very thread
         self._prefetchers.stop(builder, join=not self._runner.in_loop_thread())
 
+    def release_collected(self, builder: BackgroundBuilder[Any] | None, pin: Pin) -> None:
+        """What a collected iterator held (its pin, its builder), let go of on the loop's
+        thread, never on the collecting one: the garbage collector runs finalizers on whatever
+        thread allocates, which may hold the engine's lock (a pin released there deadlocked),
+        a builder's, or be the thread the builder waits on. Run here only when no loop runs
+        (the loader is closed: its engine takes no pin any more and its builders are stopped).
+        """
+        if not self._runner.call_soon(self._release, builder, pin):
+            self._release(builder, pin)
+
+    def _release(self, builder: BackgroundBuilder[Any] | None, pin: Pin) -> None:
+        if builder is None:
+            pin.release()
+        else:
+            self.stop_prefetch(builder, pin)
+
     # -- figures ------------------------------------------------------------------------------
 
     @property
@@ -266,12 +282,19 @@ class Lifecycle(Generic[S]):
                 if server is not None:
                     server.release()  # the loop has stopped: nothing can hold a buffer now
 
+    #: the logger as the class holds it: at interpreter shutdown the module's globals may
+    #: already be None when a forgotten loader is collected
+    _log = log
+
     def __del__(self) -> None:  # a forgotten loader must not keep its thread nor its buffers
         if not getattr(self, "_closed", True):
             try:
                 self.close()
-            except Exception:
-                log.debug("closing a collected %s failed", self.kind, exc_info=True)
+            except Exception:  # noqa: BLE001 - a finalizer must never raise
+                try:
+                    self._log.debug("closing a collected %s failed", self.kind, exc_info=True)
+                except Exception:  # noqa: BLE001 - logging torn down at shutdown
+                    pass
 
 
 async def _call(read: Callable[[], T]) -> T:
