@@ -320,6 +320,9 @@ class StoppingOwner:
     def stop_prefetch(self, builder: Any, pin: Pin) -> None:
         pin.release()
 
+    def release_collected(self, builder: Any, pin: Pin) -> None:
+        pin.release()
+
     def close(self) -> None:
         self.closed = True
         self.stopped.set()
