@@ -188,6 +188,11 @@ def test_dropped_iterator_stops_its_thread(dataset: str) -> None:
         assert len(_prefetch_threads()) == 1
         del iterator
         gc.collect()
+        # the collected iterator's release runs on the loop's thread (never on the collecting
+        # one, which may hold the engine's lock): its thread ends soon after, not at once
+        deadline = time.monotonic() + 10
+        while _prefetch_threads() and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert not _prefetch_threads()
         # __iter__ (batches only) closes its iterator when the generator is closed
         batches = iter(loader)

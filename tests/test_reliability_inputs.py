@@ -393,9 +393,10 @@ def test_damaged_token_chunks_raise_corrupt_chunk_error(
         if damage == "delete":
             assert f"{key}" in message and "missing from the store" in message, message
         else:
-            assert re.search(r"do(es)? not decode|is truncated|not a whole Blosc frame", message), (
-                message
-            )
+            assert re.search(
+                r"do(es)? not decode|is truncated|not a whole Blosc frame|fails its crc32c checksum",
+                message,
+            ), message
         with pytest.raises(CorruptChunkError, match=r"encoded_tokens"):
             verify_split(path, "train")
     assert no_library_threads()
