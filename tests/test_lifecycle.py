@@ -30,7 +30,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import random_sequences
-from helpers.resources import open_fds
+from helpers.resources import library_threads, open_fds, wait_until
 from reference_impl import ReferenceLoader, load_split_arrays
 
 import asyncflat
@@ -77,19 +77,6 @@ def oracle(
         seed=p.seed,
         sequence_packing=p.sequence_packing,
     )
-
-
-def library_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("asyncflat")]
-
-
-def wait_until(predicate: Any, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 def run_script(script: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

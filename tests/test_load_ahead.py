@@ -23,6 +23,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import oracle, random_sequences
+from helpers.resources import library_threads, wait_until
 
 import asyncflat
 from asyncflat import EngineOptions, FlatTokensParams, ShufflingLoader, TokenBatchParams
@@ -71,19 +72,6 @@ def check(path: str, batch: Any, step: int) -> None:
 
 def builder_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("asyncflat-device-")]
-
-
-def library_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("asyncflat")]
-
-
-def wait_until(predicate: Any, timeout: float = 10) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return bool(predicate())
 
 
 Built = list[tuple[int, str]]

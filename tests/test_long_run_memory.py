@@ -27,6 +27,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import random_sequences
+from helpers.resources import rss_kib
 
 import asyncflat
 from asyncflat import FlatTokensParams, ShufflingLoader, TokenBatchParams
@@ -45,14 +46,6 @@ MEASURED_LOADS = 1_600
 RSS_BOUND_KIB = 1_024
 #: growth of Python's small blocks allowed (observed: -230..+300; one object per load: +1,600)
 BLOCKS_BOUND = 800
-
-
-def rss_kib() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise AssertionError("no VmRSS in /proc/self/status")
 
 
 def python_blocks() -> int:

@@ -14,17 +14,20 @@ from asyncflat.engine.scheduler import UnitScheduler
 from asyncflat.engine.table import FillTable
 
 
+def source_and_plan() -> tuple[np.ndarray, FakeSource, ShufflePlan]:
+    """640 rows of tokens, a fake source of them that reads partial chunks, and a plan."""
+    tokens, starts = make_data(rows=640)
+    source = FakeSource(tokens, starts, chunk=SEQ_LEN * 8, partial_reads=True)
+    params = FlatTokensParams("fake://", 1, 4, 8, seed=4, sequence_packing=True)
+    plan = ShufflePlan.create(
+        params, TokenBatchParams(len=SEQ_LEN, batch=8), token_count=len(tokens), sequence_count=640
+    )
+    return tokens, source, plan
+
+
 def test_rows_come_from_finished_blocks_or_are_read_alone() -> None:
     async def main() -> None:
-        tokens, starts = make_data(rows=640)
-        source = FakeSource(tokens, starts, chunk=SEQ_LEN * 8, partial_reads=True)
-        params = FlatTokensParams("fake://", 1, 4, 8, seed=4, sequence_packing=True)
-        plan = ShufflePlan.create(
-            params,
-            TokenBatchParams(len=SEQ_LEN, batch=8),
-            token_count=len(tokens),
-            sequence_count=640,
-        )
+        tokens, source, plan = source_and_plan()
         ran: list[Unit] = []
 
         async def run(unit: Unit) -> None:
@@ -58,15 +61,7 @@ def test_rows_come_from_finished_blocks_or_are_read_alone() -> None:
 
 def test_rows_read_ahead_are_demand_reads_and_the_mark_ends_with_the_call() -> None:
     async def main() -> None:
-        tokens, starts = make_data(rows=640)
-        source = FakeSource(tokens, starts, chunk=SEQ_LEN * 8, partial_reads=True)
-        params = FlatTokensParams("fake://", 1, 4, 8, seed=4, sequence_packing=True)
-        plan = ShufflePlan.create(
-            params,
-            TokenBatchParams(len=SEQ_LEN, batch=8),
-            token_count=len(tokens),
-            sequence_count=640,
-        )
+        _, source, plan = source_and_plan()
 
         async def run(unit: Unit) -> None:
             pass

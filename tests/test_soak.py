@@ -27,6 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
+from helpers.resources import library_threads, rss_kib, wait_until
 from reference_impl import ReferenceLoader, load_split_arrays
 
 import asyncflat
@@ -172,27 +173,6 @@ LOADS_TRACED = 4_000
 WARM_UP = 800
 #: growth allowed per 1,000 loads after the warm-up (issue 37)
 BOUND_KIB_PER_1000 = 512
-
-
-def rss_kib() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise AssertionError("no VmRSS in /proc/self/status")
-
-
-def library_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("asyncflat")]
-
-
-def wait_until(predicate: Any, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return bool(predicate())
 
 
 def one_lifecycle(
