@@ -22,7 +22,12 @@ from asyncflat import (
     TokenBatchParams,
 )
 from asyncflat.engine import Engine
-from asyncflat.engine.waiting import ROWS_AHEAD_STEPS
+from asyncflat.engine.waiting import (
+    MAX_ROWS_AHEAD_STEPS,
+    ROWS_AHEAD_STEPS,
+    rows_ahead_steps,
+    stays_ahead,
+)
 
 
 def make(
@@ -129,10 +134,11 @@ def test_the_next_minipoch_fills_as_soon_as_the_current_one_serves() -> None:
     run(main)
 
 
-def test_a_resume_waits_only_for_the_blocks_its_rows_live_in() -> None:
+def test_a_resume_behind_a_network_waits_only_for_the_blocks_its_rows_live_in() -> None:
     # One read at a time, chunks aligned to blocks: the reads done before the first batch
     # returns are exactly the blocks holding that step's rows (fetched first), nothing else.
     source = FakeSource(*make_data(rows=4096), chunk=SEQ_LEN * 16, latency_s=0.002)
+    source.remote = True
     engine = make(source, streams=1, rbpsb=32, spb=16, batch=8, max_concurrent_reads=1)
     plan = engine.plan
     step = plan.first_step(1) + 5
@@ -446,33 +452,76 @@ def test_a_load_ahead_of_its_blocks_reads_just_its_rows() -> None:
     run(main)
 
 
-def test_on_a_local_store_only_the_first_load_of_a_fill_reads_rows() -> None:
-    # Locally a row read decodes a whole Blosc block for one row, on the cores the fill decodes
-    # on: the first load of a fill not started yet (a start, a resume) reads its own rows, none
-    # ahead; once the fill runs, a load waits for its blocks, the fill made urgent.
-    source = FakeSource(
-        *make_data(rows=4096), chunk=SEQ_LEN * 16, latency_s=0.3, partial_reads=True
-    )
+def test_on_a_local_store_the_first_load_waits_until_the_fill_stays_ahead() -> None:
+    # Locally a fill costs CPU, not round trips: the first load of a fresh engine (the
+    # trainer's pace unknown) returns once the whole fill is in, so no later step waits for it.
+    source = FakeSource(*make_data(rows=4096), chunk=SEQ_LEN * 16, latency_s=0.01)
     engine = make(source, streams=1, rbpsb=32, spb=16, batch=8)
     oracle = oracle_for(engine, source)
     step = engine.plan.first_step(1) + 5
 
     async def main() -> None:
+        np.testing.assert_array_equal(await engine.gather(step, ALL), oracle.encoded_batch(step))
+        assert not source.item_reads  # no row read on its own: the fill at full speed
+        for later in range(step + 1, engine.plan.first_step(2)):
+            batch = engine.try_gather(later, ALL)  # a finished buffer: no wait, no loop
+            assert batch is not None, later
+            np.testing.assert_array_equal(batch, oracle.encoded_batch(later))
+        await engine.aclose()
+
+    run(main)
+
+
+def test_on_a_local_store_a_jump_reads_its_rows_then_loads_wait_for_blocks() -> None:
+    # Random access in a running engine (no trainer pace to plan with): the first load of a
+    # fill not started yet reads its own rows, none ahead (a row read decodes a whole Blosc
+    # block for one row, on the cores the fill decodes on); once the fill runs, a load waits
+    # for its blocks, the fill made urgent.
+    source = FakeSource(
+        *make_data(rows=4096), chunk=SEQ_LEN * 16, latency_s=0.3, partial_reads=True
+    )
+    engine = make(source, streams=1, rbpsb=32, spb=16, batch=8)
+    oracle = oracle_for(engine, source)
+    step = engine.plan.first_step(2) + 5
+
+    async def main() -> None:
+        await engine.gather(0, ALL)  # the start: its whole fill
+        assert not source.item_reads
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         batch = await asyncio.wait_for(engine.gather(step, ALL), 5)
         assert loop.time() - t0 < 0.25  # its rows, not the fill's 0.3 s chunks
         np.testing.assert_array_equal(batch, oracle.encoded_batch(step))
-        assert source.item_reads == 8 and not source.reads  # the fill waited for them
+        assert source.item_reads == 8
         for later in range(step + 1, step + 3):
             batch = await asyncio.wait_for(engine.gather(later, ALL), 5)
             np.testing.assert_array_equal(batch, oracle.encoded_batch(later))
-        # No row read beyond the first load's: the later loads waited for their blocks.
-        assert source.item_reads == 8 and source.reads
+        # No row read beyond the jump's own: the later loads waited for their blocks.
+        assert source.item_reads == 8
         assert engine.stats()["rows_read_directly"] == 8
         await engine.aclose()
 
     run(main)
+
+
+def test_stays_ahead_predicts_from_the_rate_of_the_slots_and_the_trainers_pace() -> None:
+    deadlines = np.array([10, 10, 11, 14, 20])
+    # the trainer's pace unknown (0): only a fill with nothing pending stays ahead
+    assert stays_ahead(deadlines[:0], 10, 0.0, None)
+    assert not stays_ahead(deadlines[2:], 10, 0.0, 0.001)
+    # a slot still needed by the step being loaded never lands in time
+    assert not stays_ahead(deadlines, 10, 1.0, 0.001)
+    # 1 ms a slot (1.25 ms with the margin), 2 ms a step: slot k lands at 1.25*(k+1) ms
+    assert stays_ahead(deadlines[2:], 10, 0.002, 0.001)  # 1.25, 2.5, 3.75 <= 2, 8, 20
+    assert not stays_ahead(deadlines[2:], 10, 0.001, 0.001)  # 1.25 > 1: step 11 would wait
+    assert not stays_ahead(deadlines[2:], 10, 0.002, None)  # no slot landed yet: no rate
+
+
+def test_rows_are_read_ahead_over_a_window_sized_from_the_pace_and_the_latency() -> None:
+    assert rows_ahead_steps(None, 0.05) == rows_ahead_steps(0.01, None) == ROWS_AHEAD_STEPS
+    assert rows_ahead_steps(0.01, 0.05) == 11  # twice the latency, in 10 ms steps, plus one
+    assert rows_ahead_steps(0.1, 0.001) == 2
+    assert rows_ahead_steps(0.001, 10.0) == MAX_ROWS_AHEAD_STEPS
 
 
 def _engine_reading_rows_for_30_s() -> tuple[Engine, int]:

@@ -53,8 +53,24 @@ def test_step_rate_forgets_what_is_older_than_its_window_and_restarts_on_a_jump(
         rate.add(step)
         clock.now += 0.02
     assert rate.per_second() == pytest.approx(50.0, rel=0.1)
-    rate.add(5000)  # a jump (resume, random access): the pace is unknown again
+    assert rate.pace() == pytest.approx(0.02, rel=0.1)
+    rate.add(5000)  # a jump (resume, random access): the rate is unknown again
     assert rate.per_second() is None and rate.last_step == 5000
+    # ... but the trainer's pace is the one before the jump until the rate is known again
+    assert rate.pace() == pytest.approx(0.02, rel=0.1)
+    for step in range(5001, 5100):
+        clock.now += 0.1
+        rate.add(step)
+    assert rate.pace() == pytest.approx(0.1, rel=0.1)
+
+
+def test_the_pace_is_unknown_before_any_sustained_run_of_loads() -> None:
+    clock = Clock()
+    rate = StepRate(window_s=2.0, min_span_s=0.5, clock=clock)
+    for step in (7, 300, 12, 900):  # random access only
+        rate.add(step)
+        clock.now += 0.1
+    assert rate.pace() is None
 
 
 def monitor(clock: Clock, per_second: float) -> tuple[LatenessMonitor, StepRate]:

@@ -277,16 +277,19 @@ def test_two_loaders_in_one_process_do_not_interfere(datasets: dict[str, str]) -
 
 
 @pytest.mark.parametrize("store", ["v3_bare", "v2_seqax"])
-def test_a_resume_reads_its_rows_from_partial_blosc_frames(
+def test_a_jump_reads_its_rows_from_partial_blosc_frames(
     datasets: dict[str, str], store: str
 ) -> None:
-    """A fresh loader asked for a step mid-minipoch serves it before its blocks arrive, from
-    row-sized reads decoded out of the Blosc frames (header, block table, the blocks in range).
-    Stores without checksums only: a checksummed chunk is verified whole, so it is read whole."""
+    """A running loader asked for a step of a minipoch not started (random access) serves it
+    before its blocks arrive, from row-sized reads decoded out of the Blosc frames (header,
+    block table, the blocks in range). Stores without checksums only: a checksummed chunk is
+    verified whole, so it is read whole. (A fresh loader's first load waits for its fill.)"""
     params = FlatTokensParams(datasets[store], 2, 4, 16, seed=9, sequence_packing=True)
     batch_params = TokenBatchParams(len=32, batch=16)
     oracle = _oracle(datasets[store], params, batch_params)
     with ShufflingLoader("train", params, batch_params) as loader:
+        _assert_batch(loader.load(0), oracle, 0)
+        assert loader.stats()["rows_read_directly"] == 0
         step = loader.plan.first_step(2) + 1
         _assert_batch(loader.load(step), oracle, step)
         assert loader.stats()["rows_read_directly"] > 0

@@ -101,6 +101,7 @@ class Engine:
             rows=self._rows,
             recorder=self._recorder,
             closed=lambda: self._closed,
+            local=not source.remote,
         )
         #: unpin() calls waiting for the lock (see unpin)
         self._unpins: collections.deque[list[tuple[int, int]]] = collections.deque()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Any
 
 import numpy as np
@@ -54,6 +55,8 @@ class RowReader:
         self._pending: set[asyncio.Future[Any]] = set()
         #: rows of the next steps read ahead (:meth:`read_ahead`), per fill in progress
         self._ahead: dict[Fill, dict[int, asyncio.Task[np.ndarray]]] = {}
+        #: seconds a row read takes (a moving average), once one has been read
+        self.latency_s: float | None = None
 
     async def serve(self, fill: Fill, buffer_rows: np.ndarray, out: np.ndarray) -> int:
         """Rows ``buffer_rows`` of ``fill`` into ``out``; returns how many were read directly."""
@@ -144,11 +147,14 @@ class RowReader:
         slot, row = divmod(buffer_row, spb)
         start = (int(fill.blocks[slot]) * spb + row) * seq_len  # packed: row r is tokens r*len...
         done = 0
+        began = time.perf_counter()
         while done < seq_len:  # a row may cross a chunk boundary
             chunk_id, offset = divmod(start + done, chunk)
             n = min(seq_len - done, chunk - offset)
             await self._source.read_items(chunk_id, offset, out[done : done + n])
             done += n
+        took = time.perf_counter() - began
+        self.latency_s = took if self.latency_s is None else 0.8 * self.latency_s + 0.2 * took
 
 
 def _retrieve(task: asyncio.Task[Any]) -> None:

@@ -230,10 +230,15 @@ class StepRate:
         self._times: collections.deque[float] = collections.deque()
         self._max_kept = 4096
         self.last_step: int | None = None
+        #: seconds per step before the last jump: a resume keeps the trainer's pace
+        self._pace_before_jump: float | None = None
 
     def add(self, step: int) -> None:
         now = self._clock()
         if self.last_step is not None and step != self.last_step + 1:
+            rate = self.per_second()
+            if rate:
+                self._pace_before_jump = 1.0 / rate
             self._times.clear()  # a jump (resume, random access): not the trainer's pace
         self._times.append(now)
         self.last_step = step
@@ -250,6 +255,13 @@ class StepRate:
         if span < self.min_span_s:
             return None
         return (len(self._times) - 1) / span
+
+    def pace(self) -> float | None:
+        """Seconds per step: the sustained rate now, else the one before the last jump (a
+        resume in a running job keeps its trainer's pace), else None (not known yet, or only
+        random access so far)."""
+        rate = self.per_second()
+        return 1.0 / rate if rate else self._pace_before_jump
 
 
 class RateLimitedLog:
