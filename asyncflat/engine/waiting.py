@@ -6,7 +6,6 @@ reading the next steps' rows too); a failed fill is dropped and its error raised
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -14,6 +13,7 @@ import numpy as np
 
 from asyncflat.config import EngineOptions
 from asyncflat.engine.fill import Fill, Unit
+from asyncflat.engine.lock import OwnedLock
 from asyncflat.engine.recorder import Recorder
 from asyncflat.engine.rows import RowReader
 from asyncflat.engine.scheduler import UnitScheduler
@@ -39,7 +39,7 @@ class FillWaiter:
         plan: ShufflePlan,
         options: EngineOptions,
         *,
-        lock: threading.Lock,
+        lock: OwnedLock,
         fills: FillTable,
         scheduler: UnitScheduler[Unit],
         rows: RowReader | None,
