@@ -19,6 +19,8 @@ One job per module:
 * :mod:`.rows`: rows read on their own for a load that arrives before its blocks;
 * :mod:`.stats` and :mod:`.recorder`: typed snapshots, bounded history, the trainer's step rate
   and the lateness warning;
+* :mod:`.lock`: the engine's lock, which knows the thread holding it (a pin released by a
+  finalizer on that thread is queued instead of waiting for itself);
 * :mod:`.core`: the :class:`Engine` that composes them: ``gather`` (on the loop), ``try_gather``
   (from the caller's thread, for finished buffers), ``stats``, ``interval_stats``, ``aclose``.
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -21,6 +20,7 @@ import numpy as np
 
 from asyncflat.config import EngineOptions
 from asyncflat.engine.fill import Fill, Unit
+from asyncflat.engine.lock import OwnedLock
 from asyncflat.engine.recorder import Recorder
 from asyncflat.engine.rows import RowReader
 from asyncflat.engine.scheduler import UnitScheduler
@@ -59,7 +59,7 @@ class Engine:
         # records. The loop takes it briefly (never across an await) to start or drop fills;
         # try_gather takes it to read finished buffers from the caller's thread, so a buffer is
         # never handed to a new fill mid-read.
-        self._lock = threading.Lock()
+        self._lock = OwnedLock()
         # A prefetch fill nobody waits for yet runs one unit at a time on a local store (reads
         # are CPU copies there), so it takes at most about one core from the trainer; behind a
         # network its reads still overlap, since latency, not CPU, bounds them.
@@ -232,16 +232,17 @@ class Engine:
                 self._fills.pin(keys, 1)
 
     def unpin(self, keys: list[tuple[int, int]]) -> None:
-        """Drop a pin of ``keys``. Any thread, and never blocks: when the engine's lock is
-        taken (perhaps by this very thread, a garbage collection having run an iterator's
-        finalizer in the middle of a load) the release is queued and applied by the next
-        holder of the lock before it reads a pin."""
+        """Drop a pin of ``keys``. Any thread: under the engine's lock, so that the pin state
+        is exact once this returns, except on a thread that holds the lock itself (a garbage
+        collection having run a finalizer in the middle of its critical section), where the
+        release is queued and applied by the next holder of the lock before it reads a pin."""
+        if self._closed:
+            return  # a closed engine holds no pins (nor buffers) any more
         self._unpins.append(keys)  # a deque: appends are atomic
-        if self._lock.acquire(blocking=False):
-            try:
-                self._apply_unpins()
-            finally:
-                self._lock.release()
+        if self._lock.held_here():
+            return
+        with self._lock:
+            self._apply_unpins()
 
     def _apply_unpins(self) -> None:
         """Apply the queued :meth:`unpin` calls (under the lock)."""
@@ -253,6 +254,7 @@ class Engine:
     def stats(self) -> EngineStats:
         """A snapshot of the figures (see :class:`~asyncflat.engine.stats.EngineStats`)."""
         with self._lock:
+            self._apply_unpins()
             return self._recorder.snapshot(
                 fills=self._fills,
                 allocations=self._fills.allocations,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import threading
 import time
 from collections.abc import Callable
 from typing import NoReturn
@@ -22,6 +21,7 @@ import numpy as np
 
 from asyncflat.config import EngineOptions
 from asyncflat.engine.fill import Fill, Unit
+from asyncflat.engine.lock import OwnedLock
 from asyncflat.engine.recorder import Recorder
 from asyncflat.engine.rows import RowReader
 from asyncflat.engine.scheduler import UnitScheduler
@@ -80,7 +80,7 @@ class FillWaiter:
         plan: ShufflePlan,
         options: EngineOptions,
         *,
-        lock: threading.Lock,
+        lock: OwnedLock,
         fills: FillTable,
         scheduler: UnitScheduler[Unit],
         rows: RowReader | None,
