@@ -607,13 +607,17 @@ def main() -> None:
     boundaries = marks[0]  # the same for all
     if args.plot:
         resumed = {name: run["resume"]["waits"] for name, run in loaders.items()}
-        plot_steps(
+        from _common import plot_cold_start
+
+        plot_cold_start(
             args.plot,
             waits,
             boundaries,
             resumed,
+            title="load() per step over an emulated bucket",
             caption=f"{figures['store']}; {_setup(figures)}",
         )
+        log.info("wrote %s", args.plot)
         figures["plot"] = args.plot
     print(json.dumps(figures), flush=True)
 
@@ -641,53 +645,6 @@ def ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
             ours["worst_after_step0"], theirs["worst_ordinary"]
         ),
     }
-
-
-def plot_steps(
-    path: str,
-    waits: dict[str, list[float]],
-    boundaries: list[int],
-    resumed: dict[str, list[float]],
-    *,
-    caption: str,
-) -> None:
-    """Per-step ``load()`` time of each loader (log scale): from construction over two
-    minipochs (boundaries marked), and from a resume in a fresh process to its minipoch's end."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from asyncflat.cli.stall_figure import machine_description
-
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.8), width_ratios=(3, 2), sharey=True)
-    styles = {"asyncflat": ("tab:blue", "o"), "reference": ("tab:red", "s")}
-    for name in waits:
-        color, marker = styles.get(name, ("tab:green", "^"))
-        label = "reference (seqax-style, synchronous)" if name == "reference" else name
-        for axis, run in ((ax, waits[name]), (bx, resumed[name])):
-            ms = [w * 1e3 for w in run]
-            axis.plot(range(len(ms)), ms, color=color, marker=marker, ms=2.5, lw=0.8, label=label)
-    for i, step in enumerate(boundaries):
-        ax.axvline(
-            step, color="gray", ls="--", lw=0.8, label="minipoch boundary" if not i else None
-        )
-    ax.set_yscale("log")
-    ax.set_xlabel("step (from construction)")
-    ax.set_ylabel("load() [ms, log]")
-    ax.set_title("from construction", fontsize=10)
-    bx.set_xlabel("loads after a resume mid-minipoch (fresh process)")
-    bx.set_title("after a resume, to the minipoch's end", fontsize=10)
-    for axis in (ax, bx):
-        axis.grid(True, which="both", axis="y", alpha=0.3)
-    ax.legend(loc="upper right", fontsize=8)
-    fig.suptitle("load() per step over an emulated bucket", fontsize=11)
-    fig.text(0.01, 0.01, f"{caption}\n{machine_description()}", fontsize=7, color="dimgray")
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    log.info("wrote %s", path)
 
 
 if __name__ == "__main__":
