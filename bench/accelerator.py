@@ -118,25 +118,23 @@ def child(args: argparse.Namespace) -> None:
         jax.device_put(rng.random(shape) < 0.001, first[1].sharding),
     )
     del first
-    for _ in range(3):
+    # Warm-up before anything is timed: a chip's first few hundred steps after a compile run
+    # slower than later ones (clocks, caches); timed cold, the device's own time would be
+    # overstated and the loaders' overhead understated.
+    for _ in range(max(1, args.warmup)):
         params, loss = step(params, *resident)
     jax.block_until_ready(loss)
     compiled = step._cache_size()
-    n = min(100, args.steps)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        params, loss = step(params, *resident)
-    jax.block_until_ready(loss)
-    device_step_s = (time.perf_counter() - t0) / n
-    figures["device_step_ms"] = device_step_s * 1e3
 
-    # training: one step in flight, the next batch loaded while the device computes
-    batches, close = open_batches(args, args.child)
+    # training: one step in flight, the next batch loaded while the device computes; the clock
+    # starts before the loader's construction (the whole epoch, start-up included)
     gc.collect()
     gc.freeze()
+    t_start = time.perf_counter()
+    batches, close = open_batches(args, args.child)
+    construct_s = time.perf_counter() - t_start
     waits, dispatches, syncs = [], [], []
     losses: list[Any] = []
-    t_start = time.perf_counter()
     try:
         for _ in range(args.steps):
             t0 = time.perf_counter()
@@ -155,12 +153,28 @@ def child(args: argparse.Namespace) -> None:
         wall = time.perf_counter() - t_start
         close()
     gc.unfreeze()
+
+    # The device's own time per step, on the resident batch, measured after the training loop
+    # (the chip as warm as it was during it).
+    n = min(200, args.steps)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        params, loss = step(params, *resident)
+    jax.block_until_ready(loss)
+    device_step_s = (time.perf_counter() - t0) / n
+    figures["device_step_ms"] = device_step_s * 1e3
+    gc.unfreeze()
     ms = np.array(waits) * 1e3
     later = ms[1:]
     figures.update(
         train_tokens_per_s=args.steps * args.batch * args.len / wall,
         wall_s=wall,
+        construct_s=construct_s,
+        # the whole epoch, the loader's construction and first loads included
         overhead=wall / (args.steps * device_step_s) - 1,
+        idle_share=1 - args.steps * device_step_s / wall,
+        # the same from the first load on (construction left out)
+        overhead_after_construct=(wall - construct_s) / (args.steps * device_step_s) - 1,
         first_ms=float(ms[0]),
         median_ms=float(np.median(later)),
         p999_ms=float(np.quantile(later, 0.999)),
@@ -195,7 +209,7 @@ def row(r: dict[str, Any]) -> str:
     return (
         f"| {r['loader']} | {r['loader_tokens_per_s'] / 1e6:.0f}M "
         f"| {r['train_tokens_per_s'] / 1e6:.1f}M | {r['device_step_ms']:.2f} "
-        f"| {100 * r['overhead']:.1f}% | {r['first_ms']:.0f} "
+        f"| {100 * r['overhead']:.1f}% ({100 * r['idle_share']:.2f}% idle) | {r['first_ms']:.0f} "
         f"| {r['median_ms']:.2f} / {r['p999_ms']:.2f} / {r['max_ms']:.1f} ({r['max_step']}) "
         f"| {r['boundary_ms']:.1f} | {r['final_loss']:.6f} |"
     )
@@ -233,7 +247,7 @@ def parent(args: argparse.Namespace) -> None:
             "--boundaries",
             ",".join(map(str, boundaries)),
         ]
-        for name in ("len", "batch", "spb", "rbpsb", "dim", "layers", "vocab"):
+        for name in ("len", "batch", "spb", "rbpsb", "dim", "layers", "vocab", "warmup"):
             command += [f"--{name}", str(getattr(args, name))]
         out = subprocess.run(command, capture_output=True, text=True, check=False, env=child_env)
         if out.returncode:
@@ -263,7 +277,7 @@ def parent(args: argparse.Namespace) -> None:
     )
     print(
         "| loader | loader only (tokens/s) | training (tokens/s) | device step (ms) "
-        "| overhead | first load (ms) | later loads: median / p99.9 / max (ms, at step) "
+        "| overhead (idle share), start-up included | first load (ms) | later loads: median / p99.9 / max (ms, at step) "
         "| worst boundary (ms) | final loss |\n|---|---|---|---|---|---|---|---|---|",
         file=sys.stderr,
     )
@@ -284,6 +298,9 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=1024, help="the train step's model width")
     parser.add_argument("--layers", type=int, default=1, help="the train step's dense layers")
     parser.add_argument("--vocab", type=int, default=50_000)
+    parser.add_argument(
+        "--warmup", type=int, default=300, help="untimed train steps after the compile"
+    )
     parser.add_argument("--loaders", default=",".join(LOADERS))
     parser.add_argument("--child", choices=LOADERS, help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)

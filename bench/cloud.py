@@ -20,12 +20,21 @@ Figures, in one JSON line on stdout (MB = 10^6 bytes, wire = stored bytes transf
   buffer: its wire rate vs a bare client's ranged GETs of the same chunk objects at the same
   concurrency (``fill_vs_bare``, target >= 0.9); requests in flight on the wire during each
   (peak, time-weighted mean). Medians of ``--repeats`` interleaved runs.
-* ``steps`` (asyncflat and ``reference``, the seqax-style loader of bench/seqax_style.py reading
-  the same bucket through the AWS/GCS environment variables): construction, then every step of
-  ``--steps`` with a ``--step-ms`` train step between loads: worst boundary vs worst ordinary
-  load() (steps 1.. that start no minipoch), total wait from construction to the first boundary.
-* ``resume``: a fresh loader positioned mid-minipoch 1: seconds from construction to the first
-  batch and to the 11th (train steps between), and the waits of the 10 loads after the first.
+* ``loaders``, per loader (asyncflat and ``reference``, the seqax-style loader of
+  bench/seqax_style.py reading the same bucket through the AWS/GCS environment variables), in
+  seconds: construction (``construct_s``), then every step of two minipochs with a ``--step-ms``
+  train step between loads: every load of the first minipoch (``first_minipoch_loads``), the
+  worst after step 0 (``worst_after_step0``), the worst ordinary load (steps 1.. that start no
+  minipoch: ``worst_ordinary``) and boundary load (``worst_boundary``), and the total wait from
+  construction through the first boundary's load (``wait_to_first_boundary``);
+* ``loaders.<name>.resume``: a resume mid-minipoch 1 in a fresh process, the clock started after
+  the imports both loaders share (interpreter, ``import jax`` and its backend, zarr and the
+  cloud client's modules), as a user would time the reference: ``construct``, ``first_batch``,
+  ``batch11`` (seconds from the clock's start; medians of ``--repeats`` processes) and
+  ``waits``, every load from the resumed step to the end of its minipoch;
+* ``vs_reference``: asyncflat / reference for the figures issue 36 sets targets on.
+
+The per-step picture (``--plot``): both loaders' loads from construction, and after the resume.
 """
 
 from __future__ import annotations
@@ -85,6 +94,7 @@ def parse_args() -> argparse.Namespace:
         "--resume-child", choices=["asyncflat", "reference"], help=argparse.SUPPRESS
     )
     parser.add_argument("--child-url", help=argparse.SUPPRESS)
+    parser.add_argument("--spawned-at", help=argparse.SUPPRESS)
     return parser.parse_args()
 
 
@@ -370,6 +380,7 @@ def _close(loader: Any) -> None:
 
 
 def steps_figures(args: argparse.Namespace, make: Callable[[], Any]) -> dict[str, Any]:
+    """Construction, then every ``load()`` of two minipochs with a train step between loads."""
     t0 = time.perf_counter()
     loader = make()
     construct = time.perf_counter() - t0
@@ -384,104 +395,125 @@ def steps_figures(args: argparse.Namespace, make: Callable[[], Any]) -> dict[str
             time.sleep(args.step_ms / 1e3)
     finally:
         _close(loader)
-    at = [s for s in boundaries if s < last]
+    return {"construct_s": round(construct, 4), **load_figures(waits, boundaries, construct)}
+
+
+def load_figures(waits: list[float], boundaries: list[int], construct: float) -> dict[str, Any]:
+    """The cold-start figures of one run of loads from step 0 (seconds): every load of the first
+    minipoch, the worst after step 0, ordinary (steps 1.. that start no minipoch) and at a
+    boundary, and the wait from construction through the first boundary's load."""
+    at = [s for s in boundaries if s < len(waits)]
     ordinary = [w for s, w in enumerate(waits) if s and s not in at]
     return {
         "_waits": waits,  # per-step load() seconds, for the plot (not printed)
         "_boundaries": at,
-        "construct_s": round(construct, 3),
-        "first_load_s": round(waits[0], 3),
-        "worst_boundary_ms": round(max(waits[s] for s in at) * 1e3, 1) if at else None,
-        "worst_ordinary_ms": round(max(ordinary) * 1e3, 1),
-        "median_ordinary_ms": round(statistics.median(ordinary) * 1e3, 2),
-        "wait_to_first_boundary_s": round(construct + sum(waits[: boundaries[0] + 1]), 3),
-        "steps": last,
+        "first_load_s": round(waits[0], 4),
+        "first_minipoch_loads": [round(w, 5) for w in waits[: boundaries[0]]],
+        "worst_after_step0": round(max(waits[1:]), 5),
+        "worst_ordinary": round(max(ordinary), 5),
+        "worst_boundary": round(max(waits[s] for s in at), 5) if at else None,
+        "median_ordinary": round(statistics.median(ordinary), 5),
+        "wait_to_first_boundary": round(construct + sum(waits[: boundaries[0] + 1]), 4),
+        "steps": len(waits),
     }
 
 
-def resume_figures(args: argparse.Namespace, make: Callable[[], Any]) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    loader = make()
-    try:
-        plan_start = _first_step(loader, 1)
-        step = plan_start + (_first_step(loader, 2) - plan_start) // 2  # mid minipoch 1
-        construct = time.perf_counter() - t0
-        loader.load(step)
-        first = time.perf_counter() - t0
-        waits = []
-        for s in range(step + 1, step + 11):
-            time.sleep(args.step_ms / 1e3)
-            t1 = time.perf_counter()
-            loader.load(s)
-            waits.append(time.perf_counter() - t1)
-        eleventh = time.perf_counter() - t0
-    finally:
-        _close(loader)
-    return {
-        "step": step,
-        "construct_s": round(construct, 3),
-        "to_first_batch_s": round(first, 3),
-        "to_11th_batch_s": round(eleventh, 3),
-        "next_10_waits_s": round(sum(waits), 3),
-        "next_10_worst_ms": round(max(waits) * 1e3, 1),
-    }
+def shared_imports(url: str) -> None:
+    """What a trainer on this bucket has imported whichever loader it builds: jax (and its
+    backend started) and the cloud client's own modules (zarr, s3fs or gcsfs)."""
+    import jax
+    import zarr  # noqa: F401
+
+    jax.devices()
+    if url.startswith("s3://"):
+        import s3fs  # noqa: F401
+    elif url.startswith(("gs://", "gcs://")):
+        import gcsfs  # noqa: F401
 
 
 def resume_child(args: argparse.Namespace) -> None:
-    """In a fresh process: import jax and the loader, resume mid-minipoch 1, load 11 batches;
-    print wall-clock stamps (the parent subtracts the time it spawned this process)."""
-    stamps: dict[str, float] = {}
-    import jax  # a trainer has imported it anyway
+    """In a fresh process, the clock started after :func:`shared_imports`: import the loader,
+    construct it, resume mid-minipoch 1 and load every step to the end of that minipoch (a train
+    step between loads); print the seconds of each part and every load's wait."""
+    import jax
 
+    spawned = float(args.spawned_at)
+    shared_imports(args.child_url)
+    clock = time.perf_counter()
+    imported_at = time.time()
     if args.resume_child == "asyncflat":
-        import asyncflat  # noqa: F401
+        from asyncflat import ShufflingLoader  # noqa: F401  (the lazy package's imports)
 
         options = json.loads(args.storage_options)
         make: Callable[[], Any] = lambda: _asyncflat_loader(args, args.child_url, options)  # noqa: E731
     else:
         import seqax_style  # noqa: F401
-        import zarr  # noqa: F401
 
         make = lambda: _reference_loader(args, args.child_url)  # noqa: E731
-    stamps["imported_at"] = time.time()
     loader = make()
-    stamps["constructed_at"] = time.time()
+    constructed = time.perf_counter() - clock
+    waits: list[float] = []
     try:
         start = _first_step(loader, 1)
-        step = start + (_first_step(loader, 2) - start) // 2
-        jax.block_until_ready(loader.load(step))
-        stamps["first_at"] = time.time()
-        for s in range(step + 1, step + 11):
-            time.sleep(args.step_ms / 1e3)
+        end = _first_step(loader, 2)
+        step = start + (end - start) // 2
+        for s in range(step, end):
+            if s > step:
+                time.sleep(args.step_ms / 1e3)
+            t1 = time.perf_counter()
             jax.block_until_ready(loader.load(s))
-        stamps["eleventh_at"] = time.time()
+            waits.append(time.perf_counter() - t1)
+            if s == step:
+                first = time.perf_counter() - clock
+            if s == step + 10:
+                eleventh = time.perf_counter() - clock
     finally:
         _close(loader)
-    print(json.dumps(stamps), flush=True)
+    out = {
+        "step": step,
+        "shared_imports_s": imported_at - spawned,
+        "construct": constructed,
+        "first_batch": first,
+        "batch11": eleventh,
+        "waits": waits,
+    }
+    print(json.dumps(out), flush=True)
 
 
 def fresh_resume_figures(
     args: argparse.Namespace, loader: str, url: str, options: dict[str, Any]
 ) -> dict[str, Any]:
-    """A resume as a restarted job sees it: a fresh process (interpreter, ``import jax``, the
-    loader's imports and construction included) to its first and 11th batch; median of
-    ``--repeats`` processes."""
+    """A resume as a restarted job sees it, timed as a user would time the reference: a fresh
+    process, the clock started once the interpreter, ``import jax`` and the cloud client's
+    modules (imports both loaders share) are done; seconds to construction, to the first and to
+    the 11th batch, medians of ``--repeats`` processes; ``waits``: every load() from the
+    resumed step to the end of its minipoch, of the median process (by the 11th batch)."""
     command = [sys.executable, str(Path(__file__).resolve()), "--resume-child", loader]
     command += ["--child-url", url, "--storage-options", json.dumps(options)]
     for name in ("len", "spb", "rbpsb", "batch", "concurrency", "step_ms"):
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    from _common import bytecode_env
+
+    env = bytecode_env()
     runs = []
     for _ in range(max(1, args.repeats)):
-        spawned = time.time()
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        argv = [*command, "--spawned-at", repr(time.time())]
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
         if proc.returncode != 0:
             raise RuntimeError(f"{loader} resume child failed:\n{proc.stderr[-3000:]}")
-        stamps = json.loads(proc.stdout.strip().splitlines()[-1])
-        runs.append({k.replace("_at", "_s"): v - spawned for k, v in stamps.items()})
-    return {
-        key: round(statistics.median(run[key] for run in runs), 3)
-        for key in ("imported_s", "constructed_s", "first_s", "eleventh_s")
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    runs.sort(key=lambda run: run["batch11"])
+    median = runs[(len(runs) - 1) // 2]
+    out: dict[str, Any] = {
+        key: round(statistics.median(run[key] for run in runs), 4)
+        for key in ("shared_imports_s", "construct", "first_batch", "batch11")
     }
+    waits = median["waits"]
+    out["step"] = median["step"]
+    out["waits"] = [round(w, 5) for w in waits]
+    out["worst_after_first"] = round(max(waits[1:]), 5)
+    out["next_10_waits_s"] = round(sum(waits[1:11]), 4)
+    return out
 
 
 def reference_env(args: argparse.Namespace, endpoint: str) -> None:
@@ -558,30 +590,34 @@ def main() -> None:
             reference_env(args, wire.endpoints["proxy"])
         figures["upload_s"] = round(ensure_uploaded(url, upload_options, args), 2)
         figures["fill"] = fill_figures(args, url, options, wire)
-        figures["steps"] = {
-            "asyncflat": steps_figures(args, lambda: _asyncflat_loader(args, url, options))
+        names = ["asyncflat"] if args.skip_reference else ["asyncflat", "reference"]
+        makers = {
+            "asyncflat": lambda: _asyncflat_loader(args, url, options),
+            "reference": lambda: _reference_loader(args, url),
         }
-        figures["resume"] = {
-            "asyncflat": resume_figures(args, lambda: _asyncflat_loader(args, url, options))
-        }
-        figures["fresh_resume"] = {
-            "asyncflat": fresh_resume_figures(args, "asyncflat", url, options)
-        }
-        if not args.skip_reference:
-            figures["fresh_resume"]["reference"] = fresh_resume_figures(
-                args, "reference", url, options
-            )
-            figures["steps"]["reference"] = steps_figures(
-                args, lambda: _reference_loader(args, url)
-            )
-            figures["resume"]["reference"] = resume_figures(
-                args, lambda: _reference_loader(args, url)
-            )
-    waits = {name: run.pop("_waits") for name, run in figures["steps"].items()}
-    marks = [run.pop("_boundaries") for run in figures["steps"].values()]  # the same for all
-    boundaries = marks[0]
+        loaders: dict[str, dict[str, Any]] = {}
+        for name in names:
+            loaders[name] = steps_figures(args, makers[name])
+            loaders[name]["resume"] = fresh_resume_figures(args, name, url, options)
+        figures["loaders"] = loaders
+    if "reference" in loaders:
+        figures["vs_reference"] = ratios(loaders["asyncflat"], loaders["reference"])
+    waits = {name: run.pop("_waits") for name, run in loaders.items()}
+    marks = [run.pop("_boundaries") for run in loaders.values()]
+    boundaries = marks[0]  # the same for all
     if args.plot:
-        plot_steps(args.plot, waits, boundaries, caption=f"{figures['store']}; {_setup(figures)}")
+        resumed = {name: run["resume"]["waits"] for name, run in loaders.items()}
+        from _common import plot_cold_start
+
+        plot_cold_start(
+            args.plot,
+            waits,
+            boundaries,
+            resumed,
+            title="load() per step over an emulated bucket",
+            caption=f"{figures['store']}; {_setup(figures)}",
+        )
+        log.info("wrote %s", args.plot)
         figures["plot"] = args.plot
     print(json.dumps(figures), flush=True)
 
@@ -593,40 +629,22 @@ def _setup(figures: dict[str, Any]) -> str:
     )
 
 
-def plot_steps(
-    path: str, waits: dict[str, list[float]], boundaries: list[int], *, caption: str
-) -> None:
-    """Per-step ``load()`` time of each loader (log scale), minipoch boundaries marked."""
-    import matplotlib
+def ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
+    """asyncflat / reference for the figures issue 36 sets targets on."""
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 3) if a is not None and b else None
 
-    from asyncflat.cli.stall_figure import machine_description
-
-    fig, ax = plt.subplots(figsize=(9, 4.8))
-    styles = {"asyncflat": ("tab:blue", "o"), "reference": ("tab:red", "s")}
-    for name, run in waits.items():
-        color, marker = styles.get(name, ("tab:green", "^"))
-        ms = [w * 1e3 for w in run]
-        label = "reference (seqax-style, synchronous)" if name == "reference" else name
-        ax.plot(range(len(ms)), ms, color=color, marker=marker, ms=2.5, lw=0.8, label=label)
-    for i, step in enumerate(boundaries):
-        ax.axvline(
-            step, color="gray", ls="--", lw=0.8, label="minipoch boundary" if not i else None
-        )
-    ax.set_yscale("log")
-    ax.set_xlabel("step (from construction)")
-    ax.set_ylabel("load() [ms, log]")
-    ax.grid(True, which="both", axis="y", alpha=0.3)
-    ax.legend(loc="upper right", fontsize=8)
-    ax.set_title("load() per step over an emulated bucket", fontsize=11)
-    fig.text(0.01, 0.01, f"{caption}\n{machine_description()}", fontsize=7, color="dimgray")
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    log.info("wrote %s", path)
+    return {
+        "wait_to_first_boundary": ratio(
+            ours["wait_to_first_boundary"], theirs["wait_to_first_boundary"]
+        ),
+        "resume_first_batch": ratio(ours["resume"]["first_batch"], theirs["resume"]["first_batch"]),
+        "resume_batch11": ratio(ours["resume"]["batch11"], theirs["resume"]["batch11"]),
+        "worst_after_step0_vs_their_worst_ordinary": ratio(
+            ours["worst_after_step0"], theirs["worst_ordinary"]
+        ),
+    }
 
 
 if __name__ == "__main__":

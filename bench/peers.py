@@ -36,6 +36,16 @@ Figures per loader:
   the restart minus process start, ``import jax`` and the start of JAX's backend, which every
   loader pays alike, a trainer before it builds its loader, and which are its noisiest part),
   median over the same processes;
+* issue 36's cold-start figures (seconds), from the same epoch: ``construct_s``, every load of
+  the first minipoch (``first_minipoch_loads``), the worst load after step 0, ordinary (steps
+  1.. that start no minipoch) and at a boundary (``worst_after_step0``, ``worst_ordinary``,
+  ``worst_boundary``), and construction plus every load through the first boundary
+  (``wait_to_first_boundary``);
+* ``resume``: from the restart processes, the clock started after the imports every loader
+  shares (interpreter, ``import jax`` and its backend), as a user would time the reference:
+  ``first_batch`` and ``batch11`` (medians), and ``waits``, every load from the restart step to
+  the end of its minipoch (a ``--step-ms`` step between loads) of the median process;
+  ``bench/out/peers-<size>.png`` plots the epoch's loads and these;
 * ``rss_mib``: peak RSS growth over that epoch from just before the loader is built (imports and
   jax already initialised), and ``rss_x_buffer``, the same over the bytes of one shuffle buffer;
   ``rss_file_mib``: the part of it that is file-backed (Grain's memmap pages).
@@ -62,7 +72,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]  # this checkout's asyncflat, and bench/
-from _common import bench_dir, emit, ensure_dataset, out_dir  # noqa: E402
+from _common import bench_dir, emit, ensure_dataset, out_dir, plot_cold_start  # noqa: E402
 
 SIZES: dict[str, dict[str, int]] = {
     # 1024 steps; 32 MiB buffer; 4 minipochs (3 boundaries)
@@ -198,9 +208,21 @@ def child(args: argparse.Namespace) -> None:
         figures["imported_at"] = time.time()
         batches, close = open_loader(args, args.restart_step)
         figures["constructed_at"] = time.time()
-        jax.block_until_ready(next(batches))
-        figures["ready_at"] = time.time()
+        # every load to the end of the resumed minipoch, a train step between loads
+        end = min([b for b in args.boundaries if b > args.restart_step] + [args.steps])
+        waits = []
+        for i in range(end - args.restart_step):
+            if i:
+                time.sleep(args.step_ms / 1e3)
+            t0 = time.perf_counter()
+            jax.block_until_ready(next(batches))
+            waits.append(time.perf_counter() - t0)
+            if i == 0:
+                figures["ready_at"] = time.time()
+            if i == 10:
+                figures["eleventh_at"] = time.time()
         close()
+        figures["waits"] = waits
         print(json.dumps(figures), flush=True)
         return
 
@@ -212,6 +234,7 @@ def child(args: argparse.Namespace) -> None:
     peak_anon, peak_file = anon0, file0
     started = time.perf_counter()
     batches, close = open_loader(args, 0)
+    construct_s = time.perf_counter() - started
     latencies = []
     step_s = args.step_ms / 1e3
     if args.phase == "steps":
@@ -249,9 +272,27 @@ def child(args: argparse.Namespace) -> None:
         )
         figures["ordinary_p999_ms"] = float(np.quantile(ordinary, 0.999)) * 1e3
         figures["ordinary_max_ms"] = float(ordinary.max()) * 1e3
+        figures.update(cold_start(latencies, args.boundaries, construct_s))
         figures["rss_mib"] = (peak_anon - anon0 + peak_file - file0) / 2**20
         figures["rss_file_mib"] = (peak_file - file0) / 2**20
     print(json.dumps(figures), flush=True)
+
+
+def cold_start(waits: list[float], boundaries: list[int], construct_s: float) -> dict[str, Any]:
+    """Issue 36's figures of one run from step 0 (seconds): every load of the first minipoch,
+    the worst after step 0, ordinary (steps 1.. that start no minipoch) and at a boundary, and
+    the wait from construction through the first boundary's load."""
+    first = boundaries[0]
+    ordinary = [w for s, w in enumerate(waits) if s and s not in set(boundaries)]
+    return {
+        "construct_s": construct_s,
+        "first_minipoch_loads": [round(w, 5) for w in waits[:first]],
+        "worst_after_step0": max(waits[1:]),
+        "worst_ordinary": max(ordinary),
+        "worst_boundary": max(waits[b] for b in boundaries if b < len(waits)),
+        "wait_to_first_boundary": construct_s + sum(waits[: first + 1]),
+        "_waits": waits,  # for the plot (not printed)
+    }
 
 
 # -- the parent -----------------------------------------------------------------------------
@@ -293,6 +334,10 @@ def run_child(args: argparse.Namespace, loader: str, phase: str, **extra: Any) -
     if phase == "restart":
         stamps = {k: figures.pop(k) - spawned_at for k in list(figures) if k.endswith("_at")}
         figures["restart_s"] = stamps["ready_at"]
+        # the clock a user would start: after the imports every loader shares (the interpreter,
+        # `import jax` and its backend)
+        figures["first_batch"] = stamps["ready_at"] - stamps["jax_imported_at"]
+        figures["batch11"] = stamps["eleventh_at"] - stamps["jax_imported_at"]
         # where the restart went: start + jax import and backend, the loader's imports,
         # construction, first batch
         figures["parts_s"] = [
@@ -477,7 +522,30 @@ def parent(args: argparse.Namespace) -> None:
         results[name]["restart_parts_s"] = [round(p, 3) for p in median["parts_s"]]
         own = sorted(r["restart_s"] - r["parts_s"][0] for r in restarts[name])
         results[name]["restart_own_s"] = round(own[(len(own) - 1) // 2], 4)
+        by_11th = sorted(restarts[name], key=lambda r: r["batch11"])
+        results[name]["resume"] = {
+            "first_batch": round(sorted(r["first_batch"] for r in runs)[(len(runs) - 1) // 2], 4),
+            "batch11": round(by_11th[(len(runs) - 1) // 2]["batch11"], 4),
+            # every load from the resumed step to its minipoch's end, of the median process
+            "waits": [round(w, 5) for w in by_11th[(len(runs) - 1) // 2]["waits"]],
+        }
         print(f"  {name} restarts: {restarts[name]}", file=sys.stderr)
+    waits = {n: r.pop("_waits") for n, r in results.items() if "_waits" in r}
+    resumed = {n: results[n]["resume"]["waits"] for n in waits if "resume" in results[n]}
+    if waits and len(resumed) == len(waits):
+        plot = out_dir() / f"peers-{args.size}.png"
+        plot_cold_start(
+            str(plot),
+            waits,
+            args.boundaries,
+            resumed,
+            title=f"load() per step, local disk ({args.size})",
+            caption=(
+                f"{args.tokens} tokens, {buffer_mib:.0f} MiB buffer, batch {args.batch} x "
+                f"{args.seq_len}, {args.step_ms:g} ms train step, {args.layout} layout"
+            ),
+        )
+        print(f"  wrote {plot}", file=sys.stderr)
     text = table(args.size, results, buffer_mib)
     command = "python bench/peers.py " + " ".join(sys.argv[1:])
     (out_dir() / "peers.md").write_text(f"`{command}`\n\n{text}\n")
