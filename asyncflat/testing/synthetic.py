@@ -292,26 +292,15 @@ class SyntheticFileSystem(AsyncFileSystem):
         began = time.perf_counter()
         return self.chunk_bytes(split, array, index), time.perf_counter() - began
 
-    async def _object(self, key: str, *, served: bool) -> bytes:
-        """The bytes of ``key`` (FileNotFoundError if none), counted and delayed when
-        ``served`` (a read; not a size query)."""
+    async def _object(self, key: str) -> tuple[bytes, float]:
+        """The bytes of ``key`` (FileNotFoundError if none) and the seconds generating them
+        took (a chunk is generated in a worker thread: the loop serves others meanwhile)."""
         chunk = self._chunk(key)
-        if chunk is None and key not in self._metadata:
+        if chunk is not None:
+            return await asyncio.to_thread(self._generate, *chunk)
+        if key not in self._metadata:
             raise FileNotFoundError(f"{PROTOCOL}://{key}: no such object")
-        if served:
-            self.counts.start(chunk is not None)
-        data, generate_s, waited_s = b"", 0.0, 0.0
-        try:
-            if chunk is None:
-                data = self._metadata[key]
-            else:
-                data, generate_s = await asyncio.to_thread(self._generate, *chunk)
-            if served:
-                waited_s = await self._wait(len(data))
-        finally:
-            if served:
-                self.counts.finish(len(data), waited_s, generate_s)
-        return data
+        return self._metadata[key], 0.0
 
     async def _wait(self, size: int) -> float:
         """Sleep as the network model says a ``size``-byte response takes; the seconds."""
@@ -332,13 +321,24 @@ class SyntheticFileSystem(AsyncFileSystem):
     async def _cat_file(
         self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any
     ) -> bytes:
-        data = await self._object(self._key(path), served=True)
-        return data[start:end]
+        key = self._key(path)
+        chunk = self._chunk(key) is not None
+        if not chunk and key not in self._metadata:
+            raise FileNotFoundError(f"{PROTOCOL}://{key}: no such object")
+        self.counts.start(chunk)
+        data, generate_s, waited_s = b"", 0.0, 0.0
+        try:
+            whole, generate_s = await self._object(key)
+            data = whole[start:end]
+            waited_s = await self._wait(len(data))
+        finally:
+            self.counts.finish(len(data), waited_s, generate_s)
+        return data
 
     async def _info(self, path: str, **kwargs: Any) -> dict[str, Any]:
         key = self._key(path)
         if key in self._metadata or self._chunk(key) is not None:
-            size = len(await self._object(key, served=False))
+            size = len((await self._object(key))[0])
             return {"name": path, "size": size, "type": "file"}
         if self._children(key) is not None:
             return {"name": path, "size": 0, "type": "directory"}
