@@ -51,8 +51,9 @@ def _write_same(fs: SyntheticFileSystem, path: Path, **writer: Any) -> None:
         ({}, {}),  # the writer's defaults: format 3, crc32c, 32 KiB Blosc blocks
         ({"zarr_format": 2}, {}),  # seqax's layout
         ({"checksum": False, "blosc_block_bytes": 0}, {"min_sequence_length": None}),
+        ({}, {"repeat_tokens": True, "sequence_length": 256, "min_sequence_length": None}),
     ],
-    ids=["v3", "v2", "v3-bare-fixed-length"],
+    ids=["v3", "v2", "v3-bare-fixed-length", "v3-repeated-tokens"],
 )
 def test_every_object_is_the_writers_for_the_same_sequences(
     tmp_path: Path, layout: dict[str, Any], lengths: dict[str, Any]
@@ -84,6 +85,21 @@ def test_sequences_follow_the_seed_and_the_length_rule() -> None:
     assert fs.cat_file(key) == again.cat_file(key) != other.cat_file(key)
     fixed = SyntheticFileSystem(**{**SMALL, "min_sequence_length": None})
     assert {s.size for s in fixed.sequences("train", 0, 900)} == {300}
+
+
+def test_repeated_tokens_make_alike_chunks_one_object() -> None:
+    counts = SyntheticCounts()
+    options = {**SMALL, "sequence_length": 256, "min_sequence_length": None}
+    fs = SyntheticFileSystem(**options, repeat_tokens=True, counts=counts)
+    keys = [f"corpus/train/encoded_tokens/c/{i}" for i in range(4)]
+    first, *alike = [fs.cat_file(key) for key in keys]
+    assert alike[0] is alike[1] is alike[2] != first  # chunk 0 holds the largest id
+    assert all(fs.cat_file(key) is alike[0] for key in keys[1:] * 3)
+    assert counts.chunk_requests == 13
+    tokens, period = np.concatenate(fs.sequences("train", 0, 1024)), SMALL["chunk_tokens"]
+    np.testing.assert_array_equal(tokens[period + 1 : 2 * period], tokens[1:period])
+    distinct = SyntheticFileSystem(**options)
+    assert distinct.cat_file(keys[1]) != distinct.cat_file(keys[2])
 
 
 def test_zarr_reads_the_sequences_back() -> None:

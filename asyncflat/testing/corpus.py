@@ -16,6 +16,8 @@ The rules (frozen: a seed names the same data in every version):
 * **Token ids.** The id at position ``p`` is a seeded 32-bit hash of ``p`` modulo
   ``vocab_size``, except position 0, which is ``vocab_size - 1``, so ``max_token_id`` is known
   without a scan. Uniform ids compress about 2x under Blosc's bitshuffle, as text-like ids do.
+  With a ``period`` the hash is of ``p % period``: the ids repeat (a chunk-sized period makes
+  every chunk's ids alike, so chunks with alike boundaries encode alike, once).
 """
 
 from __future__ import annotations
@@ -49,12 +51,21 @@ def key_of(*parts: int) -> int:
 
 class SyntheticSplit:
     """One split's data: ``tokens`` tokens in sequences of mean ``length`` (at least
-    ``min_length``), ids below ``vocab_size``, all drawn from ``key``."""
+    ``min_length``), ids below ``vocab_size``, all drawn from ``key``. ``period`` (0: none):
+    the ids repeat every ``period`` positions (position 0 keeps ``vocab_size - 1``)."""
 
     def __init__(
-        self, *, tokens: int, length: int, min_length: int, vocab_size: int, key: int
+        self,
+        *,
+        tokens: int,
+        length: int,
+        min_length: int,
+        vocab_size: int,
+        key: int,
+        period: int = 0,
     ) -> None:
         self.tokens, self.length, self.min_length = tokens, length, min_length
+        self.period = period
         self.vocab_size = vocab_size
         self.spread = GROUP * (length - min_length)  # the cut points' range, per group
         self._cut_key = np.uint64(key_of(key, 1))
@@ -113,6 +124,19 @@ class SyntheticSplit:
     def token_ids(self, begin: int, end: int) -> np.ndarray:
         """Token ids of positions ``[begin, end)`` (uint32)."""
         end = min(end, self.tokens)
+        pieces = [np.empty(0, np.uint32)]
+        low = begin
+        while low < end:  # one piece per period (with ``period``): each is hashed from its start
+            high = min(end, (low // self.period + 1) * self.period) if self.period else end
+            at = low % self.period if self.period else low
+            pieces.append(self._hashed(at, at + high - low))
+            low = high
+        out = pieces[-1] if len(pieces) == 2 else np.concatenate(pieces)
+        if begin == 0 and out.size:
+            out[0] = self.vocab_size - 1
+        return out
+
+    def _hashed(self, begin: int, end: int) -> np.ndarray:
         out = np.empty(max(end - begin, 0), np.uint32)
         low = begin
         while low < end:  # one segment per 2**32 positions: the hash is 32-bit
@@ -123,8 +147,6 @@ class SyntheticSplit:
             _hash32(segment)
             np.remainder(segment, np.uint32(self.vocab_size), out=segment)
             low = high
-        if begin == 0 and out.size:
-            out[0] = self.vocab_size - 1
         return out
 
     def encoded(self, begin: int, end: int) -> np.ndarray:

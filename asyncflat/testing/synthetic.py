@@ -32,7 +32,9 @@ on top: the model describes the network, not the generator.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
+import hashlib
 import logging
 import operator
 import re
@@ -62,6 +64,8 @@ PROTOCOL = "synthetic"
 _ARRAYS = ("encoded_tokens", "seq_starts")
 _V3_CHUNK = re.compile(r"c/(\d+)")
 _V2_CHUNK = re.compile(r"(\d+)")
+#: Distinct token chunks kept encoded with ``repeat_tokens`` (chunks with random lengths differ).
+_ALIKE_CHUNKS = 8
 
 
 @dataclasses.dataclass
@@ -167,6 +171,12 @@ class SyntheticFileSystem(AsyncFileSystem):
     Layout, as :class:`~asyncflat.writer.FlatTokensWriter`'s arguments of the same names (and
     the same defaults): ``zarr_format``, ``chunk_tokens``, ``checksum``, ``blosc_block_bytes``.
 
+    ``repeat_tokens``: the ids repeat every chunk, so the token chunks whose sequence boundaries
+    fall alike (all but the first and last, with a fixed length dividing ``chunk_tokens``) are
+    one object, encoded once: serving costs no CPU, which measures a loader, not the
+    generator (a 4M-token chunk otherwise takes ~50 ms to generate). The loader still reads
+    and decodes every chunk it needs.
+
     Network model: ``latency_s``, ``connection_bandwidth``, ``total_bandwidth`` (bytes/s; None:
     unlimited). ``counts``: a :class:`SyntheticCounts` to add to (default: a new one, at
     :attr:`counts`).
@@ -188,6 +198,7 @@ class SyntheticFileSystem(AsyncFileSystem):
         chunk_tokens: int = 1 << 20,
         checksum: bool | None = None,
         blosc_block_bytes: int | None = None,
+        repeat_tokens: bool = False,
         latency_s: float = 0.0,
         connection_bandwidth: float | None = None,
         total_bandwidth: float | None = None,
@@ -200,6 +211,11 @@ class SyntheticFileSystem(AsyncFileSystem):
         shortest = _integer("min_sequence_length", shortest, 1, length)
         vocab_size = _integer("vocab_size", vocab_size, 1, TOKEN_ID_LIMIT)
         seed = _integer("seed", seed, 0)
+        self.layout = _layout(zarr_format, chunk_tokens, checksum, blosc_block_bytes)
+        if not isinstance(repeat_tokens, bool):
+            raise ConfigError(
+                f"SyntheticFileSystem.repeat_tokens must be a bool, got {repeat_tokens!r}"
+            )
         self.splits = {
             name: SyntheticSplit(
                 tokens=_integer(field, size, 0, 1 << 62),
@@ -207,12 +223,12 @@ class SyntheticFileSystem(AsyncFileSystem):
                 min_length=shortest,
                 vocab_size=vocab_size,
                 key=key_of(seed, number),
+                period=self.layout["chunk_tokens"] if repeat_tokens else 0,
             )
             for number, (name, field, size) in enumerate(
                 zip(SPLITS, ("tokens", "validation_tokens"), (tokens, validation_tokens))
             )
         }
-        self.layout = _layout(zarr_format, chunk_tokens, checksum, blosc_block_bytes)
         if not isinstance(latency_s, (int, float)) or isinstance(latency_s, bool) or latency_s < 0:
             raise ConfigError(
                 f"SyntheticFileSystem.latency_s must be a number >= 0, got {latency_s!r}"
@@ -227,7 +243,13 @@ class SyntheticFileSystem(AsyncFileSystem):
         self.counts = counts if counts is not None else SyntheticCounts()
         self._metadata = _metadata(self.splits, self.layout)
         self._encoder = _Encoder(self.layout)
-        self._link_free = 0.0  # when the shared link (total_bandwidth) is next free
+        self._link_free = 0.0
+        self._alike_lock = threading.Lock()
+        #: Encoded token chunks by (split, size, first, boundaries): with ``repeat_tokens``,
+        #: chunks whose boundaries fall alike are one object.
+        self._alike: collections.OrderedDict[tuple[Any, ...], bytes] = (
+            collections.OrderedDict()
+        )  # when the shared link (total_bandwidth) is next free
 
     # -- what a key is -----------------------------------------------------------------------
 
@@ -279,14 +301,33 @@ class SyntheticFileSystem(AsyncFileSystem):
     # -- bytes ---------------------------------------------------------------------------------
 
     def chunk_bytes(self, split: str, array: str, index: int) -> bytes:
-        """Chunk ``index`` of ``split``'s ``array`` as stored (generated and encoded now)."""
+        """Chunk ``index`` of ``split``'s ``array`` as stored (generated and encoded now, or
+        taken from the chunks already encoded when ``repeat_tokens`` makes them alike)."""
         data = self.splits[split]
-        if array == "encoded_tokens":
-            size = self.layout["chunk_tokens"]
-            values = data.encoded(index * size, (index + 1) * size)
-        else:
-            values = data.seq_starts(index * SEQ_STARTS_CHUNK, (index + 1) * SEQ_STARTS_CHUNK)
-        return self._encoder.encode(array, values)
+        if array == "seq_starts":
+            starts = data.seq_starts(index * SEQ_STARTS_CHUNK, (index + 1) * SEQ_STARTS_CHUNK)
+            return self._encoder.encode(array, starts)
+        begin = index * self.layout["chunk_tokens"]
+        end = min(begin + self.layout["chunk_tokens"], data.tokens)
+        starts = (data.starts_between(begin, end) - np.uint64(begin)).astype(np.intp)
+        if not data.period:
+            return self._encoder.encode(array, self._codes(data, begin, end, starts))
+        key = (split, end - begin, begin == 0, hashlib.blake2b(starts.tobytes()).digest())
+        with self._alike_lock:  # one encoding of alike chunks, however many ask at once
+            encoded = self._alike.get(key)
+            if encoded is None:
+                encoded = self._encoder.encode(array, self._codes(data, begin, end, starts))
+                self._alike[key] = encoded
+                while len(self._alike) > _ALIKE_CHUNKS:
+                    self._alike.popitem(last=False)
+            return encoded
+
+    @staticmethod
+    def _codes(data: SyntheticSplit, begin: int, end: int, starts: np.ndarray) -> np.ndarray:
+        codes = data.token_ids(begin, end)
+        codes <<= np.uint32(1)
+        codes[starts] |= np.uint32(1)
+        return codes
 
     def _generate(self, split: str, array: str, index: int) -> tuple[bytes, float]:
         began = time.perf_counter()
