@@ -30,6 +30,7 @@ MAX_FUNCTION_LINES = 80
 #: Private attributes of other libraries that tests use and that asyncflat happens to define too.
 THIRD_PARTY_PRIVATES = {
     "_put",  # fsspec's AsyncFileSystem._put: upload a local tree to the emulated bucket
+    "_ls",  # fsspec's AsyncFileSystem._ls: list a directory (asyncflat.testing's filesystem too)
     "_request",  # gcsfs.GCSFileSystem._request: which retry wrapper gcsfs installed
     "_result_queue",  # concurrent.futures' process pool
 }

@@ -1,0 +1,317 @@
+"""Scale: opening and serving 10^9 ... 10^14 tokens, as one host of 1 and as one host of 1,024.
+
+Every corpus is a :class:`asyncflat.testing.SyntheticFileSystem` (``synthetic://``; nothing
+stored, every chunk generated when read): zarr format 3 with the writer's default codecs and
+checksums, 4M-token chunks, sequences of 2048 tokens, 512-sequence read blocks, 16 blocks per
+shuffle buffer (64 MiB), batches of 1,024 rows of 2048 tokens, seed 0. The store's
+``repeat_tokens`` makes alike chunks one object encoded once, so the figures are the loader's
+(reading, checksumming and decoding every chunk it needs), not the generator's; ``store`` in
+each result has its requests, MiB served and generation seconds.
+
+For each size, a fresh child process (so nothing of another size stays mapped) measures, after
+its imports (the baseline of the memory figure):
+
+* ``one_host``: one stream, one host: a real ``ShufflingLoader``; ``construct_s`` (the
+  constructor), ``first_batch_s`` (``load(0)``), ``end_batch_s`` (``load`` of the last step),
+  ``peak_mib`` (the RSS high-water mark above the baseline: plan, buffers, everything).
+* ``host_of_1024``: ``streams=1024``, the host with process index ``--process-index`` of 1,024.
+  One process cannot hold 1,024 jax processes' devices, so this host's rows are what the
+  default sharding gives it (a contiguous 1/1,024 of the batch) and the loader's own opening
+  code (``asyncflat.loader.shared.open.open_engine``: source, plan, engine of this host's
+  streams) runs with them on an event loop; the first and last batches are the engine's
+  ``gather`` of those rows. Nothing is faked but the process index and count.
+* ``all_1024_streams_on_one_host``: the same opening for a host serving all 1,024 streams
+  (construct and memory only: its buffers would need 128 GiB): what a host of 1,024 is spared
+  once each host plans only its own streams.
+
+A size refused by the loader (``DatasetTooLargeError``, today at 10^14) is reported with its
+message, not as a crash. Prints one JSON line (kept in bench/out/scale.json); draws
+bench/out/scale.png (copied to docs/scale.png with ``--docs``; ``--replot`` redraws a saved run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import emit, out_dir, peak_rss_bytes, reset_peak_rss, rss_bytes
+
+SIZES = (10**9, 10**11, 10**12, 15 * 10**12, 10**14)
+HOSTS = 1024
+LAYOUT: dict[str, Any] = {
+    "zarr_format": 3,
+    "chunk_tokens": 1 << 22,
+    "sequence_length": 2048,
+    "sequences_per_read_block": 512,
+    "read_blocks_per_shuffle_buffer": 16,
+    "batch": 1024,
+    "len": 2048,
+}
+MIB = 1 << 20
+MODES = ("one_host", "host_of_1024", "all_1024_streams_on_one_host")
+#: The synthetic store's requests and bytes in this (child) process.
+COUNTS: Any = None
+
+
+def _params(tokens: int, streams: int) -> Any:
+    from asyncflat import FlatTokensParams
+
+    return FlatTokensParams(
+        "synthetic://scale",
+        streams=streams,
+        read_blocks_per_shuffle_buffer=LAYOUT["read_blocks_per_shuffle_buffer"],
+        sequences_per_read_block=LAYOUT["sequences_per_read_block"],
+        seed=0,
+        sequence_packing=True,
+        storage_options={
+            "tokens": tokens,
+            "chunk_tokens": LAYOUT["chunk_tokens"],
+            "sequence_length": LAYOUT["sequence_length"],
+            "zarr_format": LAYOUT["zarr_format"],
+            "repeat_tokens": True,  # alike chunks encoded once: the loader is measured
+            "counts": COUNTS,
+        },
+    )
+
+
+def _timed(call: Any) -> tuple[Any, float]:
+    began = time.perf_counter()
+    result = call()
+    return result, time.perf_counter() - began
+
+
+def one_host(tokens: int) -> dict[str, Any]:
+    """One stream on one host: the real loader."""
+    import jax
+
+    from asyncflat import ShufflingLoader, TokenBatchParams
+
+    batch = TokenBatchParams(len=LAYOUT["len"], batch=LAYOUT["batch"])
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    loader, construct_s = _timed(
+        lambda: ShufflingLoader("train", _params(tokens, 1), batch, sharding)
+    )
+    with loader:
+        first, first_s = _timed(lambda: jax.block_until_ready(loader.load(0)))
+        last = loader.step_count - 1
+        _, end_s = _timed(lambda: jax.block_until_ready(loader.load(last)))
+        return {
+            "construct_s": construct_s,
+            "first_batch_s": first_s,
+            "end_batch_s": end_s,
+            "steps": loader.step_count,
+            "streams_here": 1,
+            "first_row_ok": bool(first.is_seq_start[0, 0]),
+        }
+
+
+def host_of(tokens: int, index: int, hosts: int, *, serve: bool = True) -> dict[str, Any]:
+    """Host ``index`` of ``hosts`` with ``streams=hosts`` (``index=-1``: one host serving every
+    stream): the loader's opening of the engine with the rows the default sharding gives that
+    host, then (with ``serve``) the engine's gathers of its rows of the first and last steps."""
+    import asyncio
+
+    import numpy as np
+
+    from asyncflat import EngineOptions, TokenBatchParams
+    from asyncflat.loader.shared.open import open_engine
+
+    batch = TokenBatchParams(len=LAYOUT["len"], batch=LAYOUT["batch"])
+    per_host = batch.batch // hosts
+    rows = np.arange(batch.batch, dtype=np.int64)
+    if index >= 0:
+        rows = rows[index * per_host : (index + 1) * per_host]
+
+    async def run() -> dict[str, Any]:
+        began = time.perf_counter()
+        engine = await open_engine("train", _params(tokens, hosts), batch, rows, EngineOptions())
+        figures: dict[str, Any] = {"construct_s": time.perf_counter() - began}
+        try:
+            figures["steps"] = engine.plan.step_count
+            figures["streams_here"] = len(np.unique(rows // engine.plan.rows_per_stream_step))
+            if serve:
+                for name, step in (("first_batch_s", 0), ("end_batch_s", figures["steps"] - 1)):
+                    began = time.perf_counter()
+                    await engine.gather(step, rows)
+                    figures[name] = time.perf_counter() - began
+            return figures
+        finally:
+            await engine.aclose()
+
+    return asyncio.run(run())
+
+
+def child(tokens: int, mode: str, index: int) -> None:
+    """Measure one size in this (fresh) process; print its JSON."""
+    global COUNTS
+    import jax
+
+    from asyncflat.errors import ConfigError
+    from asyncflat.testing import SyntheticCounts  # registers synthetic://
+
+    jax.devices()  # the backend's start-up belongs to the baseline, as in a trainer
+    COUNTS = SyntheticCounts()
+    baseline = rss_bytes()
+    reset_peak_rss()
+    try:
+        if mode == "one_host":
+            figures = one_host(tokens)
+        elif mode == "host_of_1024":
+            figures = host_of(tokens, index, HOSTS)
+        else:  # every stream on one host: the plan and engine a host of 1,024 is spared
+            figures = host_of(tokens, -1, HOSTS, serve=False)
+    except ConfigError as exc:  # DatasetTooLargeError is one; so is a layout that cannot fit
+        figures = {"refused": f"{type(exc).__name__}: {exc}"}
+    figures["peak_mib"] = (peak_rss_bytes() - baseline) / MIB
+    figures["store"] = {
+        "requests": COUNTS.requests,
+        "chunk_requests": COUNTS.chunk_requests,
+        "mib": COUNTS.bytes / MIB,
+        "generate_s": COUNTS.generate_s,
+    }
+    figures["baseline_mib"] = baseline / MIB
+    print(json.dumps(figures))
+
+
+def run_child(tokens: int, mode: str, index: int, timeout: float) -> dict[str, Any]:
+    env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))
+    command = [sys.executable, os.path.abspath(__file__), "--child", str(tokens), mode]
+    command += ["--process-index", str(index)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"no answer within {timeout:g} s"}
+    if done.returncode != 0 or not done.stdout.strip():
+        return {"error": f"exit {done.returncode}: {done.stderr.strip()[-600:]}"}
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def rounded(figures: Any) -> Any:
+    if isinstance(figures, dict):
+        return {k: rounded(v) for k, v in figures.items()}
+    return round(figures, 4) if isinstance(figures, float) else figures
+
+
+def plot(results: dict[str, list[dict[str, Any]]], docs: bool) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (times, memory) = plt.subplots(1, 2, figsize=(11, 4.2))
+    styles = {
+        "one_host": ("one host of 1", "-"),
+        "host_of_1024": ("one host of 1,024", "--"),
+        "all_1024_streams_on_one_host": ("1,024 streams on one host (construct)", ":"),
+    }
+    for mode, rows in results.items():
+        label, line = styles[mode]
+        served = [r for r in rows if "construct_s" in r]
+        xs = [r["tokens"] for r in served]
+        for key, name, colour in (
+            ("construct_s", "construct", "C0"),
+            ("first_batch_s", "first batch", "C1"),
+            ("end_batch_s", "batch near the end", "C2"),
+        ):
+            if not served or key not in served[0]:
+                continue
+            times.plot(
+                xs,
+                [r[key] for r in served],
+                line,
+                color=colour,
+                marker="o",
+                label=f"{name}, {label}",
+            )
+        opened = [r for r in rows if "refused" not in r and "peak_mib" in r]
+        memory.plot(
+            [r["tokens"] for r in opened],
+            [r["peak_mib"] for r in opened],
+            line,
+            marker="o",
+            label=label,
+        )
+        for r in rows:
+            if "refused" in r:
+                memory.plot([r["tokens"]], [r["peak_mib"]], "x", color="red")
+                memory.annotate("refused", (r["tokens"], r["peak_mib"]), fontsize=8)
+    times.set(
+        xscale="log",
+        xlabel="tokens in the corpus",
+        ylabel="seconds",
+        title="opening and serving (synthetic store)",
+    )
+    memory.set(
+        xscale="log",
+        xlabel="tokens in the corpus",
+        ylabel="MiB above baseline",
+        title="peak memory (RSS high-water mark)",
+    )
+    times.legend(fontsize=7)
+    memory.legend(fontsize=8)
+    fig.tight_layout()
+    path = out_dir() / "scale.png"
+    fig.savefig(path, dpi=110)
+    if docs:
+        shutil.copy(path, os.path.join(os.path.dirname(out_dir()), "..", "docs", "scale.png"))
+    return str(path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--child", nargs=2, metavar=("TOKENS", "MODE"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--process-index",
+        type=int,
+        default=HOSTS // 2,
+        help="which host of 1,024 to be (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--sizes",
+        type=lambda s: [int(float(x)) for x in s.split(",")],
+        default=list(SIZES),
+        help="corpus sizes in tokens, comma-separated",
+    )
+    parser.add_argument("--timeout", type=float, default=300, help="seconds per child")
+    parser.add_argument("--docs", action="store_true", help="copy the plot to docs/scale.png")
+    parser.add_argument("--replot", metavar="JSON", help="only draw the plot of a saved run")
+    args = parser.parse_args()
+    if args.replot:
+        with open(args.replot) as f:
+            saved = json.loads(f.read().strip().splitlines()[-1])
+        print(plot({k: v for k, v in saved.items() if k in MODES}, args.docs))
+        return
+    if args.child:
+        child(int(args.child[0]), args.child[1], args.process_index)
+        return
+    results: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
+    for tokens in args.sizes:
+        for mode, rows in results.items():
+            figures = rounded(
+                {"tokens": tokens, **run_child(tokens, mode, args.process_index, args.timeout)}
+            )
+            print(f"{mode} {tokens:.3g}: {figures}", file=sys.stderr)
+            rows.append(figures)
+    figures = {
+        "bench": "scale",
+        "layout": LAYOUT,
+        "process_index": args.process_index,
+        "hosts": HOSTS,
+        **results,
+        "plot": plot(results, args.docs),
+    }
+    (out_dir() / "scale.json").write_text(json.dumps(figures) + "\n")  # for --replot
+    emit(figures)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+"""The synthetic store (asyncflat.testing.SyntheticFileSystem): the writer's bytes for the same
+sequences, the reference loader's batches through ``synthetic://``, any size, and its network
+model and counts."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+import zarr
+from conftest import oracle
+from zarr.storage import FsspecStore
+
+import asyncflat
+from asyncflat import ConfigError, FlatTokensParams, ShufflingLoader, TokenBatchParams
+from asyncflat.testing import SyntheticCounts, SyntheticFileSystem
+
+ARRAYS = ("encoded_tokens", "seq_starts")
+SMALL: dict[str, Any] = dict(
+    tokens=300_000,
+    validation_tokens=7_000,
+    sequence_length=300,
+    min_sequence_length=20,
+    chunk_tokens=1 << 16,
+    vocab_size=1000,
+    seed=3,
+)
+
+
+def _objects(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
+
+
+def _write_same(fs: SyntheticFileSystem, path: Path, **writer: Any) -> None:
+    asyncflat.write_flat_tokens(
+        path,
+        {name: fs.sequences(name, 0, split.sequence_count) for name, split in fs.splits.items()},
+        **writer,
+    )
+
+
+@pytest.mark.parametrize(
+    ("layout", "lengths"),
+    [
+        ({}, {}),  # the writer's defaults: format 3, crc32c, 32 KiB Blosc blocks
+        ({"zarr_format": 2}, {}),  # seqax's layout
+        ({"checksum": False, "blosc_block_bytes": 0}, {"min_sequence_length": None}),
+        ({}, {"repeat_tokens": True, "sequence_length": 256, "min_sequence_length": None}),
+    ],
+    ids=["v3", "v2", "v3-bare-fixed-length", "v3-repeated-tokens"],
+)
+def test_every_object_is_the_writers_for_the_same_sequences(
+    tmp_path: Path, layout: dict[str, Any], lengths: dict[str, Any]
+) -> None:
+    fs = SyntheticFileSystem(**{**SMALL, **lengths, **layout})
+    _write_same(fs, tmp_path / "w.zarr", chunk_tokens=SMALL["chunk_tokens"], **layout)
+    written = _objects(tmp_path / "w.zarr")
+    served = {path.removeprefix("corpus/"): fs.cat_file(path) for path in fs.find("corpus")}
+    assert sorted(served) == sorted(written)  # the same objects, metadata and every chunk
+    different = [key for key in written if served[key] != written[key]]
+    assert not different, f"objects that differ from the writer's: {different}"
+    assert len(written) > 10  # several chunks per array, the last one partial
+
+
+def test_sequences_follow_the_seed_and_the_length_rule() -> None:
+    fs = SyntheticFileSystem(**SMALL)
+    train = fs.splits["train"]
+    lengths = np.array([s.size for s in fs.sequences("train", 0, train.sequence_count)])
+    assert lengths.sum() == SMALL["tokens"]
+    assert lengths[:-1].min() >= SMALL["min_sequence_length"]  # the last one is cut at the end
+    full = (SMALL["tokens"] // (64 * 300)) * 64
+    assert lengths[:full].reshape(-1, 64).sum(axis=1).tolist() == [64 * 300] * (full // 64)
+    assert len(set(lengths.tolist())) > 50  # random lengths, not a few values
+    ids = np.concatenate(fs.sequences("train", 0, train.sequence_count))
+    assert ids.max() == SMALL["vocab_size"] - 1 == train.max_token_id
+    again = SyntheticFileSystem(**SMALL)
+    other = SyntheticFileSystem(**{**SMALL, "seed": 4})
+    key = "corpus/train/encoded_tokens/c/2"
+    assert fs.cat_file(key) == again.cat_file(key) != other.cat_file(key)
+    fixed = SyntheticFileSystem(**{**SMALL, "min_sequence_length": None})
+    assert {s.size for s in fixed.sequences("train", 0, 900)} == {300}
+
+
+def test_repeated_tokens_make_alike_chunks_one_object() -> None:
+    counts = SyntheticCounts()
+    options = {**SMALL, "sequence_length": 256, "min_sequence_length": None}
+    fs = SyntheticFileSystem(**options, repeat_tokens=True, counts=counts)
+    keys = [f"corpus/train/encoded_tokens/c/{i}" for i in range(4)]
+    first, *alike = [fs.cat_file(key) for key in keys]
+    assert alike[0] is alike[1] is alike[2] != first  # chunk 0 holds the largest id
+    assert all(fs.cat_file(key) is alike[0] for key in keys[1:] * 3)
+    assert counts.chunk_requests == 13
+    tokens, period = np.concatenate(fs.sequences("train", 0, 1024)), SMALL["chunk_tokens"]
+    np.testing.assert_array_equal(tokens[period + 1 : 2 * period], tokens[1:period])
+    distinct = SyntheticFileSystem(**options)
+    assert distinct.cat_file(keys[1]) != distinct.cat_file(keys[2])
+
+
+def test_zarr_reads_the_sequences_back() -> None:
+    store = FsspecStore.from_url("synthetic://corpus", storage_options=SMALL, read_only=True)
+    group = zarr.open_group(store, mode="r")["validation"]
+    fs = SyntheticFileSystem(**SMALL)
+    seqs = fs.sequences("validation", 0, fs.splits["validation"].sequence_count)
+    encoded = np.asarray(group["encoded_tokens"][:])
+    starts = np.asarray(group["seq_starts"][:])
+    np.testing.assert_array_equal(encoded >> 1, np.concatenate(seqs))
+    np.testing.assert_array_equal(np.diff(starts), [s.size for s in seqs])
+    np.testing.assert_array_equal(np.flatnonzero(encoded & 1), starts[:-1])
+    assert group.attrs["max_token_id"] == SMALL["vocab_size"] - 1
+
+
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "unpacked"])
+def test_the_loaders_batches_from_it_are_the_references(tmp_path: Path, packing: bool) -> None:
+    fs = SyntheticFileSystem(**SMALL)
+    written = tmp_path / "same.zarr"
+    _write_same(fs, written, chunk_tokens=SMALL["chunk_tokens"])
+    counts = SyntheticCounts()
+    params = FlatTokensParams(
+        "synthetic://corpus",
+        streams=2,
+        read_blocks_per_shuffle_buffer=3,
+        sequences_per_read_block=16,
+        seed=7,
+        sequence_packing=packing,
+        storage_options={**SMALL, "counts": counts},
+    )
+    batch = TokenBatchParams(len=256, batch=8)
+    reference = oracle(str(written), params, batch)
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    with ShufflingLoader("train", params, batch, sharding) as loader:
+        assert loader.step_count == reference.step_count > 100
+        steps = [0, 1, loader.step_count // 2, loader.step_count - 1]
+        for step in steps:
+            got = loader.load(step)
+            targets, starts = reference.batch(step)
+            np.testing.assert_array_equal(np.asarray(got.targets), targets, err_msg=f"{step}")
+            np.testing.assert_array_equal(np.asarray(got.is_seq_start), starts)
+    assert counts.chunk_requests > 0 and counts.requests > counts.chunk_requests
+    assert counts.in_flight == 0
+
+
+def test_a_corpus_of_10_to_the_14_opens_and_reads_near_its_end() -> None:
+    options = dict(tokens=10**14, chunk_tokens=1 << 22, min_sequence_length=128)
+    counts = SyntheticCounts()
+    store = FsspecStore.from_url(
+        "synthetic://big", storage_options={**options, "counts": counts}, read_only=True
+    )
+    group = zarr.open_group(store, mode="r")["train"]
+    tokens, starts = group["encoded_tokens"], group["seq_starts"]
+    assert tokens.shape == (10**14,)
+    count = starts.shape[0] - 1
+    assert 10**14 / 2048 * 0.99 < count < 10**14 / 2048 * 1.01
+    last_starts = np.asarray(starts[count - 100 :])
+    tail = np.asarray(tokens[int(last_starts[0]) :])
+    assert last_starts[-1] == 10**14
+    np.testing.assert_array_equal(
+        np.flatnonzero(tail & 1), (last_starts[:-1] - last_starts[0]).astype(np.int64)
+    )
+    # Two token chunks at most (the tail may straddle one boundary), one or two of seq_starts:
+    # nothing near the corpus' size was generated or sent.
+    assert counts.chunk_requests <= 4 and counts.bytes < 64 << 20
+
+
+def test_requests_and_bytes_are_counted() -> None:
+    counts = SyntheticCounts()
+    fs = SyntheticFileSystem(**SMALL, counts=counts)
+    keys = [f"corpus/train/encoded_tokens/c/{i}" for i in range(3)]
+    sizes = [fs.info(key)["size"] for key in keys]  # a size query is not a read
+    assert counts.requests == 0
+    fs.cat(keys)
+    fs.cat_file("corpus/zarr.json", start=0, end=10)
+    assert (counts.requests, counts.chunk_requests) == (4, 3)
+    assert counts.bytes == sum(sizes) + 10
+    assert counts.generate_s > 0 and counts.in_flight == 0
+
+
+def test_latency_is_per_request_and_concurrent_requests_overlap() -> None:
+    counts = SyntheticCounts()
+    fs = SyntheticFileSystem(**SMALL, latency_s=0.25, counts=counts)
+    keys = [f"corpus/{split}/{name}/zarr.json" for split in fs.splits for name in ARRAYS]
+    began = time.monotonic()
+    fs.cat(keys)  # four metadata reads at once (nothing to generate)
+    elapsed = time.monotonic() - began
+    assert counts.max_in_flight == 4
+    assert counts.modelled_wait_s == pytest.approx(4 * 0.25)
+    assert 0.25 <= elapsed < 4 * 0.25  # one latency, not four
+
+
+def test_bandwidth_per_connection_and_shared() -> None:
+    keys = [f"corpus/train/encoded_tokens/c/{i}" for i in range(4)]
+    sizes = [SyntheticFileSystem(**SMALL).info(key)["size"] for key in keys]
+    per_connection = SyntheticCounts()
+    fs = SyntheticFileSystem(**SMALL, connection_bandwidth=4e6, counts=per_connection)
+    fs.cat(keys)
+    assert per_connection.modelled_wait_s == pytest.approx(sum(sizes) / 4e6)
+    shared = SyntheticCounts()
+    fs = SyntheticFileSystem(**SMALL, total_bandwidth=4e6, counts=shared)
+    began = time.monotonic()
+    fs.cat(keys)
+    elapsed = time.monotonic() - began
+    # The shared link is first come, first served: the last response ends when every byte has
+    # crossed it, and each waits for those before it.
+    assert elapsed >= sum(sizes) / 4e6 * 0.99
+    assert shared.modelled_wait_s >= per_connection.modelled_wait_s * 0.99
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("tokens", -1),
+        ("sequence_length", 0),
+        ("min_sequence_length", 301),
+        ("vocab_size", 1 << 31 + 1),
+        ("zarr_format", 4),
+        ("chunk_tokens", 1.5),
+        ("latency_s", -0.1),
+        ("total_bandwidth", 0),
+        ("counts", {}),
+    ],
+)
+def test_a_bad_parameter_is_named(option: str, value: Any) -> None:
+    with pytest.raises(ConfigError, match=f"SyntheticFileSystem.{option}"):
+        SyntheticFileSystem(**{**SMALL, option: value})
+
+
+def test_unknown_objects_are_missing_and_writes_refused() -> None:
+    fs = SyntheticFileSystem(**SMALL)
+    chunks = -(-SMALL["tokens"] // SMALL["chunk_tokens"])
+    assert fs.exists(f"corpus/train/encoded_tokens/c/{chunks - 1}")
+    for key in (f"corpus/train/encoded_tokens/c/{chunks}", "corpus/train/other", "corpus/x/y"):
+        assert not fs.exists(key)
+        with pytest.raises(FileNotFoundError, match="no such object"):
+            fs.cat_file(key)
+    with pytest.raises(NotImplementedError):
+        fs.pipe_file("corpus/train/zarr.json", b"{}")
