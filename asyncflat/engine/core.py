@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import threading
 import time
@@ -106,6 +107,45 @@ class Engine:
         self._unpins: collections.deque[list[tuple[int, int]]] = collections.deque()
         self._closed = False  # no load is served any more
         self._aclosed = False  # workers, row reads and the source closed
+        #: the plan's block order of this host's streams, computed off the loop (see planned)
+        self._order: asyncio.Future[np.ndarray] | None = None
+
+    def start_planning(self) -> None:
+        """Start computing the plan's block order of this host's streams on a thread of its
+        own (on the loop; idempotent), so that constructing a loader never waits for it: it
+        takes time in proportion to the whole split (~10 ns a read block), and the first
+        load waits for what is left of it. Not on the loop's pools: a load waits for it."""
+        if self._order is not None:
+            return
+        loop = asyncio.get_running_loop()
+        order: asyncio.Future[np.ndarray] = loop.create_future()
+        self._order = order
+
+        def settle(result: np.ndarray | None, error: BaseException | None) -> None:
+            if order.done():
+                return
+            if error is not None:
+                order.set_exception(error)
+            else:
+                order.set_result(result)
+
+        def compute() -> None:
+            result, error = None, None
+            try:
+                result = self.plan.served_block_order
+            except Exception as exc:  # noqa: BLE001  (handed to the load that waits)
+                error = exc
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+                loop.call_soon_threadsafe(settle, result, error)
+
+        # Outside the "asyncflat-" threads a closed loader waits for: it ends with the kernel.
+        threading.Thread(target=compute, name="plan-block-order", daemon=True).start()
+
+    async def planned(self) -> None:
+        """Wait until the plan's block order is computed (raises what computing it raised)."""
+        self.start_planning()
+        assert self._order is not None
+        await asyncio.shield(self._order)
 
     # -- public -------------------------------------------------------------------------------
 
@@ -119,6 +159,7 @@ class Engine:
         self._loop = asyncio.get_running_loop()
         self._scheduler.start()
         t0 = time.perf_counter()
+        await self.planned()
         async with self._gather_lock:
             self._check_open()  # closed while this gather queued behind another
             loc = self.plan.locate(step, batch_indices)
