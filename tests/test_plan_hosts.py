@@ -76,7 +76,9 @@ def test_a_plan_of_some_streams_deals_the_full_plans_blocks(served: tuple[int, .
     params = FlatTokensParams("unused.zarr", 4, 3, 2, 9, False)
     batch = TokenBatchParams(len=4, batch=8)
     full = ShufflePlan.create(params, batch, token_count=0, sequence_count=1000)
-    part = ShufflePlan.create(params, batch, token_count=0, sequence_count=1000, served_streams=served)
+    part = ShufflePlan.create(
+        params, batch, token_count=0, sequence_count=1000, served_streams=served
+    )
     assert part.served == served and part.served_block_count == full.blocks_per_stream * len(served)
     assert part.served_block_order.nbytes == 4 * part.served_block_count
     np.testing.assert_array_equal(part.block_order, full.block_order)
@@ -137,7 +139,7 @@ def test_a_host_of_many_plans_and_serves_its_own_streams(dataset: str) -> None:
     """Host h of 64 (64 streams, one each) through the loader's own open path: the batch rows
     the default sharding gives process h, and nothing else simulated. Its plan keeps the block
     order of its stream alone, and its rows are the reference loader's."""
-    hosts = streams = 64
+    streams = 64  # and hosts
     batch = TokenBatchParams(len=SEQ_LEN, batch=2 * streams)
     params = FlatTokensParams(dataset, streams, RBPSB, SPB, SEED, True)
     tokens, starts = load_split_arrays(dataset, "train")

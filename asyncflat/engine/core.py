@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import itertools
 import threading
 import time
@@ -22,6 +21,7 @@ import numpy as np
 
 from asyncflat.config import EngineOptions
 from asyncflat.engine.fill import Fill, Unit
+from asyncflat.engine.permutations import block_order_off_loop
 from asyncflat.engine.recorder import Recorder
 from asyncflat.engine.rows import RowReader
 from asyncflat.engine.scheduler import UnitScheduler
@@ -115,31 +115,8 @@ class Engine:
         own (on the loop; idempotent), so that constructing a loader never waits for it: it
         takes time in proportion to the whole split (~10 ns a read block), and the first
         load waits for what is left of it. Not on the loop's pools: a load waits for it."""
-        if self._order is not None:
-            return
-        loop = asyncio.get_running_loop()
-        order: asyncio.Future[np.ndarray] = loop.create_future()
-        self._order = order
-
-        def settle(result: np.ndarray | None, error: BaseException | None) -> None:
-            if order.done():
-                return
-            if error is not None:
-                order.set_exception(error)
-            else:
-                order.set_result(result)
-
-        def compute() -> None:
-            result, error = None, None
-            try:
-                result = self.plan.served_block_order
-            except Exception as exc:  # noqa: BLE001  (handed to the load that waits)
-                error = exc
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
-                loop.call_soon_threadsafe(settle, result, error)
-
-        # Outside the "asyncflat-" threads a closed loader waits for: it ends with the kernel.
-        threading.Thread(target=compute, name="plan-block-order", daemon=True).start()
+        if self._order is None:
+            self._order = block_order_off_loop(self.plan)
 
     async def planned(self) -> None:
         """Wait until the plan's block order is computed (raises what computing it raised)."""

@@ -209,9 +209,7 @@ def _table_functions(module: ir.Module) -> tuple[ir.Function, ir.Function, ir.Fu
     seen = b.load(b.gep(keys, [nxt]))
     empty = b.icmp_unsigned("==", seen, _EMPTY)
     distance = b.and_(b.sub(nxt, home(b, seen, bits)), mask)  # from its home to nxt
-    movable = b.and_(
-        b.not_(empty), b.icmp_unsigned(">=", distance, b.and_(b.sub(nxt, hole), mask))
-    )
+    movable = b.and_(b.not_(empty), b.icmp_unsigned(">=", distance, b.and_(b.sub(nxt, hole), mask)))
     with b.if_then(movable):
         b.store(seen, b.gep(keys, [hole]))
         b.store(b.load(b.gep(values, [nxt])), b.gep(values, [hole]))

@@ -183,7 +183,7 @@ def _philox_key(bit_generator: np.random.Philox) -> np.ndarray:
     state = bit_generator.state
     if state["state"]["counter"].any() or state["buffer_pos"] != 4:
         raise RuntimeError(f"unexpected initial Philox state {state!r}")  # numpy changed Philox
-    return state["state"]["key"]  # type: ignore[no-any-return]
+    return state["state"]["key"]
 
 
 def warm_up(n: int) -> None:
