@@ -21,6 +21,7 @@ import numpy as np
 from asyncflat.config import EngineOptions
 from asyncflat.engine.fill import Fill, Unit
 from asyncflat.engine.lock import OwnedLock
+from asyncflat.engine.permutations import block_order_off_loop
 from asyncflat.engine.recorder import Recorder
 from asyncflat.engine.rows import RowReader
 from asyncflat.engine.scheduler import UnitScheduler
@@ -107,6 +108,22 @@ class Engine:
         self._unpins: collections.deque[list[tuple[int, int]]] = collections.deque()
         self._closed = False  # no load is served any more
         self._aclosed = False  # workers, row reads and the source closed
+        #: the plan's block order of this host's streams, computed off the loop (see planned)
+        self._order: asyncio.Future[np.ndarray] | None = None
+
+    def start_planning(self) -> None:
+        """Start computing the plan's block order of this host's streams on a thread of its
+        own (on the loop; idempotent), so that constructing a loader never waits for it: it
+        takes time in proportion to the whole split (~10 ns a read block), and the first
+        load waits for what is left of it. Not on the loop's pools: a load waits for it."""
+        if self._order is None:
+            self._order = block_order_off_loop(self.plan)
+
+    async def planned(self) -> None:
+        """Wait until the plan's block order is computed (raises what computing it raised)."""
+        self.start_planning()
+        assert self._order is not None
+        await asyncio.shield(self._order)
 
     # -- public -------------------------------------------------------------------------------
 
@@ -120,6 +137,7 @@ class Engine:
         self._loop = asyncio.get_running_loop()
         self._scheduler.start()
         t0 = time.perf_counter()
+        await self.planned()
         async with self._gather_lock:
             self._check_open()  # closed while this gather queued behind another
             loc = self.plan.locate(step, batch_indices)

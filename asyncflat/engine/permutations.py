@@ -10,12 +10,17 @@ yielded every few hundred swaps, and the prefetch of ``m + 1`` starts once it is
 (as soon as it lands, or at a later step's check; the prefetch has the whole minipoch to
 finish). A load that needs a fill whose permutation is not ready computes it at once, as
 before.
+
+The plan's block order of the host's streams (:func:`block_order_off_loop`) is computed on a
+thread of its own from construction on: the first load waits for it, construction does not.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -23,9 +28,41 @@ import numpy as np
 from asyncflat.engine.loop import background_executor
 from asyncflat.plan.shuffle import ShufflePlan
 
-__all__ = ["RowPermutations"]
+__all__ = ["RowPermutations", "block_order_off_loop"]
 
 _Key = tuple[int, int]
+
+
+def block_order_off_loop(plan: ShufflePlan) -> asyncio.Future[np.ndarray]:
+    """``plan.served_block_order``, computed on a thread of its own (call on the loop).
+
+    It takes time in proportion to the whole split (~10 ns a read block, with the GIL
+    released), so no loop pool runs it: a first load waits for it, and a load's decodes must
+    not queue behind it. The thread is named outside the "asyncflat-" threads a closed loader
+    waits for: it ends with the computation, whoever still wants the result.
+    """
+    loop = asyncio.get_running_loop()
+    order: asyncio.Future[np.ndarray] = loop.create_future()
+
+    def settle(result: np.ndarray, error: BaseException | None) -> None:
+        if order.done():
+            return
+        if error is not None:
+            order.set_exception(error)
+        else:
+            order.set_result(result)
+
+    def compute() -> None:
+        result, error = np.empty(0, np.uint32), None
+        try:
+            result = plan.served_block_order
+        except Exception as exc:  # noqa: BLE001  (handed to the load that waits)
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=compute, name="plan-block-order", daemon=True).start()
+    return order
 
 
 class RowPermutations:

@@ -24,7 +24,7 @@ from typing import Any
 import llvmlite.binding as llvm
 from llvmlite import ir
 
-__all__ = ["CHUNK", "compile_kernel"]
+__all__ = ["CHUNK", "ColumnsKernel", "Kernel", "compile_kernel"]
 
 # Swap targets computed per batch: a multiple of 4 (one Philox block) whose uint32 fit L1.
 CHUNK = 4096
@@ -32,6 +32,9 @@ CHUNK = 4096
 _I1, _I32, _I64, _I128 = ir.IntType(1), ir.IntType(32), ir.IntType(64), ir.IntType(128)
 _F64 = ir.DoubleType()
 _NAME = "asyncflat_permutation"
+_COLUMNS = "asyncflat_permutation_columns"
+_EMPTY = ir.Constant(_I32, 0xFFFFFFFF)
+_GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: Fibonacci hashing
 
 # Philox4x64-10 constants (Salmon et al. 2011, Random123; numpy's philox.h).
 _M0, _M1 = 0xD2E7470EE14C6C93, 0xCA5A826395121157
@@ -40,6 +43,9 @@ _W0, _W1 = 0x9E3779B97F4A7C15, 0xBB67AE8584CAA73B
 #: ``kernel(k0, k1, result_address, n, scratch_address)``: fills ``result`` (``n`` uint32) with
 #: the permutation; ``scratch`` holds ``CHUNK`` uint32.
 Kernel = Callable[[int, int, int, int, int], None]
+#: ``columns(k0, k1, n, streams, rank, served, keys, values, bits, out, scratch)`` (addresses
+#: for the arrays): some columns of the permutation, see :func:`_build_columns`.
+ColumnsKernel = Callable[[int, int, int, int, int, int, int, int, int, int, int], None]
 
 
 def _const(value: int) -> ir.Constant:
@@ -83,15 +89,40 @@ def _philox_block(b: ir.IRBuilder, counter: Any, k0: Any, k1: Any) -> list[Any]:
     return [c0, c1, c2, c3]
 
 
-def _build_module() -> ir.Module:
-    module = ir.Module(_NAME)
+def _targets(b: ir.IRBuilder, k0: Any, k1: Any, start: Any, end: Any, swaps: Any) -> None:
+    """Swap targets ``raw[i] % (i + 1)`` of positions ``[start, end)`` into ``swaps[i - start]``."""
+    slot = b.alloca(_I64)  # swap target under construction (mem2reg turns it into a register)
+    first_block = b.sdiv(start, _const(4))
+    stop_block = b.sdiv(b.add(end, _const(3)), _const(4))
+    with _count(b, first_block, stop_block, 1) as block:
+        lanes = _philox_block(b, b.add(block, _const(1)), k0, k1)
+        for lane, x in enumerate(lanes):
+            i = b.add(b.mul(block, _const(4)), _const(lane))
+            with b.if_then(b.icmp_signed("<", i, end)):
+                d = b.add(i, _const(1))
+                with b.if_else(b.icmp_signed("<", i, _const(65536))) as (small, large):
+                    with small:  # the float quotient below is only safe above 2**16
+                        b.store(b.urem(x, d), slot)
+                    with large:
+                        # q * d < x + 2**12. If q * d <= x, r is exact and r < d iff q is the
+                        # true quotient; if q * d > x, r wraps to above 2**64 - 2**12 > d.
+                        # So r < d exactly when r is right.
+                        q = b.fptoui(b.fdiv(b.uitofp(x, _F64), b.uitofp(d, _F64)), _I64)
+                        r = b.sub(x, b.mul(q, d))
+                        b.store(r, slot)
+                        with b.if_then(b.icmp_unsigned(">=", r, d), likely=False):
+                            b.store(b.urem(x, d), slot)
+                target = b.trunc(b.load(slot), _I32)
+                b.store(target, b.gep(swaps, [b.sub(i, start)]))
+
+
+def _build_permutation(module: ir.Module) -> None:
     signature = ir.FunctionType(
         ir.VoidType(), [_I64, _I64, _I32.as_pointer(), _I64, _I32.as_pointer()]
     )
     function = ir.Function(module, signature, _NAME)
     k0, k1, result, n, swaps = function.args
     b = ir.IRBuilder(function.append_basic_block("entry"))
-    slot = b.alloca(_I64)  # swap target under construction (mem2reg turns it into a register)
 
     with _count(b, _const(0), n, 1) as i:  # result = arange(n)
         b.store(b.trunc(i, _I32), b.gep(result, [i]))
@@ -101,28 +132,7 @@ def _build_module() -> ir.Module:
         end = b.select(
             b.icmp_signed("<", b.add(start, _const(CHUNK)), n), b.add(start, _const(CHUNK)), n
         )
-        first_block = b.sdiv(start, _const(4))
-        stop_block = b.sdiv(b.add(end, _const(3)), _const(4))
-        with _count(b, first_block, stop_block, 1) as block:
-            lanes = _philox_block(b, b.add(block, _const(1)), k0, k1)
-            for lane, x in enumerate(lanes):
-                i = b.add(b.mul(block, _const(4)), _const(lane))
-                with b.if_then(b.icmp_signed("<", i, end)):
-                    d = b.add(i, _const(1))
-                    with b.if_else(b.icmp_signed("<", i, _const(65536))) as (small, large):
-                        with small:  # the float quotient below is only safe above 2**16
-                            b.store(b.urem(x, d), slot)
-                        with large:
-                            # q * d < x + 2**12. If q * d <= x, r is exact and r < d iff q is the
-                            # true quotient; if q * d > x, r wraps to above 2**64 - 2**12 > d.
-                            # So r < d exactly when r is right.
-                            q = b.fptoui(b.fdiv(b.uitofp(x, _F64), b.uitofp(d, _F64)), _I64)
-                            r = b.sub(x, b.mul(q, d))
-                            b.store(r, slot)
-                            with b.if_then(b.icmp_unsigned(">=", r, d), likely=False):
-                                b.store(b.urem(x, d), slot)
-                    target = b.trunc(b.load(slot), _I32)
-                    b.store(target, b.gep(swaps, [b.sub(i, start)]))
+        _targets(b, k0, k1, start, end, swaps)
         with _count(b, b.sub(end, _const(1)), b.sub(start, _const(1)), -1) as i:
             j = b.zext(b.load(b.gep(swaps, [b.sub(i, start)])), _I64)
             at_i, at_j = b.gep(result, [i]), b.gep(result, [j])
@@ -130,7 +140,149 @@ def _build_module() -> ir.Module:
             b.store(value_j, at_i)
             b.store(value_i, at_j)
     b.ret_void()
+
+
+def _build_module() -> ir.Module:
+    module = ir.Module(_NAME)
+    _build_permutation(module)
+    _build_columns(module)
     return module
+
+
+def _table_functions(module: ir.Module) -> tuple[ir.Function, ir.Function, ir.Function]:
+    """``find``, ``insert`` and ``remove`` of an open-addressing table (linear probing, Knuth's
+    deletion by backward shift, so no tombstones) of uint32 keys (``EMPTY`` marks a free slot)
+    and uint32 values: ``(keys, values, bits, key[, value])``, 2**bits slots, Fibonacci hashing
+    (the keys are strided positions)."""
+    ptr = _I32.as_pointer()
+    internal = []
+    for name, extra, returns in (
+        ("find", [_I32], _I64),
+        ("insert", [_I32, _I32], ir.VoidType()),
+        ("remove", [_I64], ir.VoidType()),
+    ):
+        function = ir.Function(module, ir.FunctionType(returns, [ptr, ptr, _I64, *extra]), name)
+        function.linkage = "internal"
+        internal.append(function)
+    find, insert, remove = internal
+
+    def home(b: ir.IRBuilder, key: Any, bits: Any) -> Any:
+        return b.lshr(b.mul(b.zext(key, _I64), _const(_GOLDEN)), b.sub(_const(64), bits))
+
+    # find: the slot holding ``key``, else the free slot where the probe ended.
+    keys, _, bits, key = find.args
+    b = ir.IRBuilder(find.append_basic_block("entry"))
+    mask = b.sub(b.shl(_const(1), bits), _const(1))
+    start = home(b, key, bits)
+    entry, head, done = b.block, find.append_basic_block("probe"), find.append_basic_block("done")
+    b.branch(head)
+    b.position_at_end(head)
+    j = b.phi(_I64)
+    j.add_incoming(start, entry)
+    seen = b.load(b.gep(keys, [j]))
+    stop = b.or_(b.icmp_unsigned("==", seen, _EMPTY), b.icmp_unsigned("==", seen, key))
+    j.add_incoming(b.and_(b.add(j, _const(1)), mask), head)
+    b.cbranch(stop, done, head)
+    b.position_at_end(done)
+    b.ret(j)
+
+    # insert: ``key`` is absent; the first free slot of its probe takes it.
+    keys, values, bits, key, value = insert.args
+    b = ir.IRBuilder(insert.append_basic_block("entry"))
+    slot = b.call(find, [keys, values, bits, key])
+    b.store(key, b.gep(keys, [slot]))
+    b.store(value, b.gep(values, [slot]))
+    b.ret_void()
+
+    # remove: empty slot ``hole``, moving back each later entry of the run that may fill it.
+    keys, values, bits, first = remove.args
+    b = ir.IRBuilder(remove.append_basic_block("entry"))
+    mask = b.sub(b.shl(_const(1), bits), _const(1))
+    entry, head = b.block, remove.append_basic_block("shift")
+    done = remove.append_basic_block("done")
+    b.branch(head)
+    b.position_at_end(head)
+    hole, j = b.phi(_I64), b.phi(_I64)
+    hole.add_incoming(first, entry)
+    j.add_incoming(first, entry)
+    nxt = b.and_(b.add(j, _const(1)), mask)
+    seen = b.load(b.gep(keys, [nxt]))
+    empty = b.icmp_unsigned("==", seen, _EMPTY)
+    distance = b.and_(b.sub(nxt, home(b, seen, bits)), mask)  # from its home to nxt
+    movable = b.and_(b.not_(empty), b.icmp_unsigned(">=", distance, b.and_(b.sub(nxt, hole), mask)))
+    with b.if_then(movable):
+        b.store(seen, b.gep(keys, [hole]))
+        b.store(b.load(b.gep(values, [nxt])), b.gep(values, [hole]))
+    hole.add_incoming(b.select(movable, nxt, hole), b.block)
+    j.add_incoming(nxt, b.block)
+    b.cbranch(empty, done, head)
+    b.position_at_end(done)
+    b.store(_EMPTY, b.gep(keys, [hole]))
+    b.ret_void()
+    return find, insert, remove
+
+
+def _build_columns(module: ir.Module) -> None:
+    """``columns(k0, k1, n, streams, rank, served, keys, values, bits, out, scratch)``: the
+    entries of the permutation at positions ``p`` whose column ``p % streams`` has
+    ``rank[column] >= 0``, into ``out[(p // streams) * served + rank[column]]``.
+
+    Fisher-Yates swaps positions ``i`` and ``t[i] <= i`` from the top down; undone from the
+    bottom up, the transpositions carry each wanted position back to the one it started from,
+    which is the value the permutation holds there. Position ``i`` is first touched by undo
+    step ``i``, so a wanted position enters the table (position -> output index) at its own
+    step, and the table never holds more entries than the output: memory in proportion to the
+    served columns, time in proportion to ``n`` (one draw and one probe per position).
+    """
+    ptr = _I32.as_pointer()
+    signature = ir.FunctionType(
+        ir.VoidType(), [_I64, _I64, _I64, _I64, ptr, _I64, ptr, ptr, _I64, ptr, ptr]
+    )
+    function = ir.Function(module, signature, _COLUMNS)
+    k0, k1, n, streams, rank, served, keys, values, bits, out, swaps = function.args
+    find, insert, remove = _table_functions(module)
+    b = ir.IRBuilder(function.append_basic_block("entry"))
+    row, column = b.alloca(_I64), b.alloca(_I64)
+    b.store(_const(0), row)
+    b.store(_const(0), column)
+    with _count(b, _const(0), n, CHUNK) as start:
+        end = b.select(
+            b.icmp_signed("<", b.add(start, _const(CHUNK)), n), b.add(start, _const(CHUNK)), n
+        )
+        _targets(b, k0, k1, start, end, swaps)
+        with _count(b, start, end, 1) as i:
+            target = b.load(b.gep(swaps, [b.sub(i, start)]))
+            here = b.trunc(i, _I32)
+            col, line = b.load(column), b.load(row)
+            position_rank = b.load(b.gep(rank, [col]))
+            wanted = b.icmp_signed(">=", position_rank, ir.Constant(_I32, 0))
+            index = b.trunc(b.add(b.mul(line, served), b.sext(position_rank, _I64)), _I32)
+            wrap = b.icmp_signed("==", b.add(col, _const(1)), streams)
+            b.store(b.select(wrap, _const(0), b.add(col, _const(1))), column)
+            b.store(b.add(line, b.zext(wrap, _I64)), row)
+            with b.if_else(b.icmp_unsigned("==", target, here)) as (stays, swapped):
+                with stays, b.if_then(wanted):
+                    b.call(insert, [keys, values, bits, here, index])
+                with swapped:
+                    slot = b.call(find, [keys, values, bits, target])
+                    found = b.icmp_unsigned("==", b.load(b.gep(keys, [slot])), target)
+                    with b.if_else(found) as (moved, vacant):
+                        with moved:  # the wanted position at target moves up to i
+                            carried = b.load(b.gep(values, [slot]))
+                            with b.if_else(wanted) as (both, only):
+                                with both:
+                                    b.store(index, b.gep(values, [slot]))
+                                with only:
+                                    b.call(remove, [keys, values, bits, slot])
+                            b.call(insert, [keys, values, bits, here, carried])
+                        with vacant, b.if_then(wanted):  # i moves down to target's free slot
+                            b.store(target, b.gep(keys, [slot]))
+                            b.store(index, b.gep(values, [slot]))
+    with _count(b, _const(0), b.shl(_const(1), bits), 1) as j:
+        key = b.load(b.gep(keys, [j]))
+        with b.if_then(b.icmp_unsigned("!=", key, _EMPTY)):
+            b.store(key, b.gep(out, [b.zext(b.load(b.gep(values, [j])), _I64)]))
+    b.ret_void()
 
 
 def _optimise(module: Any, machine: Any) -> None:
@@ -152,8 +304,8 @@ def _optimise(module: Any, machine: Any) -> None:
 _engine: Any = None
 
 
-def compile_kernel() -> Kernel:
-    """Compile the kernel for this CPU and return it (~0.1 s of CPU; call once per process)."""
+def compile_kernel() -> tuple[Kernel, ColumnsKernel]:
+    """Compile the kernels for this CPU and return them (~0.1 s of CPU; once per process)."""
     global _engine
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
@@ -174,8 +326,12 @@ def compile_kernel() -> Kernel:
         None, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p
     )
     kernel = prototype(engine.get_function_address(_NAME))
+    u64, i64, address = ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p
+    columns = ctypes.CFUNCTYPE(
+        None, u64, u64, i64, i64, address, i64, address, address, i64, address, address
+    )(engine.get_function_address(_COLUMNS))
     # Never disposed: freeing the code at interpreter exit, under a thread still running it,
     # would crash the process. It is a few kilobytes, once per process.
     engine.detach()
     _engine = engine
-    return kernel
+    return kernel, columns

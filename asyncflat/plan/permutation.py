@@ -50,6 +50,7 @@ __all__ = [
     "ensure_kernel",
     "kernel_status",
     "permutation",
+    "permutation_columns",
     "warm_up",
 ]
 
@@ -66,7 +67,9 @@ PYTHON_BELOW = 2048
 NO_COMPILE_MAX = 1 << 16
 _METHODS = ("auto", "python", "kernel")
 _Kernel = Callable[[np.uint64, np.uint64, np.ndarray], None]
-_kernel: _Kernel | None = None
+#: (k0, k1, n, streams, rank, out): see :func:`permutation_columns`
+_ColumnsKernel = Callable[[np.uint64, np.uint64, int, int, np.ndarray, np.ndarray], None]
+_kernel: tuple[_Kernel, _ColumnsKernel] | None = None
 _kernel_lock = threading.Lock()
 _warm_up_thread: threading.Thread | None = None
 _warm_up_lock = threading.Lock()
@@ -106,19 +109,81 @@ def permutation(
     if not 0 <= n < 1 << 32:
         raise ConfigError(f"permutation: n must be in [0, 2**32), got {n}")
     bit_generator = np.random.Philox(seed)
-    if method == "auto":
-        small = n < PYTHON_BELOW or (_kernel is None and n <= NO_COMPILE_MAX)
-        method = "python" if small else "kernel"
-    if method == "python":
+    if _python_path(method, n):
         return _python_permutation(bit_generator, n, yield_gil=yield_gil)
+    key = _philox_key(bit_generator)
+    result = np.empty(n, np.uint32)
+    _get_kernel()[0](key[0], key[1], result)
+    return result
+
+
+def permutation_columns(
+    seed: int,
+    n: int,
+    streams: int,
+    served: tuple[int, ...],
+    *,
+    yield_gil: bool = False,
+    method: Literal["auto", "python", "kernel"] = "auto",
+) -> np.ndarray:
+    """Columns ``served`` of ``permutation(seed, n)`` seen as ``n // streams`` rows of
+    ``streams`` columns: ``uint32[n // streams, len(served)]``, row-major.
+
+    What one host needs of the global block order: the blocks of the streams it serves (entry
+    ``p`` of the order goes to stream ``p % streams``). All of ``n`` is still shuffled (any
+    entry depends on every swap), but when few columns are served the kernel keeps only theirs
+    (a table of wanted positions, about 12 bytes per served entry, instead of the 4 bytes per
+    entry of the whole permutation). ``served`` is sorted, distinct, in ``[0, streams)``;
+    ``streams`` divides ``n``.
+    """
+    if streams < 1 or n % streams:
+        raise ConfigError(f"permutation_columns: streams={streams} must be >= 1 and divide n={n}")
+    if list(served) != sorted(set(served)) or not all(0 <= s < streams for s in served):
+        raise ConfigError(
+            f"permutation_columns: served={served!r} must be sorted distinct columns in "
+            f"[0, {streams})"
+        )
+    rows = n // streams
+    if len(served) == streams or _python_path(method, n):
+        full = permutation(seed, n, yield_gil=yield_gil, method=method)
+        if len(served) == streams:
+            return full.reshape(rows, streams)
+        return np.ascontiguousarray(full.reshape(rows, streams)[:, list(served)])
+    if method == "auto" and 4 * n <= _table_bytes(rows * len(served)):
+        # Most columns served: the whole permutation is smaller than the table.
+        return np.ascontiguousarray(permutation(seed, n).reshape(rows, streams)[:, list(served)])
+    key = _philox_key(np.random.Philox(_as_int("seed", seed)))
+    rank = np.full(streams, -1, np.int32)
+    rank[list(served)] = np.arange(len(served), dtype=np.int32)
+    out = np.empty((rows, len(served)), np.uint32)
+    _get_kernel()[1](key[0], key[1], n, streams, rank, out)
+    return out
+
+
+def _table_slots(entries: int) -> int:
+    """Slots of the columns kernel's table for ``entries`` wanted positions: a power of two, at
+    most half full (short linear probes)."""
+    return 1 << max(1, (2 * entries - 1).bit_length())
+
+
+def _table_bytes(entries: int) -> int:
+    return 8 * _table_slots(entries)
+
+
+def _python_path(method: str, n: int) -> bool:
+    """Whether ``method`` takes the plain Python path for ``n`` items (see :func:`permutation`)."""
+    if method == "auto":
+        return n < PYTHON_BELOW or (_kernel is None and n <= NO_COMPILE_MAX)
+    return method == "python"
+
+
+def _philox_key(bit_generator: np.random.Philox) -> np.ndarray:
+    """The key of a fresh generator; the kernel replays the stream from it, so it must start
+    where numpy's would."""
     state = bit_generator.state
-    # The kernel replays the generator from its key, so it must start where numpy's would.
     if state["state"]["counter"].any() or state["buffer_pos"] != 4:
         raise RuntimeError(f"unexpected initial Philox state {state!r}")  # numpy changed Philox
-    key = state["state"]["key"]
-    result = np.empty(n, np.uint32)
-    _get_kernel()(key[0], key[1], result)
-    return result
+    return state["state"]["key"]
 
 
 def warm_up(n: int) -> None:
@@ -213,7 +278,7 @@ def _python_permutation(
     return out
 
 
-def _get_kernel() -> _Kernel:
+def _get_kernel() -> tuple[_Kernel, _ColumnsKernel]:
     global _kernel
     if _kernel is None:
         with _kernel_lock:
@@ -222,12 +287,12 @@ def _get_kernel() -> _Kernel:
     return _kernel
 
 
-def _load_kernel() -> _Kernel:
-    """Compile the machine-code kernel (llvmlite is imported only here)."""
+def _load_kernel() -> tuple[_Kernel, _ColumnsKernel]:
+    """Compile the machine-code kernels (llvmlite is imported only here)."""
     started = time.perf_counter()
     from asyncflat.plan import kernel as compiled_kernel
 
-    compiled = compiled_kernel.compile_kernel()
+    compiled, compiled_columns = compiled_kernel.compile_kernel()
     chunk = compiled_kernel.CHUNK
     logger.debug("compiled the permutation kernel in %.3fs", time.perf_counter() - started)
 
@@ -237,4 +302,18 @@ def _load_kernel() -> _Kernel:
         scratch = np.empty(chunk, np.uint32)
         compiled(int(k0), int(k1), result.ctypes.data, result.size, scratch.ctypes.data)
 
-    return kernel
+    def columns(
+        k0: np.uint64, k1: np.uint64, n: int, streams: int, rank: np.ndarray, out: np.ndarray
+    ) -> None:
+        if rank.dtype != np.int32 or out.dtype != np.uint32 or not out.flags.c_contiguous:
+            raise TypeError("the columns kernel needs int32 ranks and a C-contiguous uint32 out")
+        slots = _table_slots(out.size)
+        keys = np.full(slots, 0xFFFFFFFF, np.uint32)  # every slot free
+        values = np.empty(slots, np.uint32)
+        scratch = np.empty(chunk, np.uint32)
+        compiled_columns(
+            int(k0), int(k1), n, streams, rank.ctypes.data, out.shape[1], keys.ctypes.data,
+            values.ctypes.data, slots.bit_length() - 1, out.ctypes.data, scratch.ctypes.data,
+        )  # fmt: skip
+
+    return kernel, columns

@@ -47,6 +47,7 @@ warns when it is more than 1%).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 
@@ -54,19 +55,19 @@ import numpy as np
 
 from asyncflat.config import FlatTokensParams, TokenBatchParams
 from asyncflat.errors import ConfigError, DatasetTooLargeError, StepOutOfRangeError
-from asyncflat.plan.permutation import permutation
+from asyncflat.plan.permutation import permutation, permutation_columns
 
 __all__ = ["EPOCH_SEED_STRIDE", "NEVER", "RowLocation", "ShufflePlan", "epoch_seed"]
 
 #: Deadline of a block that no step at or after the plan's starting step needs.
 NEVER = np.iinfo(np.int64).max
 
-#: Memory the plan's index arrays may take: ``PLAN_BYTES_PER_BLOCK`` per read block (the
-#: permutation's random draws, its result and ``inspect``'s per-block arrays), up to the larger
-#: of ``PLAN_MEMORY_FLOOR`` and the shuffle buffers of every stream (``2 * streams *
-#: buffer_bytes``). Metadata asking for more (a hostile or mistaken shape) is refused before
-#: anything is allocated.
-PLAN_BYTES_PER_BLOCK = 32
+#: Memory the plan's index arrays may take: ``PLAN_BYTES_PER_BLOCK`` per read block of the
+#: streams the plan serves (the block order of those streams, uint32; nothing else is kept per
+#: block), up to the larger of ``PLAN_MEMORY_FLOOR`` and the shuffle buffers of every stream
+#: (``2 * streams * buffer_bytes``). Metadata asking for more (a hostile or mistaken shape) is
+#: refused before anything is allocated.
+PLAN_BYTES_PER_BLOCK = 4
 PLAN_MEMORY_FLOOR = 512 << 20
 
 #: Distance between the seeds of consecutive epochs (see the module docstring).
@@ -100,6 +101,10 @@ class ShufflePlan:
 
     ``epoch`` selects the pass over the split: 0 is seqax's order, ``e > 0`` the order of
     :func:`epoch_seed`. Every other quantity is the same in every epoch.
+
+    ``served_streams`` (sorted; None: every stream) are the streams this host fills: the plan
+    keeps the block order of those alone (:attr:`served_block_order`), so a host's plan costs
+    memory in proportion to its own streams.
     """
 
     seq_len: int
@@ -112,6 +117,7 @@ class ShufflePlan:
     token_count: int
     seq_count: int
     epoch: int = 0
+    served_streams: tuple[int, ...] | None = None
 
     @classmethod
     def create(
@@ -122,8 +128,10 @@ class ShufflePlan:
         token_count: int,
         sequence_count: int,
         epoch: int = 0,
+        served_streams: tuple[int, ...] | None = None,
     ) -> ShufflePlan:
-        """Build and validate the plan for a split with the given sizes (and ``epoch``)."""
+        """Build and validate the plan for a split with the given sizes (and ``epoch``), of the
+        ``served_streams`` (None: all)."""
         seq_count = token_count // batch_params.len if params.sequence_packing else sequence_count
         return cls(
             seq_len=batch_params.len,
@@ -136,6 +144,7 @@ class ShufflePlan:
             token_count=token_count,
             seq_count=seq_count,
             epoch=epoch,
+            served_streams=served_streams,
         )
 
     def __post_init__(self) -> None:
@@ -167,12 +176,15 @@ class ShufflePlan:
                 f"{self.read_block_count} read blocks exceed the permutation's limit of 2**32; "
                 "grow sequences_per_read_block"
             )
-        need = PLAN_BYTES_PER_BLOCK * self.read_block_count
+        self._check_served()
+        need = PLAN_BYTES_PER_BLOCK * self.served_block_count
         budget = self.plan_memory_budget
         if need > budget:
             raise DatasetTooLargeError(
                 f"the split's {self.seq_count} rows make {self.read_block_count} read blocks, "
-                f"whose shuffle plan needs {need} bytes, more than its budget of {budget} bytes "
+                f"{self.served_block_count} of them in the {len(self.served)} streams served "
+                f"here, whose shuffle plan needs {need} bytes, more than its budget of {budget} "
+                "bytes "
                 f"(the larger of {PLAN_MEMORY_FLOOR} and the shuffle buffers' 2 * streams * "
                 "buffer_bytes); grow sequences_per_read_block or read_blocks_per_shuffle_buffer, "
                 "or check the dataset's shapes"
@@ -195,6 +207,16 @@ class ShufflePlan:
     def plan_memory_budget(self) -> int:
         """Bytes the plan's per-block arrays may take (see ``PLAN_BYTES_PER_BLOCK``)."""
         return max(PLAN_MEMORY_FLOOR, 2 * self.streams * self.buffer_bytes)
+
+    @property
+    def served(self) -> tuple[int, ...]:
+        """The streams this plan serves (``served_streams``, or every stream)."""
+        return tuple(range(self.streams)) if self.served_streams is None else self.served_streams
+
+    @property
+    def served_block_count(self) -> int:
+        """Read blocks of the served streams: the entries of :attr:`served_block_order`."""
+        return self.blocks_per_stream * len(self.served)
 
     @property
     def blocks_per_stream(self) -> int:
@@ -277,16 +299,36 @@ class ShufflePlan:
     # -- buffer contents ----------------------------------------------------------------------
 
     @functools.cached_property
+    def served_block_order(self) -> np.ndarray:
+        """The global shuffle of read blocks, the served streams' part of it (computed once):
+        ``uint32[blocks_per_stream, len(served)]``, entry ``[k, c]`` being
+        ``block_order[k * streams + served[c]]``, the k-th block dealt to stream ``served[c]``.
+
+        All ``read_block_count`` swaps are drawn (any entry depends on all of them, so this
+        takes time in proportion to the whole split: ~10 ns a block), but only the served
+        entries are kept (:func:`~asyncflat.plan.permutation.permutation_columns`). For a
+        background thread: the kernel runs with the GIL released.
+        """
+        return permutation_columns(
+            self.epoch_seed, self.read_block_count, self.streams, self.served, yield_gil=True
+        )
+
+    @property
     def block_order(self) -> np.ndarray:
-        """The global shuffle of read blocks (computed once; uint32[read_block_count])."""
+        """The whole global shuffle of read blocks (uint32[read_block_count]): the served
+        order itself when every stream is served, else computed on each call (inspection and
+        tests; the loader reads :attr:`served_block_order`)."""
+        if self.served_streams is None or len(self.served) == self.streams:
+            return self.served_block_order.reshape(-1)
         return permutation(self.epoch_seed, self.read_block_count)
 
     def buffer_blocks(self, stream: int, minipoch: int) -> np.ndarray:
         """Global read-block ids of buffer (stream, minipoch), in buffer order (int64)."""
         self._check_stream(stream)
-        j = np.arange(self.blocks_in_minipoch(minipoch), dtype=np.int64)
-        sequential = (minipoch * self.read_blocks_per_shuffle_buffer + j) * self.streams + stream
-        return self.block_order[sequential].astype(np.int64)
+        column = self._column(stream)
+        first = minipoch * self.read_blocks_per_shuffle_buffer
+        rows = self.served_block_order[first : first + self.blocks_in_minipoch(minipoch)]
+        return rows[:, column].astype(np.int64)
 
     def row_permutation(self, stream: int, minipoch: int, *, yield_gil: bool = False) -> np.ndarray:
         """``perm``: buffer row served at each position of buffer (stream, minipoch).
@@ -325,3 +367,29 @@ class ShufflePlan:
     def _check_stream(self, stream: int) -> None:
         if not 0 <= stream < self.streams:
             raise IndexError(f"stream {stream} outside [0, {self.streams})")
+
+    def _column(self, stream: int) -> int:
+        """The column of ``stream`` in :attr:`served_block_order`."""
+        if self.served_streams is None:
+            return stream
+        column = bisect.bisect_left(self.served_streams, stream)
+        if column == len(self.served_streams) or self.served_streams[column] != stream:
+            raise IndexError(
+                f"stream {stream} is not among the streams this plan serves {self.served_streams}"
+            )
+        return column
+
+    def _check_served(self) -> None:
+        served = self.served_streams
+        if served is None:
+            return
+        if (
+            not isinstance(served, tuple)
+            or not served
+            or list(served) != sorted(set(served))
+            or not all(isinstance(s, int) and 0 <= s < self.streams for s in served)
+        ):
+            raise ConfigError(
+                f"served_streams must be a non-empty sorted tuple of distinct streams in "
+                f"[0, {self.streams}), got {served!r}"
+            )

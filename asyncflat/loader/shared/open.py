@@ -49,18 +49,21 @@ async def open_engine(
             retry=options.retry,
             store_wrapper=store_wrapper,
         )
+    # The plan keeps the block order of this host's streams alone (4 bytes a block of them).
+    rows_per_stream = max(1, token_batch_params.batch // params.streams)
+    streams = np.unique(host_rows // rows_per_stream).tolist()
     plan = ShufflePlan.create(
         params,
         token_batch_params,
         token_count=source.token_count,
         sequence_count=source.sequence_count,
         epoch=epoch,
+        served_streams=tuple(streams),
     )
-    # Pay the one-time permutation compile and the global block shuffle here, at start-up,
-    # not inside the first load().
+    # The one-time permutation compile starts now, and the global block shuffle once the
+    # engine exists (both off this thread): construction never waits for them, the first
+    # load() waits for what is left of them.
     warm_up_permutation(max(plan.seqs_per_buffer, plan.read_block_count))
-    _ = plan.block_order
-    streams = np.unique(host_rows // plan.rows_per_stream_step).tolist()
     needed = 2 * len(streams) * plan.buffer_bytes
     if options.max_buffer_bytes is not None and needed > options.max_buffer_bytes:
         raise ConfigError(
@@ -84,7 +87,9 @@ async def open_engine(
         format_bytes(needed),
         format_bytes(plan.token_count * 4),
     )
-    return Engine(plan, source, streams, options)
+    engine = Engine(plan, source, streams, options)
+    engine.start_planning()
+    return engine
 
 
 async def _open_plain_local(
