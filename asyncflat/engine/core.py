@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -110,6 +111,7 @@ class Engine:
         self._aclosed = False  # workers, row reads and the source closed
         #: the plan's block order of this host's streams, computed off the loop (see planned)
         self._order: asyncio.Future[np.ndarray] | None = None
+        self._planner: threading.Thread | None = None
 
     def start_planning(self) -> None:
         """Start computing the plan's block order of this host's streams on a thread of its
@@ -117,7 +119,7 @@ class Engine:
         takes time in proportion to the whole split (~10 ns a read block), and the first
         load waits for what is left of it. Not on the loop's pools: a load waits for it."""
         if self._order is None:
-            self._order = block_order_off_loop(self.plan)
+            self._order, self._planner = block_order_off_loop(self.plan)
 
     async def planned(self) -> None:
         """Wait until the plan's block order is computed (raises what computing it raised)."""
@@ -222,6 +224,8 @@ class Engine:
         finally:
             self.release()
         await self.source.aclose()
+        if self._planner is not None:  # an uninterruptible computation: wait for it to end
+            await asyncio.get_running_loop().run_in_executor(None, self._planner.join)
 
     def release(self) -> None:
         """Drop every reference to the buffers (fills, queued units). Idempotent; for closing,

@@ -33,13 +33,16 @@ __all__ = ["RowPermutations", "block_order_off_loop"]
 _Key = tuple[int, int]
 
 
-def block_order_off_loop(plan: ShufflePlan) -> asyncio.Future[np.ndarray]:
-    """``plan.served_block_order``, computed on a thread of its own (call on the loop).
+def block_order_off_loop(
+    plan: ShufflePlan,
+) -> tuple[asyncio.Future[np.ndarray], threading.Thread]:
+    """``plan.served_block_order``, computed on a thread of its own (call on the loop), and
+    that thread.
 
     It takes time in proportion to the whole split (~10 ns a read block, with the GIL
     released), so no loop pool runs it: a first load waits for it, and a load's decodes must
-    not queue behind it. The thread is named outside the "asyncflat-" threads a closed loader
-    waits for: it ends with the computation, whoever still wants the result.
+    not queue behind it. The computation cannot be interrupted (one call into the kernel):
+    closing the engine waits for the thread, so it never outlives its loader.
     """
     loop = asyncio.get_running_loop()
     order: asyncio.Future[np.ndarray] = loop.create_future()
@@ -61,8 +64,9 @@ def block_order_off_loop(plan: ShufflePlan) -> asyncio.Future[np.ndarray]:
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
             loop.call_soon_threadsafe(settle, result, error)
 
-    threading.Thread(target=compute, name="plan-block-order", daemon=True).start()
-    return order
+    thread = threading.Thread(target=compute, name="asyncflat-plan", daemon=True)
+    thread.start()
+    return order, thread
 
 
 class RowPermutations:
