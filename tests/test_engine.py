@@ -504,6 +504,37 @@ def test_on_a_local_store_a_jump_reads_its_rows_then_loads_wait_for_blocks() -> 
     run(main)
 
 
+def test_random_access_after_a_sequential_run_reads_rows_after_the_first_jump() -> None:
+    # A sequential run makes the trainer's pace known; the first jump after it is planned with
+    # that pace (a resume in a running job), but a second jump is random access: its load
+    # reads just its rows instead of waiting for a fill to stay ahead of a pace nobody keeps.
+    source = FakeSource(
+        *make_data(rows=4096), chunk=SEQ_LEN * 16, latency_s=0.01, partial_reads=True
+    )
+    engine = make(source, streams=1, rbpsb=32, spb=16, batch=8)
+    oracle = oracle_for(engine, source)
+    plan = engine.plan
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        started, step = loop.time(), 0
+        while loop.time() - started < 1.3:  # the rate is known once loads span a second
+            await engine.gather(step, ALL)
+            step += 1
+            await asyncio.sleep(0.004)
+        assert step < plan.first_step(6)
+        first, second = plan.first_step(7) + 3, plan.first_step(6) + 9
+        np.testing.assert_array_equal(await engine.gather(first, ALL), oracle.encoded_batch(first))
+        reads = source.item_reads
+        np.testing.assert_array_equal(
+            await engine.gather(second, ALL), oracle.encoded_batch(second)
+        )
+        assert source.item_reads == reads + 8  # its own rows, read alone
+        await engine.aclose()
+
+    run(main)
+
+
 def test_stays_ahead_predicts_from_the_rate_of_the_slots_and_the_trainers_pace() -> None:
     deadlines = np.array([10, 10, 11, 14, 20])
     # the trainer's pace unknown (0): only a fill with nothing pending stays ahead

@@ -64,6 +64,21 @@ def test_step_rate_forgets_what_is_older_than_its_window_and_restarts_on_a_jump(
     assert rate.pace() == pytest.approx(0.1, rel=0.1)
 
 
+def test_a_second_jump_forgets_the_pace_before_the_first() -> None:
+    clock = Clock()
+    rate = StepRate(window_s=2.0, min_span_s=0.5, clock=clock)
+    for step in range(100):
+        rate.add(step)
+        clock.now += 0.01
+    assert rate.pace(5000) == pytest.approx(0.01, rel=0.1)  # a resume: the trainer's pace
+    rate.add(5000)
+    assert rate.pace(5001) == pytest.approx(0.01, rel=0.1)  # kept for the loads after it
+    clock.now += 0.01
+    assert rate.pace(77) is None  # another jump before a new rate: random access, no pace
+    rate.add(77)
+    assert rate.pace() is None
+
+
 def test_the_pace_is_unknown_before_any_sustained_run_of_loads() -> None:
     clock = Clock()
     rate = StepRate(window_s=2.0, min_span_s=0.5, clock=clock)

@@ -3,6 +3,7 @@ the global order's, in memory in proportion to them; the engine of a simulated h
 
 from __future__ import annotations
 
+import threading
 import tracemalloc
 
 import numpy as np
@@ -171,3 +172,25 @@ def test_a_host_of_many_plans_and_serves_its_own_streams(dataset: str) -> None:
                 loop.run(engine.aclose())
     finally:
         loop.close()
+
+
+@pytest.mark.parametrize("raised", [ValueError("no order"), SystemExit(3)])
+def test_a_block_order_that_fails_reaches_the_load_and_close_is_clean(
+    dataset: str, monkeypatch: pytest.MonkeyPatch, raised: BaseException
+) -> None:
+    """A failure computing the block order on its thread is the load's error (never a hang, nor
+    a SystemExit raised on the engine's loop), and closing waits for that thread."""
+
+    def fail(self: ShufflePlan) -> np.ndarray:
+        raise raised
+
+    monkeypatch.setattr(ShufflePlan, "served_block_order", property(fail))
+    params = FlatTokensParams(dataset, 1, RBPSB, SPB, SEED, True)
+    batch = TokenBatchParams(len=SEQ_LEN, batch=8)
+    options = EngineOptions(load_timeout_s=30)
+    with asyncflat.ShufflingLoader("train", params, batch, options=options) as loader:
+        expected = ValueError if isinstance(raised, Exception) else asyncflat.AsyncflatError
+        for _ in range(2):  # and again: the loader is not wedged
+            with pytest.raises(expected):
+                loader.encoded_rows(0)
+    assert not [t for t in threading.enumerate() if t.name == "asyncflat-plan"]

@@ -52,8 +52,10 @@ def _write_same(fs: SyntheticFileSystem, path: Path, **writer: Any) -> None:
         ({"zarr_format": 2}, {}),  # seqax's layout
         ({"checksum": False, "blosc_block_bytes": 0}, {"min_sequence_length": None}),
         ({}, {"repeat_tokens": True, "sequence_length": 256, "min_sequence_length": None}),
+        # an empty split and all-zero chunks: stored as the writer stores them, not left out
+        ({}, {"validation_tokens": 0, "vocab_size": 1, "min_sequence_length": None}),
     ],
-    ids=["v3", "v2", "v3-bare-fixed-length", "v3-repeated-tokens"],
+    ids=["v3", "v2", "v3-bare-fixed-length", "v3-repeated-tokens", "v3-empty-split-zero-ids"],
 )
 def test_every_object_is_the_writers_for_the_same_sequences(
     tmp_path: Path, layout: dict[str, Any], lengths: dict[str, Any]

@@ -223,9 +223,11 @@ class Engine:
             await asyncio.gather(self._scheduler.aclose(), rows, return_exceptions=True)
         finally:
             self.release()
-        await self.source.aclose()
-        if self._planner is not None:  # an uninterruptible computation: wait for it to end
-            await asyncio.get_running_loop().run_in_executor(None, self._planner.join)
+        try:
+            await self.source.aclose()
+        finally:
+            if self._planner is not None:  # an uninterruptible computation: wait for its end
+                await asyncio.get_running_loop().run_in_executor(None, self._planner.join)
 
     def release(self) -> None:
         """Drop every reference to the buffers (fills, queued units). Idempotent; for closing,

@@ -26,6 +26,7 @@ from collections.abc import Callable
 import numpy as np
 
 from asyncflat.engine.loop import background_executor
+from asyncflat.errors import AsyncflatError
 from asyncflat.plan.shuffle import ShufflePlan
 
 __all__ = ["RowPermutations", "block_order_off_loop"]
@@ -56,14 +57,19 @@ def block_order_off_loop(
             order.set_result(result)
 
     def compute() -> None:
-        result, error = np.empty(0, np.uint32), None
+        result: np.ndarray = np.empty(0, np.uint32)
+        error: BaseException | None = None
         try:
             result = plan.served_block_order
         except Exception as exc:  # noqa: BLE001  (handed to the load that waits)
             error = exc
+        except BaseException as exc:  # noqa: BLE001  (a SystemExit on the loop would stop it)
+            error = AsyncflatError(f"computing the block order of the plan stopped: {exc!r}")
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
             loop.call_soon_threadsafe(settle, result, error)
 
+    # A failure no load collects (the loader closed first) is not an unretrieved exception.
+    order.add_done_callback(lambda f: f.cancelled() or f.exception())
     thread = threading.Thread(target=compute, name="asyncflat-plan", daemon=True)
     thread.start()
     return order, thread

@@ -236,10 +236,12 @@ class StepRate:
     def add(self, step: int) -> None:
         now = self._clock()
         if self.last_step is not None and step != self.last_step + 1:
+            # A jump (resume, random access): the window is not the trainer's pace any more.
+            # The pace before it is kept for the loads that follow one jump (a resume in a
+            # running job); a second jump before a new rate is known is random access: none.
             rate = self.per_second()
-            if rate:
-                self._pace_before_jump = 1.0 / rate
-            self._times.clear()  # a jump (resume, random access): not the trainer's pace
+            self._pace_before_jump = 1.0 / rate if rate else None
+            self._times.clear()
         self._times.append(now)
         self.last_step = step
         while self._times and (
@@ -256,12 +258,17 @@ class StepRate:
             return None
         return (len(self._times) - 1) / span
 
-    def pace(self) -> float | None:
-        """Seconds per step: the sustained rate now, else the one before the last jump (a
-        resume in a running job keeps its trainer's pace), else None (not known yet, or only
-        random access so far)."""
+    def pace(self, step: int | None = None) -> float | None:
+        """Seconds per step to plan a load of ``step`` with: the sustained rate now, else the
+        one before the last jump when that jump followed a sustained run (a resume in a running
+        job keeps its trainer's pace), else None (not known yet, or random access: a load that
+        jumps again before a new rate is known)."""
         rate = self.per_second()
-        return 1.0 / rate if rate else self._pace_before_jump
+        if rate:
+            return 1.0 / rate
+        if step is not None and self.last_step is not None and step != self.last_step + 1:
+            return None
+        return self._pace_before_jump
 
 
 class RateLimitedLog:

@@ -111,7 +111,7 @@ class FillWaiter:
         into ``out``, waiting for them or reading them alone if the fill is not done."""
         reads_rows = False
         if not fill.done:
-            pace = self._cold_pace(fill)
+            pace = self._cold_pace(fill, step)
             reads_rows = pace is None and self._reads_rows(fill)
             await self._make_urgent(fill)
             if pace is not None:
@@ -120,7 +120,7 @@ class FillWaiter:
             assert self._rows is not None
             await self._serve_early(fill, step, buffer_rows, out)
             if not fill.done and self._rows.reads_ahead:  # after this load's rows
-                steps = rows_ahead_steps(self._recorder.rate.pace(), self._rows.latency_s)
+                steps = rows_ahead_steps(self._recorder.rate.pace(step), self._rows.latency_s)
                 self._rows.read_ahead(fill, self._rows_ahead(fill, step, batch_indices, steps))
             return
         if not fill.done:
@@ -129,7 +129,7 @@ class FillWaiter:
             self._raise_fill_error(fill, step)
         np.take(fill.buffer, buffer_rows, axis=0, out=out)
 
-    def _cold_pace(self, fill: Fill) -> float | None:
+    def _cold_pace(self, fill: Fill, step: int) -> float | None:
         """The trainer's seconds per step to plan a cold load's wait with (0: unknown), or None
         when the load does not wait for the fill to stay ahead.
 
@@ -141,7 +141,7 @@ class FillWaiter:
         rows are read one by one from a remote store (they are read ahead instead)."""
         if not self._options.prefetch or fill.reads_started:
             return None
-        pace = self._recorder.rate.pace()
+        pace = self._recorder.rate.pace(step)
         if pace is not None:
             return pace if self._local or self._rows is None else None
         return 0.0 if self._local and self._recorder.steps.count == 0 else None

@@ -136,6 +136,11 @@ def permutation_columns(
     entry of the whole permutation). ``served`` is sorted, distinct, in ``[0, streams)``;
     ``streams`` divides ``n``.
     """
+    seed, n = _as_int("seed", seed), _as_int("n", n)
+    if seed < 0:
+        raise ConfigError(f"permutation_columns: seed must be >= 0, got {seed}")
+    if not 0 <= n < 1 << 32:  # the kernel keeps positions as uint32
+        raise ConfigError(f"permutation_columns: n must be in [0, 2**32), got {n}")
     if streams < 1 or n % streams:
         raise ConfigError(f"permutation_columns: streams={streams} must be >= 1 and divide n={n}")
     if list(served) != sorted(set(served)) or not all(0 <= s < streams for s in served):

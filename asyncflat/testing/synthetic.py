@@ -139,10 +139,12 @@ class _Encoder:
 
     def encode(self, name: str, data: np.ndarray) -> bytes:
         store = dict(self.metadata[name])
-        array = zarr.open_array(
-            MemoryStore(store), path=name, mode="r+", zarr_format=self.zarr_format
-        )
-        array[: data.size] = data
+        # As the writer: a chunk equal to the fill value (all zeros) is stored, not left out.
+        with zarr.config.set({"array.write_empty_chunks": True}):
+            array = zarr.open_array(
+                MemoryStore(store), path=name, mode="r+", zarr_format=self.zarr_format
+            )
+            array[: data.size] = data
         return bytes(store[f"{name}/{self.chunk_key}"].to_bytes())
 
 
