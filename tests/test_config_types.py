@@ -273,3 +273,14 @@ def test_importing_and_constructing_entry_points_does_not_import_typeguard() -> 
         env={**__import__("os").environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"},
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_decode_threads_default_to_half_the_cpus_this_process_may_use() -> None:
+    import os
+
+    from asyncflat.config import EngineOptions, default_decode_threads
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert default_decode_threads() == min(8, max(2, (cpus or 2) // 2))
+    assert EngineOptions().decode_threads == default_decode_threads()
+    assert EngineOptions(decode_threads=5).decode_threads == 5
