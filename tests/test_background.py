@@ -14,6 +14,7 @@ import pytest
 
 from asyncflat.errors import LoaderClosedError
 from asyncflat.loader.shared.background import (
+    FIRST_BUILD_DELAY_S,
     BackgroundBuilder,
     BackgroundStopped,
     BuildPacing,
@@ -173,9 +174,12 @@ def test_a_registry_lookup_skips_a_builders_not_built_marker() -> None:
 def test_pacing_starts_a_build_halfway_through_the_consumers_slack() -> None:
     pacing = BuildPacing(window=4, max_delay_s=1.0)
     assert pacing.start_at() is None  # nothing seen: at once
+    pacing.began(-0.5)  # a builder started right after a take it did not see
+    assert pacing.start_at() == pytest.approx(-0.5 + FIRST_BUILD_DELAY_S)
     for t in (0.0, 0.010, 0.020):
         pacing.took(t)
-    assert pacing.start_at() is None  # no build seen yet
+    # no build seen yet: a moment after the last take (the consumer returning from it)
+    assert pacing.start_at() == pytest.approx(0.020 + FIRST_BUILD_DELAY_S)
     pacing.built(0.002)
     # the shortest interval (10 ms) less the longest build (2 ms), halved, after the last take
     assert pacing.start_at() == pytest.approx(0.020 + 0.004)
@@ -220,6 +224,8 @@ def test_a_paced_build_waits_for_the_middle_of_the_interval_between_takes() -> N
         delays = [build.started[s + 1] - taken[s] for s in range(3, 7)]
         assert min(delays) > 0.02, delays
         assert all(build.started[s + 1] - taken[s] < 0.02 for s in range(2))
+        # ... but not the very moment: the consumer is still returning from its take
+        assert all(build.started[s + 1] - taken[s] >= FIRST_BUILD_DELAY_S for s in range(2))
     finally:
         builder.stop()
 

@@ -32,6 +32,12 @@ _WAIT_SLICE_S = 0.2  # waits are sliced so Ctrl-C reaches the main thread
 PACING_WINDOW = 8
 #: The longest a build ahead is held back after a take, however long the consumer's steps.
 MAX_BUILD_DELAY_S = 0.1
+#: Before the consumer's rhythm is known, how long a build waits after the last take (or the
+#: builder's start): the consumer is still returning from the load that started the builder.
+#: Without it, the first builds (a new thread's first jax calls) held the GIL through that
+#: return: a trainer's second ``load()`` took 3-7 ms against 0.1-0.2 ms later on. A consumer
+#: that asks sooner starts the build at once.
+FIRST_BUILD_DELAY_S = 0.002
 
 
 class BuildPacing:
@@ -52,6 +58,7 @@ class BuildPacing:
         self._takes: collections.deque[float] = collections.deque(maxlen=window + 1)
         self._builds: collections.deque[float] = collections.deque(maxlen=window)
         self._max_delay_s = max_delay_s
+        self._began: float | None = None
 
     def took(self, when: float) -> None:
         """The consumer asked for an item at ``when`` (``time.perf_counter()``)."""
@@ -60,10 +67,16 @@ class BuildPacing:
     def built(self, seconds: float) -> None:
         self._builds.append(seconds)
 
+    def began(self, when: float) -> None:
+        """The builder started at ``when`` (right after a take it did not see)."""
+        self._began = when
+
     def start_at(self) -> float | None:
-        """When the next build should start (a ``perf_counter()`` time), or None: at once."""
-        if len(self._takes) < 3 or not self._builds:
-            return None  # no rhythm seen yet
+        """When the next build should start (a ``perf_counter()`` time), or None: at once.
+        Before a rhythm is seen, :data:`FIRST_BUILD_DELAY_S` after the last take."""
+        if len(self._takes) < 3 or not self._builds:  # no rhythm seen yet
+            last = self._takes[-1] if self._takes else self._began
+            return None if last is None else last + FIRST_BUILD_DELAY_S
         shortest = min(b - a for a, b in itertools.pairwise(self._takes))
         slack = shortest - max(self._builds)
         if slack <= 0:
@@ -117,6 +130,7 @@ class BackgroundBuilder(Generic[T]):
         self._built: dict[int, concurrent.futures.Future[T]] = {}
         self._stopping = False
         self._pacing = BuildPacing() if pacing is None else pacing
+        self._pacing.began(time.perf_counter())  # right after the consumer's last take
         #: the consumer is waiting for a step whose build has not started: start it now
         self._wanted = False
         self._thread = threading.Thread(target=self._run, args=(start,), daemon=True, name=name)

@@ -3,7 +3,7 @@
 seqax's ``train.py`` (and most trainers written for the reference) call ``load(step)`` for
 ``step, step + 1, ...``: each ``load()`` then built its batch on the trainer's thread (the rows'
 copy, the decode, the device transfer) while the engine's threads competed for the same cores.
-Once two loads in a row were consecutive, :class:`LoadAhead` keeps the next
+From the first load, and again once two loads in a row were consecutive, :class:`LoadAhead` keeps the next
 ``EngineOptions.prefetch_to_device`` steps built on a background thread
 (:class:`~asyncflat.loader.shared.background.BackgroundBuilder`), and the ``load()`` of the step it expects
 takes the built batch. A batch is a pure function of its step, so a batch built ahead is the
@@ -113,11 +113,17 @@ class LoadAhead:
         return None if batch is NOT_READY else batch
 
     def loaded(self, step: int) -> None:
-        """``load(step)`` returned: start the builder after two consecutive loads, retire it
-        after a jump."""
+        """``load(step)`` returned: start the builder after the loader's first load or two
+        consecutive loads, retire it after a jump.
+
+        The first load starts it too: a trainer's loads are consecutive from the start, and the
+        first load is a start-up (it waits for its fill) where starting a thread costs nothing
+        visible, where on the second it cost 1-7 ms (``Thread.start`` waits for the new thread,
+        which needs the GIL the engine's threads hold at start-up). A loader used for random
+        access retires it at its next load."""
         retired = None
         with self._lock:
-            consecutive = self._last is not None and step == self._last + 1
+            consecutive = self._last is None or step == self._last + 1
             self._last = step
             if self._builder is not None:
                 if self._next is None or self._next == step + 1:
