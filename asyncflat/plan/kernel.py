@@ -1,7 +1,10 @@
-"""The machine-code kernel behind :func:`asyncflat.plan.permutation.permutation`.
+"""The machine-code kernels behind :func:`asyncflat.plan.permutation.permutation` and
+:func:`~asyncflat.plan.permutation.permutation_columns`.
 
-The kernel is written directly as LLVM IR with llvmlite (the code generator numba is built on) and
-compiled in-process on first use: 0.10-0.14 s of CPU, most of it in LLVM with the GIL released,
+Each kernel is written directly as LLVM IR with llvmlite (the code generator numba is built on)
+and compiled in-process on first use, on its own (a process that needs one never compiles the
+other): ~0.06 s of CPU each, most of it in LLVM with the GIL released (importing llvmlite adds
+~0.12 s once),
 where numba took 1.1-1.5 s per process to compile the same loop (and 0.55-0.63 s even when loaded
 from numba's on-disk cache, which still initialises numba's whole typing and lowering context).
 Nothing is written to disk, so there is no cache to keep safe under concurrent processes or
@@ -24,7 +27,7 @@ from typing import Any
 import llvmlite.binding as llvm
 from llvmlite import ir
 
-__all__ = ["CHUNK", "ColumnsKernel", "Kernel", "compile_kernel"]
+__all__ = ["CHUNK", "ColumnsKernel", "Kernel", "compile_columns_kernel", "compile_kernel"]
 
 # Swap targets computed per batch: a multiple of 4 (one Philox block) whose uint32 fit L1.
 CHUNK = 4096
@@ -142,10 +145,9 @@ def _build_permutation(module: ir.Module) -> None:
     b.ret_void()
 
 
-def _build_module() -> ir.Module:
-    module = ir.Module(_NAME)
-    _build_permutation(module)
-    _build_columns(module)
+def _build_module(columns: bool) -> ir.Module:
+    module = ir.Module(_COLUMNS if columns else _NAME)
+    (_build_columns if columns else _build_permutation)(module)
     return module
 
 
@@ -299,14 +301,32 @@ def _optimise(module: Any, machine: Any) -> None:
         manager.run(module)
 
 
-# The JIT engine owns the machine code: it must live as long as the function pointer, which a
-# daemon thread may still be running while the interpreter exits.
-_engine: Any = None
+# The JIT engines own the machine code: they must live as long as the function pointers, which
+# a daemon thread may still be running while the interpreter exits.
+_engines: list[Any] = []
 
 
-def compile_kernel() -> tuple[Kernel, ColumnsKernel]:
-    """Compile the kernels for this CPU and return them (~0.1 s of CPU; once per process)."""
-    global _engine
+def compile_kernel() -> Kernel:
+    """Compile the permutation kernel for this CPU and return it (~0.06 s of CPU)."""
+    address = _compile(columns=False)
+    return ctypes.CFUNCTYPE(
+        None, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p
+    )(address)
+
+
+def compile_columns_kernel() -> ColumnsKernel:
+    """Compile the columns kernel for this CPU and return it (~0.07 s of CPU). Apart from the
+    permutation's: a process that needs one of them (a host serving every stream, or one of
+    many) never compiles the other (compiling both took 0.13 s, on the way to a first batch)."""
+    address = _compile(columns=True)
+    u64, i64, pointer = ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p
+    return ctypes.CFUNCTYPE(
+        None, u64, u64, i64, i64, pointer, i64, pointer, pointer, i64, pointer, pointer
+    )(address)
+
+
+def _compile(*, columns: bool) -> int:
+    """Compile one kernel's module; the address of its function."""
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
     try:
@@ -315,23 +335,16 @@ def compile_kernel() -> tuple[Kernel, ColumnsKernel]:
         cpu, features = "", ""
     target = llvm.Target.from_default_triple()
     machine = target.create_target_machine(cpu=cpu, features=features, opt=3)
-    module = _build_module()
+    module = _build_module(columns)
     module.triple = target.triple
     parsed = llvm.parse_assembly(str(module))
     parsed.verify()
     _optimise(parsed, machine)
     engine = llvm.create_mcjit_compiler(parsed, machine)
     engine.finalize_object()
-    prototype = ctypes.CFUNCTYPE(
-        None, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p
-    )
-    kernel = prototype(engine.get_function_address(_NAME))
-    u64, i64, address = ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p
-    columns = ctypes.CFUNCTYPE(
-        None, u64, u64, i64, i64, address, i64, address, address, i64, address, address
-    )(engine.get_function_address(_COLUMNS))
+    address = int(engine.get_function_address(_COLUMNS if columns else _NAME))
     # Never disposed: freeing the code at interpreter exit, under a thread still running it,
     # would crash the process. It is a few kilobytes, once per process.
     engine.detach()
-    _engine = engine
-    return kernel, columns
+    _engines.append(engine)
+    return address

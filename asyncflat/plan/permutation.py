@@ -69,7 +69,8 @@ _METHODS = ("auto", "python", "kernel")
 _Kernel = Callable[[np.uint64, np.uint64, np.ndarray], None]
 #: (k0, k1, n, streams, rank, out): see :func:`permutation_columns`
 _ColumnsKernel = Callable[[np.uint64, np.uint64, int, int, np.ndarray, np.ndarray], None]
-_kernel: tuple[_Kernel, _ColumnsKernel] | None = None
+_kernel: _Kernel | None = None
+_columns_kernel: _ColumnsKernel | None = None
 _kernel_lock = threading.Lock()
 _warm_up_thread: threading.Thread | None = None
 _warm_up_lock = threading.Lock()
@@ -113,7 +114,7 @@ def permutation(
         return _python_permutation(bit_generator, n, yield_gil=yield_gil)
     key = _philox_key(bit_generator)
     result = np.empty(n, np.uint32)
-    _get_kernel()[0](key[0], key[1], result)
+    _get_kernel()(key[0], key[1], result)
     return result
 
 
@@ -161,7 +162,7 @@ def permutation_columns(
     rank = np.full(streams, -1, np.int32)
     rank[list(served)] = np.arange(len(served), dtype=np.int32)
     out = np.empty((rows, len(served)), np.uint32)
-    _get_kernel()[1](key[0], key[1], n, streams, rank, out)
+    _get_columns_kernel()(key[0], key[1], n, streams, rank, out)
     return out
 
 
@@ -283,7 +284,7 @@ def _python_permutation(
     return out
 
 
-def _get_kernel() -> tuple[_Kernel, _ColumnsKernel]:
+def _get_kernel() -> _Kernel:
     global _kernel
     if _kernel is None:
         with _kernel_lock:
@@ -292,12 +293,21 @@ def _get_kernel() -> tuple[_Kernel, _ColumnsKernel]:
     return _kernel
 
 
-def _load_kernel() -> tuple[_Kernel, _ColumnsKernel]:
-    """Compile the machine-code kernels (llvmlite is imported only here)."""
+def _get_columns_kernel() -> _ColumnsKernel:
+    global _columns_kernel
+    if _columns_kernel is None:
+        with _kernel_lock:
+            if _columns_kernel is None:
+                _columns_kernel = _load_columns_kernel()
+    return _columns_kernel
+
+
+def _load_kernel() -> _Kernel:
+    """Compile the machine-code permutation kernel (llvmlite is imported only here)."""
     started = time.perf_counter()
     from asyncflat.plan import kernel as compiled_kernel
 
-    compiled, compiled_columns = compiled_kernel.compile_kernel()
+    compiled = compiled_kernel.compile_kernel()
     chunk = compiled_kernel.CHUNK
     logger.debug("compiled the permutation kernel in %.3fs", time.perf_counter() - started)
 
@@ -306,6 +316,18 @@ def _load_kernel() -> tuple[_Kernel, _ColumnsKernel]:
             raise TypeError("the permutation kernel needs a writeable C-contiguous uint32 array")
         scratch = np.empty(chunk, np.uint32)
         compiled(int(k0), int(k1), result.ctypes.data, result.size, scratch.ctypes.data)
+
+    return kernel
+
+
+def _load_columns_kernel() -> _ColumnsKernel:
+    """Compile the machine-code columns kernel (llvmlite is imported only here)."""
+    started = time.perf_counter()
+    from asyncflat.plan import kernel as compiled_kernel
+
+    compiled_columns = compiled_kernel.compile_columns_kernel()
+    chunk = compiled_kernel.CHUNK
+    logger.debug("compiled the columns kernel in %.3fs", time.perf_counter() - started)
 
     def columns(
         k0: np.uint64, k1: np.uint64, n: int, streams: int, rank: np.ndarray, out: np.ndarray
@@ -321,4 +343,4 @@ def _load_kernel() -> tuple[_Kernel, _ColumnsKernel]:
             values.ctypes.data, slots.bit_length() - 1, out.ctypes.data, scratch.ctypes.data,
         )  # fmt: skip
 
-    return kernel, columns
+    return columns
