@@ -272,6 +272,39 @@ def test_read_amplification_packed_figures(dataset: tuple[Path, list[np.ndarray]
     assert unpacked.read_amplification > 1
 
 
+def test_read_amplification_summed_a_minipoch_at_a_time_is_the_same(
+    dataset: tuple[Path, list[np.ndarray]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asyncflat.inspection import figures
+
+    path, _ = dataset
+    summary = describe_split(str(path), "train", scan_lengths=False)
+    batch = TokenBatchParams(len=128, batch=8)
+    params = FlatTokensParams(str(path), 2, 3, 4, 5, True)  # blocks share chunks across fills
+    whole = loader_figures(summary, params, batch).read_amplification
+    monkeypatch.setattr(figures, "FIGURES_BLOCKS_AT_ONCE", 1)  # one minipoch per run
+    assert loader_figures(summary, params, batch).read_amplification == whole
+
+
+def test_the_figures_of_a_split_the_loader_opens_are_not_refused(
+    dataset: tuple[Path, list[np.ndarray]],
+) -> None:
+    """10^13 tokens in 512-sequence blocks of 2048 (9.5M read blocks): the loader opens it,
+    and so must inspect (its figures used to need 160 bytes a block: 1.5 GB). The packed
+    figures need only the split's sizes, so a small split's summary is scaled up."""
+    import dataclasses
+
+    path, _ = dataset
+    small = describe_split(str(path), "train", scan_lengths=False)
+    tokens = 10**13
+    summary = dataclasses.replace(
+        small, token_count=tokens, sequence_count=tokens // 2048, chunk_tokens=1 << 22
+    )
+    params = FlatTokensParams(str(path), 1, 16, 512, 0, True)
+    figures = loader_figures(summary, params, TokenBatchParams(len=2048, batch=16))
+    assert figures.read_amplification == pytest.approx(4.0, rel=0.01)  # 1M-token blocks, 4M chunks
+
+
 # -- verify: each corruption is caught, with its index ----------------------------------------
 
 

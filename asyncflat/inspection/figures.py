@@ -14,16 +14,20 @@ from asyncflat.inspection.scan import STARTS_WINDOW, open_source, run, seq_start
 from asyncflat.plan.coverage import coverage, dropped_warning
 from asyncflat.plan.shuffle import ShufflePlan
 
-__all__ = ["loader_figures"]
+__all__ = ["FIGURES_BLOCKS_AT_ONCE", "loader_figures"]
 
 #: Resident memory a loader adds beyond its buffers and reads in flight, whatever their size:
 #: threads' stacks and heaps, the plan's arrays, the codecs' state (measured 15-30 MiB with
 #: ``bench/peers.py`` on one stream, at 32 MiB to 256 MiB buffers).
 FIXED_MEMORY_BYTES = 24 << 20
 
-#: Bytes per read block that loader_figures' arrays take at their peak (block order, buffer
-#: ids, first and last chunks, and the sort that deduplicates them).
+#: Bytes per read block that loader_figures' arrays take at their peak (buffer ids, first and
+#: last chunks, and the sort that deduplicates them), for the blocks summed at once.
 _FIGURES_BYTES_PER_BLOCK = 160
+#: Read blocks whose figures are summed at once (whole minipochs: no buffer spans two runs), so
+#: that a split of any size the loader opens can be inspected: the figures then need the block
+#: order (4 bytes a block, as the loader's plan) and one run's arrays.
+FIGURES_BLOCKS_AT_ONCE = 1 << 21
 
 
 def loader_figures(
@@ -59,10 +63,11 @@ def loader_figures(
     streams_per_host = max(
         len(np.unique(rows[h * per_host : (h + 1) * per_host])) for h in range(hosts)
     )
-    need = _FIGURES_BYTES_PER_BLOCK * plan.read_block_count
+    count = plan.read_block_count
+    need = 4 * count + _FIGURES_BYTES_PER_BLOCK * min(count, FIGURES_BLOCKS_AT_ONCE)
     if need > plan.plan_memory_budget:
         raise DatasetTooLargeError(
-            f"{summary.filespec}/{summary.split}: {plan.read_block_count} read blocks; the "
+            f"{summary.filespec}/{summary.split}: {count} read blocks; the "
             f"figures need {need} bytes, more than the plan's budget of "
             f"{plan.plan_memory_budget}; grow sequences_per_read_block"
         )
@@ -112,25 +117,41 @@ def _inflight_stored_bytes(
 
 
 def _packed_amplification(plan: ShufflePlan, chunk: int) -> float | None:
-    """Chunk tokens decoded per block token, when each fill decodes each chunk it touches once."""
+    """Chunk tokens decoded per block token, when each fill decodes each chunk it touches once
+    (summed over runs of whole minipochs, :data:`FIGURES_BLOCKS_AT_ONCE` blocks at most)."""
     bt = plan.sequences_per_read_block * plan.seq_len
-    k = np.arange(plan.read_block_count, dtype=np.int64)
-    blocks = plan.block_order.astype(np.int64)
+    order = plan.block_order
+    per_minipoch = plan.read_blocks_per_shuffle_buffer * plan.streams
+    run_blocks = max(1, FIGURES_BLOCKS_AT_ONCE // per_minipoch) * per_minipoch
+    decoded = 0
+    for lo in range(0, plan.read_block_count, run_blocks):
+        hi = min(lo + run_blocks, plan.read_block_count)
+        decoded += _decoded_tokens(plan, chunk, bt, lo, order[lo:hi].astype(np.int64))
+    useful = plan.read_block_count * bt
+    return float(decoded / useful) if useful else None
+
+
+def _decoded_tokens(plan: ShufflePlan, chunk: int, bt: int, lo: int, blocks: np.ndarray) -> int:
+    """Chunk tokens the fills of blocks ``order[lo : lo + len(blocks)]`` decode (whole
+    minipochs: every buffer they deal to is in the run)."""
+    k = np.arange(lo, lo + len(blocks), dtype=np.int64)
     minipoch = (k // plan.streams) // plan.read_blocks_per_shuffle_buffer
     buffer_id = minipoch * plan.streams + k % plan.streams
     first = blocks * bt // chunk
     last = ((blocks + 1) * bt - 1) // chunk
     # Chunks strictly inside a block belong to that block alone: count them directly. The first
     # and last chunk of a block may be shared with other blocks of the same fill: deduplicate.
-    interior = np.maximum(last - first - 1, 0).sum()
-    edges = np.unique(
-        np.concatenate([np.stack([buffer_id, first], axis=1), np.stack([buffer_id, last], axis=1)]),
-        axis=0,
-    )
-    edge_chunks = edges[:, 1]
-    edge_tokens = np.minimum(chunk, plan.token_count - edge_chunks * chunk).sum()
-    useful = plan.read_block_count * bt
-    return float((interior * chunk + edge_tokens) / useful) if useful else None
+    interior = int(np.maximum(last - first - 1, 0).sum())
+    chunks = -(-plan.token_count // chunk)
+    if (int(buffer_id.max()) + 1) * chunks < 1 << 62:  # one int64 key a (buffer, chunk) pair
+        keys = np.sort(np.concatenate([buffer_id * chunks + first, buffer_id * chunks + last]))
+        # distinct keys by a sort (numpy's hashing np.unique took 8x as long on millions)
+        edge_chunks = keys[np.flatnonzero(np.diff(keys, prepend=-1))] % chunks
+    else:
+        pairs = [np.stack([buffer_id, first], axis=1), np.stack([buffer_id, last], axis=1)]
+        edge_chunks = np.unique(np.concatenate(pairs), axis=0)[:, 1]
+    edge_tokens = int(np.minimum(chunk, plan.token_count - edge_chunks * chunk).sum())
+    return interior * chunk + edge_tokens
 
 
 async def _unpacked_amplification(
