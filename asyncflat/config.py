@@ -233,7 +233,8 @@ class RetryPolicy:
 
 
 def default_decode_threads() -> int:
-    """Half the CPUs this process may run on, at least 2 and at most 8: a first fill (which a
+    """Half the CPUs this process may run on (its affinity, and a cgroup's quota), at least 2
+    and at most 8, read when the options are made: a first fill (which a
     cold start waits for) decodes on all of them, and a prefetch on all but one, at a lower
     priority than the trainer's threads. Two on a 2-core machine; six on a 13-core TPU host,
     where two threads made a 256 MiB first fill take 0.28 s."""
@@ -241,7 +242,23 @@ def default_decode_threads() -> int:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
         cpus = os.cpu_count() or 2
-    return min(8, max(2, cpus // 2))
+    return min(8, max(2, min(cpus, _cgroup_cpus() or cpus) // 2))
+
+
+def _cgroup_cpus() -> int | None:
+    """The CPUs a cgroup v2 quota grants this process (a container's limit, which
+    ``sched_getaffinity`` does not see), or None when there is none."""
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+    except (OSError, ValueError):
+        return None
+    if quota == "max":
+        return None
+    try:
+        return max(1, -(-int(quota) // int(period)))
+    except (ValueError, ZeroDivisionError):
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,10 +277,10 @@ class EngineOptions:
     * ``max_buffer_bytes``: refuse, at construction, a configuration whose shuffle buffers on this
       host would need more memory than this (None: no budget).
     * ``prefetch_to_device``: how many upcoming steps ``iter()`` keeps built as jax arrays.
-    * ``load_ahead``: from the first ``load(step)``, and again once two calls in a row were
-      consecutive, keep the next ``prefetch_to_device`` steps built on a background thread too
-      (as ``iter()`` does); the ``load()`` of the next step then takes its batch instead of
-      building it. False: every ``load()`` builds its batch itself.
+    * ``load_ahead``: once two ``load(step)`` calls in a row were consecutive, keep the next
+      ``prefetch_to_device`` steps built on a background thread too (as ``iter()`` does); the
+      ``load()`` of the next step then takes its batch instead of building it. False: every
+      ``load()`` builds its batch itself.
     * ``engine_niceness``: how much lower than the trainer's the scheduling priority of the
       engine's threads is (Linux ``nice``; 0 keeps it equal). Fills then take only the CPU the
       trainer leaves, and a load that waits for data leaves the trainer idle anyway.

@@ -79,6 +79,18 @@ def test_a_second_jump_forgets_the_pace_before_the_first() -> None:
     assert rate.pace() is None
 
 
+def test_a_step_loaded_again_is_neither_a_jump_nor_a_step_of_the_pace() -> None:
+    # A mixture's source of weight 1/2 is asked for each of its steps twice in a row.
+    clock = Clock()
+    rate = StepRate(window_s=5.0, min_span_s=1.0, clock=clock)
+    for step in range(100):
+        for _ in range(2):
+            rate.add(step)
+            clock.now += 0.01
+    assert rate.per_second() == pytest.approx(50.0, rel=0.05)  # its steps, one per 20 ms
+    assert rate.pace(100) == pytest.approx(0.02, rel=0.05)
+
+
 def test_the_pace_is_unknown_before_any_sustained_run_of_loads() -> None:
     clock = Clock()
     rate = StepRate(window_s=2.0, min_span_s=0.5, clock=clock)

@@ -234,6 +234,10 @@ class StepRate:
         self._pace_before_jump: float | None = None
 
     def add(self, step: int) -> None:
+        if step == self.last_step:
+            # The same step again: a mixture serves one source step over several of its own
+            # steps (a source of weight < 1). Not a jump, and not a step of the pace.
+            return
         now = self._clock()
         if self.last_step is not None and step != self.last_step + 1:
             # A jump (resume, random access): the window is not the trainer's pace any more.

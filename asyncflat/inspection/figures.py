@@ -24,9 +24,10 @@ FIXED_MEMORY_BYTES = 24 << 20
 #: Bytes per read block that loader_figures' arrays take at their peak (buffer ids, first and
 #: last chunks, and the sort that deduplicates them), for the blocks summed at once.
 _FIGURES_BYTES_PER_BLOCK = 160
-#: Read blocks whose figures are summed at once (whole minipochs: no buffer spans two runs), so
-#: that a split of any size the loader opens can be inspected: the figures then need the block
-#: order (4 bytes a block, as the loader's plan) and one run's arrays.
+#: Read blocks whose figures are summed at once at most (whole minipochs: no buffer spans two
+#: runs; fewer when the plan's budget leaves less room beside the block order), so that a split
+#: of any size the loader opens can be inspected: the figures then need the block order (4
+#: bytes a block, as the loader's plan) and one run's arrays.
 FIGURES_BLOCKS_AT_ONCE = 1 << 21
 
 
@@ -64,7 +65,8 @@ def loader_figures(
         len(np.unique(rows[h * per_host : (h + 1) * per_host])) for h in range(hosts)
     )
     count = plan.read_block_count
-    need = 4 * count + _FIGURES_BYTES_PER_BLOCK * min(count, FIGURES_BLOCKS_AT_ONCE)
+    per_minipoch = plan.read_blocks_per_shuffle_buffer * plan.streams
+    need = 4 * count + _FIGURES_BYTES_PER_BLOCK * min(count, per_minipoch)  # the smallest run
     if need > plan.plan_memory_budget:
         raise DatasetTooLargeError(
             f"{summary.filespec}/{summary.split}: {count} read blocks; the "
@@ -72,7 +74,10 @@ def loader_figures(
             f"{plan.plan_memory_budget}; grow sequences_per_read_block"
         )
     if params.sequence_packing:
-        amplification = _packed_amplification(plan, summary.chunk_tokens)
+        # as many whole minipochs at once as the budget leaves beside the order
+        room = (plan.plan_memory_budget - 4 * count) // _FIGURES_BYTES_PER_BLOCK
+        run_blocks = max(1, min(FIGURES_BLOCKS_AT_ONCE, room) // per_minipoch) * per_minipoch
+        amplification = _packed_amplification(plan, summary.chunk_tokens, run_blocks)
     else:
         amplification = run(
             _unpacked_amplification(summary, plan, storage_options),
@@ -116,13 +121,11 @@ def _inflight_stored_bytes(
     return int(budget * min(1.0, stored))
 
 
-def _packed_amplification(plan: ShufflePlan, chunk: int) -> float | None:
+def _packed_amplification(plan: ShufflePlan, chunk: int, run_blocks: int) -> float | None:
     """Chunk tokens decoded per block token, when each fill decodes each chunk it touches once
-    (summed over runs of whole minipochs, :data:`FIGURES_BLOCKS_AT_ONCE` blocks at most)."""
+    (summed over runs of ``run_blocks`` blocks: whole minipochs)."""
     bt = plan.sequences_per_read_block * plan.seq_len
     order = plan.block_order
-    per_minipoch = plan.read_blocks_per_shuffle_buffer * plan.streams
-    run_blocks = max(1, FIGURES_BLOCKS_AT_ONCE // per_minipoch) * per_minipoch
     decoded = 0
     for lo in range(0, plan.read_block_count, run_blocks):
         hi = min(lo + run_blocks, plan.read_block_count)

@@ -21,7 +21,7 @@ from asyncflat.config import (
 from asyncflat.loader.mixture.config import MixtureParams
 from asyncflat.loader.mixture.loader import MixtureLoader
 from asyncflat.loader.shared.batch import BatchType, TokenBatch
-from asyncflat.loader.shuffling import DEFAULT_OPTIONS, ShufflingLoader
+from asyncflat.loader.shuffling import ShufflingLoader
 
 __all__ = ["get_loader"]
 
@@ -53,7 +53,7 @@ def get_loader(
             config,
             token_batch_params,
             sharding,
-            options=DEFAULT_OPTIONS if options is None else options,
+            options=options,
             batch_type=batch_type,
         )
     from asyncflat.integrations.hf import HuggingFaceDataLoader  # the optional hf extra

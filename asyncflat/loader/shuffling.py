@@ -36,9 +36,7 @@ from asyncflat.loader.shared.open import open_engine
 from asyncflat.plan.shuffle import ShufflePlan
 from asyncflat.source.protocol import StoreWrapper, TokenSource
 
-__all__ = ["DEFAULT_OPTIONS", "EngineRows", "ShufflingLoader"]
-
-DEFAULT_OPTIONS = EngineOptions()
+__all__ = ["EngineRows", "ShufflingLoader"]
 
 
 class EngineRows:
@@ -117,7 +115,7 @@ class ShufflingLoader:
         token_batch_params: TokenBatchParams,
         sharding: Sharding | None = None,
         *,
-        options: EngineOptions = DEFAULT_OPTIONS,
+        options: EngineOptions | None = None,
         store_wrapper: StoreWrapper | None = None,
         source: TokenSource | None = None,
         batch_type: BatchType = TokenBatch,
@@ -133,7 +131,8 @@ class ShufflingLoader:
         if split not in SPLITS:
             raise ConfigError(f"split must be one of {SPLITS}, got {split!r}")
         self.split, self.params, self.token_batch_params = split, params, token_batch_params
-        self.options = options
+        # made here, not at import: its defaults read the CPUs this process may use now
+        self.options = options = EngineOptions() if options is None else options
         self.epoch = epoch
         self.sharding = default_sharding() if sharding is None else sharding
         builder = BatchBuilder(

@@ -150,7 +150,7 @@ def permutation_columns(
             f"[0, {streams})"
         )
     rows = n // streams
-    if len(served) == streams or _python_path(method, n):
+    if len(served) == streams or _python_path(method, n, columns=True):
         full = permutation(seed, n, yield_gil=yield_gil, method=method)
         if len(served) == streams:
             return full.reshape(rows, streams)
@@ -176,10 +176,13 @@ def _table_bytes(entries: int) -> int:
     return 8 * _table_slots(entries)
 
 
-def _python_path(method: str, n: int) -> bool:
-    """Whether ``method`` takes the plain Python path for ``n`` items (see :func:`permutation`)."""
+def _python_path(method: str, n: int, *, columns: bool = False) -> bool:
+    """Whether ``method`` takes the plain Python path for ``n`` items (see :func:`permutation`):
+    the kernel that would run (the columns kernel for ``columns``) is compiled already, or
+    ``n`` is too large for Python."""
     if method == "auto":
-        return n < PYTHON_BELOW or (_kernel is None and n <= NO_COMPILE_MAX)
+        compiled = _columns_kernel if columns else _kernel
+        return n < PYTHON_BELOW or (compiled is None and n <= NO_COMPILE_MAX)
     return method == "python"
 
 

@@ -133,12 +133,18 @@ class BackgroundBuilder(Generic[T]):
         self._pacing.began(time.perf_counter())  # right after the consumer's last take
         #: the consumer is waiting for a step whose build has not started: start it now
         self._wanted = False
+        #: start_thread() has run (its thread may have ended since)
+        self._launched = False
         self._thread = threading.Thread(target=self._run, args=(start,), daemon=True, name=name)
         if start_thread:
             self.start_thread()
 
     def start_thread(self) -> None:
         try:
+            with self._cond:
+                if self._stopping:  # stopped before its thread was started: never start it
+                    return
+                self._launched = True
             self._thread.start()
         except BaseException:
             # A Ctrl-C inside start() (delivered while it waits for the thread to come up): the
@@ -180,7 +186,7 @@ class BackgroundBuilder(Generic[T]):
         with self._cond:
             self._pacing.took(time.perf_counter())
             while step not in self._built:
-                if self._stopping or not self._thread.is_alive():
+                if self._stopping or (self._launched and not self._thread.is_alive()):
                     raise BackgroundStopped(f"{self._thread.name} has stopped")
                 if not self._wanted:
                     self._wanted = True  # a build held back by the pacing starts now
@@ -264,8 +270,17 @@ class Prefetchers(Generic[T]):
         self._closed = False
 
     def start(
-        self, build: Callable[[int], T], start: int, stop: int, depth: int
+        self,
+        build: Callable[[int], T],
+        start: int,
+        stop: int,
+        depth: int,
+        *,
+        spawn: Callable[[Callable[[], None]], bool] | None = None,
     ) -> BackgroundBuilder[T]:
+        """A builder of ``[start, stop)``, known to :meth:`close` before its thread runs. Its
+        thread is started here, or by ``spawn(start_thread)`` on another thread (False: it
+        could not be; the builder is stopped, and whoever takes from it builds for itself)."""
         with self._lock:
             if self._closed:
                 raise self._closed_error()
@@ -279,7 +294,10 @@ class Prefetchers(Generic[T]):
                 start_thread=False,
             )
             self._live.add(builder)  # known before its thread runs: close() stops it whatever
-            builder.start_thread()  # a Ctrl-C raises here (or above) after that
+            if spawn is None:
+                builder.start_thread()  # a Ctrl-C raises here (or above) after that
+        if spawn is not None and not spawn(builder.start_thread):
+            builder.signal_stop()
         return builder
 
     def stop(self, builder: BackgroundBuilder[T], *, join: bool) -> None:

@@ -93,7 +93,9 @@ class Lifecycle(Generic[S]):
             raise
         self._server = server
         depth = self.options.prefetch_to_device if self.options.load_ahead else 0
-        self._load_ahead = LoadAhead(self._prefetchers, self.build, server.step_count, depth)
+        self._load_ahead = LoadAhead(
+            self._prefetchers, self.build, server.step_count, depth, spawn=self._runner.call_soon
+        )
         return server
 
     def keep(self, obj: Any) -> None:

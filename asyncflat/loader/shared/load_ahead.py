@@ -3,7 +3,7 @@
 seqax's ``train.py`` (and most trainers written for the reference) call ``load(step)`` for
 ``step, step + 1, ...``: each ``load()`` then built its batch on the trainer's thread (the rows'
 copy, the decode, the device transfer) while the engine's threads competed for the same cores.
-From the first load, and again once two loads in a row were consecutive, :class:`LoadAhead` keeps the next
+Once two loads in a row were consecutive, :class:`LoadAhead` keeps the next
 ``EngineOptions.prefetch_to_device`` steps built on a background thread
 (:class:`~asyncflat.loader.shared.background.BackgroundBuilder`), and the ``load()`` of the step it expects
 takes the built batch. A batch is a pure function of its step, so a batch built ahead is the
@@ -57,6 +57,7 @@ class LoadAhead:
         build: Callable[..., Any],
         stop_step: int,
         depth: int,
+        spawn: Callable[[Callable[[], None]], bool] | None = None,
     ) -> None:
         """``build`` is the loader's ``build(step, ready_only=...)``, a bound method (held
         weakly): with ``ready_only`` it returns :data:`NOT_READY` for a step it cannot serve
@@ -65,6 +66,7 @@ class LoadAhead:
         self._build = functools.partial(_build_weakly, weakref.WeakMethod(build))
         self._stop_step = stop_step
         self._depth = depth
+        self._spawn = spawn
         self._lock = threading.Lock()
         self._builder: BackgroundBuilder[Any] | None = None
         #: the step the builder's next batch is for; None while a load is taking it
@@ -113,17 +115,15 @@ class LoadAhead:
         return None if batch is NOT_READY else batch
 
     def loaded(self, step: int) -> None:
-        """``load(step)`` returned: start the builder after the loader's first load or two
-        consecutive loads, retire it after a jump.
+        """``load(step)`` returned: start the builder after two consecutive loads, retire it
+        after a jump.
 
-        The first load starts it too: a trainer's loads are consecutive from the start, and the
-        first load is a start-up (it waits for its fill) where starting a thread costs nothing
-        visible, where on the second it cost 1-7 ms (``Thread.start`` waits for the new thread,
-        which needs the GIL the engine's threads hold at start-up). A loader used for random
-        access retires it at its next load."""
+        Its thread is started by ``spawn`` (the engine's loop thread) when given, not by this
+        load: ``Thread.start`` waits for the new thread, which needs the GIL the engine's
+        threads hold at start-up, and that cost the trainer's second load 1-7 ms."""
         retired = None
         with self._lock:
-            consecutive = self._last is None or step == self._last + 1
+            consecutive = self._last is not None and step == self._last + 1
             self._last = step
             if self._builder is not None:
                 if self._next is None or self._next == step + 1:
@@ -132,7 +132,7 @@ class LoadAhead:
             elif consecutive and self._depth and step + 1 < self._stop_step:
                 try:
                     self._builder = self._prefetchers.start(
-                        self._build, step + 1, self._stop_step, self._depth
+                        self._build, step + 1, self._stop_step, self._depth, spawn=self._spawn
                     )
                 except LoaderClosedError:
                     return

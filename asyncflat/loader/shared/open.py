@@ -60,10 +60,11 @@ async def open_engine(
         epoch=epoch,
         served_streams=tuple(streams),
     )
-    # The one-time permutation compile starts now, and the global block shuffle once the
-    # engine exists (both off this thread): construction never waits for them, the first
-    # load() waits for what is left of them.
-    warm_up_permutation(max(plan.seqs_per_buffer, plan.read_block_count))
+    # The buffers' row permutations' compile (when they need the kernel) starts now, and the
+    # global block shuffle (which compiles the kernel it needs itself) once the engine exists,
+    # both off this thread: construction never waits for them, the first load() waits for
+    # what is left of them.
+    warm_up_permutation(plan.seqs_per_buffer)
     needed = 2 * len(streams) * plan.buffer_bytes
     if options.max_buffer_bytes is not None and needed > options.max_buffer_bytes:
         raise ConfigError(
