@@ -955,7 +955,7 @@ def test_valid_parameters_are_normalised() -> None:
                 options={"prefetch": False},
             ),
             ArgumentTypeError,
-            r'argument "options" \(dict\) is not an instance of',
+            r'(?s)argument "options" \(dict\) did not match.*EngineOptions',
         ),
         (
             "store_wrapper not callable",
