@@ -33,10 +33,11 @@ class RowReader:
     fill's. A fill
     that has not started yet waits for the load's rows (one round trip, or a few hundred
     microseconds of CPU), so that its requests do not reach the store, nor its decodes the CPU,
-    ahead of them: the first batch after a resume costs just its rows. On a local store only
-    that first load reads rows (the engine's :class:`~asyncflat.engine.waiting.FillWaiter`
-    decides): once the fill decodes, a row read decodes a whole Blosc block for one row on the
-    same cores, and waiting for the fill at full speed is sooner.
+    ahead of them: the first batch after a resume costs just its rows. On a local store only a
+    jump in a running loader with no trainer pace to plan with reads rows (the engine's
+    :class:`~asyncflat.engine.waiting.FillWaiter` decides; a start or a resume there waits for
+    the fill to stay ahead instead): once the fill decodes, a row read decodes a whole Blosc
+    block for one row on the same cores, and waiting for the fill at full speed is sooner.
 
     ``local``: the store is on this machine's file system; rows are then not read ahead
     (:attr:`reads_ahead`).

@@ -162,13 +162,14 @@ class FillWaiter:
     def _reads_rows(self, fill: Fill) -> bool:
         """Whether a load reads its missing rows on their own rather than wait for the fill.
 
+        Asked only when the load does not wait for the fill to stay ahead (:meth:`_cold_pace`).
         Behind a network, always: a few demand requests beat the rest of a fill. On a local
-        store, only while none of the fill's units has started (the first load after a start or
-        a resume: its rows first, then the fill). Once the fill decodes, a row read there is a
-        whole Blosc block decoded for one row (64x the bytes on seqax's layout), on the same
-        cores as the fill: at start-up the first 8 loads read their rows in 0.3-0.55 s and the
-        first minipoch took 0.77-1.06 s, against 0.44 s when they wait for the fill at full
-        speed (every decode thread: the load made it urgent).
+        store, only while none of the fill's units has started (a jump with no trainer pace to
+        plan with: random access; its rows first, then the fill). Once the fill decodes, a row
+        read there is a whole Blosc block decoded for one row (64x the bytes on seqax's layout),
+        on the same cores as the fill: at start-up the first 8 loads read their rows in
+        0.3-0.55 s and the first minipoch took 0.77-1.06 s, against 0.44 s when they wait for
+        the fill at full speed (every decode thread: the load made it urgent).
         """
         if self._rows is None:
             return False
