@@ -254,17 +254,21 @@ def test_hundreds_of_lifecycles_and_thousands_of_loads_hold_memory_and_threads(
     asyncflat.write_flat_tokens(path, {"train": seqs}, chunk_tokens=1024)
     tokens, starts = load_split_arrays(path, "train")
     params = FlatTokensParams(path, 2, 2, 4, seed=7, sequence_packing=True)
-    reference = ReferenceLoader(
-        tokens,
-        starts,
-        seq_len=BATCH.len,
-        batch=BATCH.batch,
-        streams=2,
-        read_blocks_per_shuffle_buffer=2,
-        sequences_per_read_block=4,
-        seed=7,
-        sequence_packing=True,
-    )
+
+    def oracle(batch: TokenBatchParams) -> ReferenceLoader:
+        return ReferenceLoader(
+            tokens,
+            starts,
+            seq_len=batch.len,
+            batch=batch.batch,
+            streams=2,
+            read_blocks_per_shuffle_buffer=2,
+            sequences_per_read_block=4,
+            seed=7,
+            sequence_packing=True,
+        )
+
+    reference = oracle(BATCH)
     rng = np.random.default_rng(11)
     started = time.monotonic()
 
@@ -273,17 +277,7 @@ def test_hundreds_of_lifecycles_and_thousands_of_loads_hold_memory_and_threads(
     assert ends["closed while busy"] >= LIFECYCLES // 8, ends
     lifecycles_s = time.monotonic() - started
 
-    small = ReferenceLoader(
-        tokens,
-        starts,
-        seq_len=LOAD_BATCH.len,
-        batch=LOAD_BATCH.batch,
-        streams=2,
-        read_blocks_per_shuffle_buffer=2,
-        sequences_per_read_block=4,
-        seed=7,
-        sequence_packing=True,
-    )
+    small = oracle(LOAD_BATCH)
     with ShufflingLoader("train", params, LOAD_BATCH, SINGLE) as loader:
         steps = loader.step_count
         assert steps == small.step_count and steps > 2000
