@@ -277,8 +277,9 @@ class EngineOptions:
     * ``max_buffer_bytes``: refuse, at construction, a configuration whose shuffle buffers on this
       host would need more memory than this (None: no budget).
     * ``prefetch_to_device``: how many upcoming steps ``iter()`` keeps built as jax arrays.
-    * ``load_ahead``: once two ``load(step)`` calls in a row were consecutive, keep the next
-      ``prefetch_to_device`` steps built on a background thread too (as ``iter()`` does); the
+    * ``load_ahead``: after a loader's first ``load(step)``, and after two consecutive ones,
+      keep the next ``prefetch_to_device`` steps built on a background thread too (as
+      ``iter()`` does; a jump stops it, and so does an ``iter()``); the
       ``load()`` of the next step then takes its batch instead of building it. False: every
       ``load()`` builds its batch itself.
     * ``engine_niceness``: how much lower than the trainer's the scheduling priority of the

@@ -142,6 +142,43 @@ def test_the_thread_ends_at_stop_step() -> None:
     builder.stop()
 
 
+def test_a_retired_builder_lets_go_of_its_built_items_when_its_thread_ends() -> None:
+    """A retired builder (a jump, an ``iter()``) is only joined when its loader closes: the
+    items it built must not live until then (each is a batch on the device)."""
+    import gc
+    import weakref
+
+    class Item:
+        pass
+
+    made: list[weakref.ref[Item]] = []
+
+    def build(step: int) -> Item:
+        item = Item()
+        made.append(weakref.ref(item))
+        return item
+
+    registry: Prefetchers[Item] = Prefetchers("bg-retire", lambda: RuntimeError("closed"))
+    builder = registry.start(build, 0, 10, 3)
+    try:
+        _wait_until(lambda: len(made) == 3, "three items built ahead")
+        registry.retire(builder)
+        _wait_until(lambda: not builder.alive, "the retired builder's thread to end")
+        gc.collect()
+        assert [ref() for ref in made] == [None, None, None]
+    finally:
+        for stopped in registry.close():
+            stopped.stop()
+
+
+def test_a_builder_that_reached_its_last_step_keeps_its_items_for_the_taker() -> None:
+    build = Recorder()
+    builder = BackgroundBuilder(build, 0, 2, 4, name="bg-kept")
+    _wait_until(lambda: not _threads("bg-kept"), "the thread to end at the last step")
+    assert [builder.take(0), builder.take(1)] == ["item 0", "item 1"]
+    builder.stop()
+
+
 def test_depth_must_be_positive() -> None:
     with pytest.raises(ValueError, match="depth must be >= 1"):
         BackgroundBuilder(Recorder(), 0, 1, 0, name="bg-zero")

@@ -1,8 +1,9 @@
 """Consecutive ``load(step)`` calls get their next batches built ahead on a background thread.
 
-* after two consecutive loads a builder runs; the next loads take its batches, which equal
+* after a loader's first load a builder runs; the next loads take its batches, which equal
   the reference's, and are built on its thread, not the trainer's;
-* a jump retires it (batches still right), and two consecutive loads start a new one;
+* a jump retires it (batches still right), and two consecutive loads start a new one; an
+  ``iter()`` retires it too (the iterator builds its own);
 * ``load_ahead=False`` or ``prefetch_to_device=0`` never start one;
 * a background build's error is raised by the ``load()`` of its step; the next load retries;
 * several threads loading the same steps get the right batches, none waits forever;
@@ -13,6 +14,7 @@
 from __future__ import annotations
 
 import gc
+import itertools
 import threading
 import time
 import weakref
@@ -111,9 +113,9 @@ def test_consecutive_loads_take_batches_built_on_a_background_thread(dataset: st
         train(loader, range(12), dataset)
         assert len(builders(built)) == 1
         mine = [s for s, name in built if name == me]
-        assert mine == [0, 1]  # the two that showed the pattern; the rest were built ahead
+        assert mine == [0]  # the first load; the rest were built ahead
         ahead = sorted(s for s, name in built if name.startswith("asyncflat-device-prefetch-"))
-        assert ahead[:10] == list(range(2, 12))
+        assert ahead[:11] == list(range(1, 12))
         assert loader.stats().steps_loaded == 12  # what the trainer got, not what was built
 
 
@@ -122,11 +124,29 @@ def test_a_jump_retires_the_builder_and_consecutive_loads_start_a_new_one(datase
     with ShufflingLoader("train", params(dataset), BATCH, SINGLE, batch_type=batch_type) as loader:
         train(loader, (0, 1, 2, 3, 9, 10, 11, 4), dataset)
         me = threading.current_thread().name
-        # 0, 1 by the trainer; 2, 3 ahead; 9 and 10 by the trainer (the jump); 11 ahead; 4 by
-        # the trainer again
-        assert [s for s, name in built if name == me] == [0, 1, 9, 10, 4]
+        # 0 by the trainer (the first load); 1-3 ahead; 9 and 10 by the trainer (the jump,
+        # then the load that shows the pattern again); 11 ahead; 4 by the trainer again
+        assert [s for s, name in built if name == me] == [0, 9, 10, 4]
         assert len(builders(built)) == 2
         assert wait_until(lambda: len(builder_threads()) == 0)  # 4 was a jump: retired
+    assert library_threads() == []
+
+
+def test_an_iterator_retires_the_load_ahead_builder(dataset: str) -> None:
+    """``iter_epochs`` loads step 0 and then iterates from step 1: the load-ahead builder the
+    first load started must not keep building (and holding) the iterator's steps beside it."""
+    batch_type, built = recording(targets_of(dataset))
+    with ShufflingLoader("train", params(dataset), BATCH, SINGLE, batch_type=batch_type) as loader:
+        check(dataset, loader.load(0), 0)
+        assert wait_until(lambda: any(s == 1 for s, _ in built))  # built ahead of a load(1)
+        (load_ahead,) = builders(built)
+        with loader.iter(1) as iterator:
+            for step, batch in itertools.islice(iterator, 6):
+                check(dataset, batch, step)
+                time.sleep(STEP_S)
+            assert wait_until(lambda: load_ahead not in builder_threads())
+            assert len(builder_threads()) == 1  # the iterator's
+        assert [s for s, name in built if name == load_ahead] == [1]
     assert library_threads() == []
 
 
@@ -241,7 +261,7 @@ def test_a_mixture_loader_builds_consecutive_loads_ahead_too(dataset: str) -> No
             time.sleep(STEP_S)
         assert len(builders(built, "asyncflat-mixture-prefetch-")) == 1
         me = threading.current_thread().name
-        assert [s for s, name in built if name == me] == [0, 1]
+        assert [s for s, name in built if name == me] == [0]
     for step, (a, b) in enumerate(zip(want, got)):
         np.testing.assert_array_equal(a, b, err_msg=f"step {step}")
     assert library_threads() == []

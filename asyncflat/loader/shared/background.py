@@ -153,6 +153,18 @@ class BackgroundBuilder(Generic[T]):
             raise
 
     def _run(self, step: int) -> None:
+        try:
+            self._build_from(step)
+        finally:
+            with self._cond:
+                if self._stopping:
+                    # Retired or stopped: nobody takes from it any more (a take in progress
+                    # holds its own future). Its built items go now, not when the loader
+                    # closes: a retired builder kept device batches alive for the whole run.
+                    self._built.clear()
+                self._cond.notify_all()
+
+    def _build_from(self, step: int) -> None:
         while step < self._stop_step:
             with self._cond:
                 while not self._stopping and len(self._built) >= self._depth:

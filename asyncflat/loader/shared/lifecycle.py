@@ -169,6 +169,8 @@ class Lifecycle(Generic[S]):
         self.check_open()
         if start_step != self.step_count:
             self.server.check_step(start_step)
+        assert self._load_ahead is not None  # (open: start() made it)
+        self._load_ahead.retire()  # the iterator builds ahead itself
         return BatchIterator(self, start_step, self.options.prefetch_to_device)
 
     def __iter__(self) -> Iterator[Any]:

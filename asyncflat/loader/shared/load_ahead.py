@@ -3,13 +3,17 @@
 seqax's ``train.py`` (and most trainers written for the reference) call ``load(step)`` for
 ``step, step + 1, ...``: each ``load()`` then built its batch on the trainer's thread (the rows'
 copy, the decode, the device transfer) while the engine's threads competed for the same cores.
-Once two loads in a row were consecutive, :class:`LoadAhead` keeps the next
+After a loader's first load, and after two consecutive loads, :class:`LoadAhead` keeps the next
 ``EngineOptions.prefetch_to_device`` steps built on a background thread
 (:class:`~asyncflat.loader.shared.background.BackgroundBuilder`), and the ``load()`` of the step it expects
 takes the built batch. A batch is a pure function of its step, so a batch built ahead is the
 batch ``load()`` would have built. Any other step (a jump, another thread's load) is built by
-the ``load()`` itself; a jump retires the builder and the next two consecutive loads start a new
-one. A build that failed in the background raises its error from the ``load()`` of that step,
+the ``load()`` itself; a jump retires the builder (its built batches with it) and the next two
+consecutive loads start a new one; so does an ``iter()``, which builds its own. The first load
+starts one at once because a trainer's first load is the start of its run (a start, or a
+resume in a fresh process): waiting for a second load left that second load to build its own
+batch on the trainer's thread while the next fill started, 2-3x the later loads.
+A build that failed in the background raises its error from the ``load()`` of that step,
 as ``iter()`` does (the failed fill is dropped, so the next load of the step starts afresh);
 ``EngineOptions.load_timeout_s`` counts from the build's start.
 
@@ -115,21 +119,21 @@ class LoadAhead:
         return None if batch is NOT_READY else batch
 
     def loaded(self, step: int) -> None:
-        """``load(step)`` returned: start the builder after two consecutive loads, retire it
-        after a jump.
+        """``load(step)`` returned: start the builder after the first load and after two
+        consecutive loads, retire it after a jump.
 
         Its thread is started by ``spawn`` (the engine's loop thread) when given, not by this
         load: ``Thread.start`` waits for the new thread, which needs the GIL the engine's
         threads hold at start-up, and that cost the trainer's second load 1-7 ms."""
         retired = None
         with self._lock:
-            consecutive = self._last is not None and step == self._last + 1
+            starts = self._last is None or step == self._last + 1  # first, or consecutive
             self._last = step
             if self._builder is not None:
                 if self._next is None or self._next == step + 1:
                     return  # in step (or another thread is taking its batch)
                 retired, self._builder, self._next = self._builder, None, None
-            elif consecutive and self._depth and step + 1 < self._stop_step:
+            elif starts and self._depth and step + 1 < self._stop_step:
                 try:
                     self._builder = self._prefetchers.start(
                         self._build, step + 1, self._stop_step, self._depth, spawn=self._spawn
@@ -139,6 +143,14 @@ class LoadAhead:
                 self._next = step + 1
         if retired is not None:
             self._prefetchers.retire(retired)
+
+    def retire(self) -> None:
+        """Retire the builder if one runs (an ``iter()`` starts, with a builder of its own):
+        the next two consecutive loads start a new one."""
+        with self._lock:
+            builder = self._builder
+        if builder is not None:
+            self._retire(builder)
 
     def _retire(self, builder: BackgroundBuilder[Any]) -> None:
         with self._lock:
