@@ -282,6 +282,10 @@ class EngineOptions:
       ``iter()`` does; a jump stops it, and so does an ``iter()``); the
       ``load()`` of the next step then takes its batch instead of building it. False: every
       ``load()`` builds its batch itself.
+    * ``fill_on_open``: start filling the buffers of step 0 when the loader opens, before the
+      first ``load()`` asks: a trainer's model set-up and compile then hide the first fill.
+      A first load elsewhere (a resume) cancels that fill before its own reads are queued.
+      Only with ``prefetch``. False: the first fill starts with the first load.
     * ``engine_niceness``: how much lower than the trainer's the scheduling priority of the
       engine's threads is (Linux ``nice``; 0 keeps it equal). Fills then take only the CPU the
       trainer leaves, and a load that waits for data leaves the trainer idle anyway.
@@ -295,6 +299,7 @@ class EngineOptions:
     max_inflight_bytes: Optional[int] = None  # noqa: UP045
     prefetch_to_device: int = 1
     load_ahead: bool = True
+    fill_on_open: bool = True
     engine_niceness: int = 10
     retry: RetryPolicy = dataclasses.field(default_factory=RetryPolicy)
 
@@ -309,6 +314,7 @@ class EngineOptions:
             _int_field(self, "max_inflight_bytes", minimum=1)
         _int_field(self, "prefetch_to_device", minimum=0)
         _bool_field(self, "load_ahead")
+        _bool_field(self, "fill_on_open")
         _int_field(self, "engine_niceness", minimum=0)
         if not isinstance(self.retry, RetryPolicy):
             raise ConfigError(

@@ -277,6 +277,7 @@ def _figures(args: argparse.Namespace, run: _Run) -> dict[str, Any]:
         "fills": len(fills),
         "fills_prefetch": sum(f["reason"] == "prefetch" for f in fills),
         "fills_demand": sum(f["reason"] == "demand" for f in fills),
+        "fills_open": sum(f["reason"] == "open" for f in fills),
         "fill_median_s": float(np.median(durations)) if durations else None,
         "fill_max_s": float(max(durations)) if durations else None,
         "fill_median_bytes_per_s": float(np.median(fill_rates)) if fill_rates else None,
@@ -308,7 +309,7 @@ def _print_figures(args: argparse.Namespace, result: dict[str, Any]) -> None:
     )
     print(
         f"  fills             {result['fills']} ({result['fills_prefetch']} prefetch, "
-        f"{result['fills_demand']} on demand), median {ms(result['fill_median_s'])}, "
+        f"{result['fills_open']} on opening, {result['fills_demand']} on demand), median {ms(result['fill_median_s'])}, "
         f"worst {ms(result['fill_max_s'])}, "
         f"{(result['fill_median_bytes_per_s'] or 0) / 1e9:.2f} GB/s useful"
     )

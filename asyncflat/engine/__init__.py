@@ -21,6 +21,7 @@ One job per module:
   and the lateness warning;
 * :mod:`.lock`: the engine's lock, which knows the thread holding it (a pin released by a
   finalizer on that thread is queued instead of waiting for itself);
+* :mod:`.opening`: what starts before the first load (the block order, step 0's fills);
 * :mod:`.core`: the :class:`Engine` that composes them: ``gather`` (on the loop), ``try_gather``
   (from the caller's thread, for finished buffers), ``stats``, ``interval_stats``, ``aclose``.
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -22,7 +21,7 @@ import numpy as np
 from asyncflat.config import EngineOptions
 from asyncflat.engine.fill import Fill, Unit
 from asyncflat.engine.lock import OwnedLock
-from asyncflat.engine.permutations import block_order_off_loop
+from asyncflat.engine.opening import Opening
 from asyncflat.engine.recorder import Recorder
 from asyncflat.engine.rows import RowReader
 from asyncflat.engine.scheduler import UnitScheduler
@@ -109,23 +108,24 @@ class Engine:
         self._unpins: collections.deque[list[tuple[int, int]]] = collections.deque()
         self._closed = False  # no load is served any more
         self._aclosed = False  # workers, row reads and the source closed
-        #: the plan's block order of this host's streams, computed off the loop (see planned)
-        self._order: asyncio.Future[np.ndarray] | None = None
-        self._planner: threading.Thread | None = None
+        self._opening = Opening(
+            plan,
+            self.streams,
+            lock=self._lock,
+            fills=self._fills,
+            start_reads=self._scheduler.start,
+            closed=lambda: self._closed,
+        )
 
-    def start_planning(self) -> None:
-        """Start computing the plan's block order of this host's streams on a thread of its
-        own (on the loop; idempotent), so that constructing a loader never waits for it: it
-        takes time in proportion to the whole split (~10 ns a read block), and the first
-        load waits for what is left of it. Not on the loop's pools: a load waits for it."""
-        if self._order is None:
-            self._order, self._planner = block_order_off_loop(self.plan)
+    def open(self, *, fill: bool) -> None:
+        """Start, on the loop, what the first load waits for: the plan's block order and, with
+        ``fill``, step 0's fills (:mod:`~asyncflat.engine.opening`)."""
+        self._loop = asyncio.get_running_loop()  # try_gather hands prefetches to it
+        self._opening.start(fill=fill)
 
     async def planned(self) -> None:
         """Wait until the plan's block order is computed (raises what computing it raised)."""
-        self.start_planning()
-        assert self._order is not None
-        await asyncio.shield(self._order)
+        await self._opening.planned()
 
     # -- public -------------------------------------------------------------------------------
 
@@ -147,6 +147,7 @@ class Engine:
             fills: list[Fill] = []
             with self._lock:
                 self._apply_unpins()
+                self._opening.claim(groups)
                 for stream, minipoch in groups:
                     keep = {m for s, m in groups if s == stream}
                     fill = self._fills.ensure(stream, minipoch, step, keep=keep)
@@ -217,6 +218,7 @@ class Engine:
         if self._aclosed:
             return
         self._aclosed = self._closed = True
+        self._opening.cancel()
         self._fills.fail_all()
         rows = self._rows.aclose() if self._rows is not None else asyncio.sleep(0)
         try:
@@ -226,13 +228,13 @@ class Engine:
         try:
             await self.source.aclose()
         finally:
-            if self._planner is not None:  # an uninterruptible computation: wait for its end
-                await asyncio.get_running_loop().run_in_executor(None, self._planner.join)
+            await self._opening.aclose()
 
     def release(self) -> None:
         """Drop every reference to the buffers (fills, queued units). Idempotent; for closing,
         once nothing runs on the loop any more (:meth:`aclose` calls it)."""
         self._closed = True
+        self._opening.cancel()
         with self._lock:
             self._fills.fail_all()
             self._scheduler.clear()

@@ -73,7 +73,7 @@ class Fill:
     perm: np.ndarray = dataclasses.field(repr=False)  # buffer row served at each position
     blocks: np.ndarray = dataclasses.field(repr=False)  # global read-block id of each slot
     deadlines: np.ndarray = dataclasses.field(repr=False)  # first step needing each slot
-    reason: str  # "prefetch" or "demand"
+    reason: str  # "prefetch", "demand" or "open" (started when the loader opened)
     needed_from: int  # the first step that needs it
     pending: np.ndarray = dataclasses.field(repr=False)  # units still outstanding per slot
     ready: list[asyncio.Event] = dataclasses.field(repr=False)
@@ -104,6 +104,12 @@ class Fill:
     def reads_started(self) -> bool:
         """Some unit has been taken by a worker: its reads reach the store, its decodes the CPU."""
         return any(unit.taken for unit in self.units)
+
+    @property
+    def cold(self) -> bool:
+        """No load has waited on it yet, and its reads had no head start a load could use:
+        none started, or it was started when the loader opened (for the first load)."""
+        return not self.waited_on and (self.reason == "open" or not self.reads_started)
 
     @property
     def background(self) -> bool:

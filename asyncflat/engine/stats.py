@@ -84,8 +84,9 @@ class FillRecord(Readable):
 
     stream: int
     minipoch: int
-    #: "prefetch" (started ahead of need) or "demand" (a load needed it first: start, resume,
-    #: a jump, or prefetch=False)
+    #: "prefetch" (started ahead of need), "open" (step 0's, started when the loader opened:
+    #: ``EngineOptions.fill_on_open``) or "demand" (a load needed it first: a start without
+    #: that, a resume, a jump, or prefetch=False)
     reason: str
     blocks: int
     blocks_done: int

@@ -2,7 +2,8 @@
 needs of a fill in progress, or read its rows on their own when the fill is behind (and start
 reading the next steps' rows too); a failed fill is dropped and its error raised with the step.
 
-A *cold* load (the first of a fill none of whose reads has started: a start or a resume) may
+A *cold* load (the first of a fill none of whose reads has started, or of the fill started
+when the loader opened: a start or a resume) may
 instead wait until the fill is predicted to stay ahead of the trainer (:func:`stays_ahead`), so
 that the loads after it never wait: on a local store at start-up (the trainer's pace unknown, a
 fill costs a fraction of the reference's first load), and wherever the trainer's pace is known
@@ -139,7 +140,7 @@ class FillWaiter:
         and arrives in the order of need: the first load waits only for its own rows. Once the
         pace is known (a resume in a running job) a cold load waits just long enough, unless
         rows are read one by one from a remote store (they are read ahead instead)."""
-        if not self._options.prefetch or fill.reads_started:
+        if not self._options.prefetch or not fill.cold:
             return None
         pace = self._recorder.rate.pace(step)
         if pace is not None:

@@ -89,7 +89,7 @@ async def open_engine(
         format_bytes(plan.token_count * 4),
     )
     engine = Engine(plan, source, streams, options)
-    engine.start_planning()
+    engine.open(fill=options.prefetch and options.fill_on_open)
     return engine
 
 

@@ -1,0 +1,113 @@
+"""What an engine does between its construction and its first load: :class:`Opening`.
+
+Two things a first load would otherwise wait for start here, off the trainer's thread: the
+plan's block order of this host's streams (computed on a thread of its own: ~10 ns a read
+block of the whole split) and, with ``EngineOptions.fill_on_open``, step 0's fills. The
+trainer's own set-up between constructing a loader and its first load (a model's
+initialisation, its compile: seconds) then hides them. The first load, wherever it is, takes
+step 0's fills over or cancels those it does not read (a resume), before its own fills are
+queued: a fill it cannot need never competes with its reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from asyncflat.engine.fill import Fill
+from asyncflat.engine.lock import OwnedLock
+from asyncflat.engine.permutations import block_order_off_loop
+from asyncflat.engine.table import FillTable, Groups
+from asyncflat.plan.shuffle import ShufflePlan
+
+__all__ = ["Opening"]
+
+
+class Opening:
+    """The block order and the fills on opening of one engine (on its loop).
+
+    Shares the engine's lock and fill table; ``start_reads`` starts the engine's workers,
+    ``closed`` says whether the engine has been closed.
+    """
+
+    def __init__(
+        self,
+        plan: ShufflePlan,
+        streams: tuple[int, ...],
+        *,
+        lock: OwnedLock,
+        fills: FillTable,
+        start_reads: Callable[[], None],
+        closed: Callable[[], bool],
+    ) -> None:
+        self._plan, self._streams = plan, streams
+        self._lock, self._fills = lock, fills
+        self._start_reads, self._closed = start_reads, closed
+        self._order: asyncio.Future[np.ndarray] | None = None
+        self._planner: threading.Thread | None = None
+        self._task: asyncio.Task[None] | None = None
+        #: step 0's fills started here; None until started, [] once a load has claimed them
+        self._opened: list[Fill] | None = None
+
+    def start_planning(self) -> None:
+        """Start computing the block order on its own thread (idempotent). Not on the loop's
+        pools: a load waits for it, and its decodes must not queue behind it."""
+        if self._order is None:
+            self._order, self._planner = block_order_off_loop(self._plan)
+
+    async def planned(self) -> None:
+        """Wait until the block order is computed (raises what computing it raised)."""
+        self.start_planning()
+        assert self._order is not None
+        await asyncio.shield(self._order)
+
+    def start(self, *, fill: bool) -> None:
+        """Start computing the block order and, with ``fill``, step 0's fills of every stream
+        once it is known (idempotent)."""
+        self.start_planning()
+        if fill and self._task is None and not self._closed():
+            self._task = asyncio.get_running_loop().create_task(self._fill())
+
+    async def _fill(self) -> None:
+        try:
+            await self.planned()
+        except Exception:  # noqa: BLE001 - the first load raises it (it waits for it too)
+            return
+        with self._lock:
+            if self._closed() or self._opened is not None:
+                return  # a load came first: it started what it needs
+            self._start_reads()
+            self._opened = [
+                self._fills.ensure(stream, 0, 0, keep={0}, reason="open")
+                for stream in self._streams
+                if self._fills.get(stream, 0) is None
+            ]
+
+    def claim(self, groups: Groups) -> None:
+        """A load is about to start its fills (under the engine's lock): the first cancels
+        step 0's fills that it does not read."""
+        if self._opened == []:
+            return
+        opened, self._opened = self._opened or [], []
+        for fill in opened:
+            if (fill.stream, fill.minipoch) in groups or fill.done or fill.owners:
+                continue
+            if self._fills.get(fill.stream, fill.minipoch) is fill:
+                self._fills.drop(fill, cancelled=True)
+
+    def cancel(self) -> None:
+        """Closing: start no fill (one already started is the fill table's to cancel)."""
+        if self._task is not None:
+            self._task.cancel()
+
+    async def aclose(self) -> None:
+        """Closing: as :meth:`cancel`, then wait for the block order's thread (its
+        computation cannot be interrupted, and must not outlive the loader)."""
+        self.cancel()
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._planner is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._planner.join)
