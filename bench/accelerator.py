@@ -195,6 +195,12 @@ def child(args: argparse.Namespace) -> None:
             1 - args.steps * device_step_s / wall_setup if args.setup_steps else None
         ),
         first_ms_after_setup=float(waits_setup[0]) * 1e3 if args.setup_steps else None,
+        later_max_ms_after_setup=(
+            float(np.max(waits_setup[1:])) * 1e3 if args.setup_steps else None
+        ),
+        waits_ms=float(np.sum(waits)) * 1e3,
+        waits_ms_after_setup=float(np.sum(waits_setup)) * 1e3 if args.setup_steps else None,
+        wall_s_after_setup=wall_setup if args.setup_steps else None,
         first_ms=float(ms[0]),
         median_ms=float(np.median(later)),
         p999_ms=float(np.quantile(later, 0.999)),
