@@ -92,10 +92,12 @@ def run_case(case: dict, results: dict[str, np.ndarray]) -> dict:
         SPEC["dataset"], case["streams"], case["rbpsb"], case["spb"], case["seed"], case["packing"]
     )
     batch_params = asyncflat.TokenBatchParams(len=case["len"], batch=case["batch"])
-    # No load-ahead: the byte counts below are those of exactly these steps' fills (a build of
-    # the step after the last could start one more); iter() below still builds ahead.
+    # No load-ahead and no fill on opening: the byte counts below are those of exactly these
+    # steps' fills (a build of the step after the last could start one more, and step 0's
+    # fills, cancelled by a first load elsewhere, a part of theirs that depends on timing);
+    # iter() below still builds ahead.
     options = asyncflat.EngineOptions(
-        prefetch_to_device=case.get("prefetch_to_device", 1), load_ahead=False
+        prefetch_to_device=case.get("prefetch_to_device", 1), load_ahead=False, fill_on_open=False
     )
     steps = list(range(case["start"], case["start"] + case["count"]))
     with asyncflat.ShufflingLoader(
