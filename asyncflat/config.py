@@ -80,6 +80,10 @@ def step_argument(value: object, name: str = "step") -> int:
     return int(value)
 
 
+#: ``EngineOptions.fill_on_open``'s values
+FILL_ON_OPEN = ("local", "always", "never")
+
+
 def _bool_field(owner: object, name: str) -> None:
     value = getattr(owner, name)
     if not isinstance(value, bool):
@@ -282,10 +286,14 @@ class EngineOptions:
       ``iter()`` does; a jump stops it, and so does an ``iter()``); the
       ``load()`` of the next step then takes its batch instead of building it. False: every
       ``load()`` builds its batch itself.
-    * ``fill_on_open``: start filling the buffers of step 0 when the loader opens, before the
-      first ``load()`` asks: a trainer's model set-up and compile then hide the first fill.
-      A first load elsewhere (a resume) cancels that fill before its own reads are queued.
-      Only with ``prefetch``. False: the first fill starts with the first load.
+    * ``fill_on_open``: where step 0's buffers start filling when the loader opens, before
+      the first ``load()`` asks, so that a trainer's model set-up and compile hide the first
+      fill: ``"local"`` (default) on a store on this machine's file system, ``"always"`` on
+      any store, ``"never"``: the first fill starts with the first load. A first load
+      elsewhere (a resume) cancels what is not done of it before its own reads are queued;
+      reads already in flight finish, which behind a network is a round of requests
+      competing with the resume's (and a checkpoint's restore may share that bucket): hence
+      ``"local"``. Only with ``prefetch``.
     * ``engine_niceness``: how much lower than the trainer's the scheduling priority of the
       engine's threads is (Linux ``nice``; 0 keeps it equal). Fills then take only the CPU the
       trainer leaves, and a load that waits for data leaves the trainer idle anyway.
@@ -299,7 +307,7 @@ class EngineOptions:
     max_inflight_bytes: Optional[int] = None  # noqa: UP045
     prefetch_to_device: int = 1
     load_ahead: bool = True
-    fill_on_open: bool = True
+    fill_on_open: str = "local"
     engine_niceness: int = 10
     retry: RetryPolicy = dataclasses.field(default_factory=RetryPolicy)
 
@@ -314,7 +322,11 @@ class EngineOptions:
             _int_field(self, "max_inflight_bytes", minimum=1)
         _int_field(self, "prefetch_to_device", minimum=0)
         _bool_field(self, "load_ahead")
-        _bool_field(self, "fill_on_open")
+        if self.fill_on_open not in FILL_ON_OPEN:
+            raise ConfigError(
+                f"EngineOptions.fill_on_open must be one of {', '.join(map(repr, FILL_ON_OPEN))}, "
+                f"got {self.fill_on_open!r}"
+            )
         _int_field(self, "engine_niceness", minimum=0)
         if not isinstance(self.retry, RetryPolicy):
             raise ConfigError(

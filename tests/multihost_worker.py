@@ -97,7 +97,7 @@ def run_case(case: dict, results: dict[str, np.ndarray]) -> dict:
     # fills, cancelled by a first load elsewhere, a part of theirs that depends on timing);
     # iter() below still builds ahead.
     options = asyncflat.EngineOptions(
-        prefetch_to_device=case.get("prefetch_to_device", 1), load_ahead=False, fill_on_open=False
+        prefetch_to_device=case.get("prefetch_to_device", 1), load_ahead=False, fill_on_open="never"
     )
     steps = list(range(case["start"], case["start"] + case["count"]))
     with asyncflat.ShufflingLoader(

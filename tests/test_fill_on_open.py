@@ -2,9 +2,13 @@
 
 * a trainer that sets up between construction and its first load finds step 0's buffer
   filled: the fill is recorded as ``"open"``, no load waited on it, the batches are right;
-* a first load elsewhere (a resume) cancels the fill it does not read before its own reads
-  are queued, and is served right;
-* ``fill_on_open=False`` (or ``prefetch=False``) starts nothing before the first load;
+* a first load elsewhere (a resume, in another minipoch or later in minipoch 0) cancels what
+  is not done of those fills before its own reads are queued, and is served right;
+* a remote store (``memory://`` here) is filled on opening only with ``"always"``;
+* a mixture starts its sources' fills once its budget is checked, keeps them at a fresh start
+  whatever streams a source's first step reads, and a resume cancels those of passes it does
+  not read;
+* ``fill_on_open="never"`` (or ``prefetch=False``) starts nothing before the first load;
 * a loader closed before any load cancels the fill and leaves no thread behind.
 """
 
@@ -89,7 +93,7 @@ def test_a_first_load_elsewhere_cancels_the_fill_it_does_not_read(dataset: str) 
 
 
 @pytest.mark.parametrize(
-    "options", [EngineOptions(fill_on_open=False), EngineOptions(prefetch=False)]
+    "options", [EngineOptions(fill_on_open="never"), EngineOptions(prefetch=False)]
 )
 def test_nothing_is_filled_before_the_first_load_when_turned_off(
     dataset: str, options: EngineOptions
@@ -112,6 +116,144 @@ def test_a_loader_closed_before_any_load_leaves_nothing_running(dataset: str) ->
     wait_until(lambda: library_threads() == [], "the loaders' threads to end")
 
 
-def test_fill_on_open_must_be_a_bool() -> None:
-    with pytest.raises(asyncflat.ConfigError, match="fill_on_open"):
-        EngineOptions(fill_on_open=1)  # type: ignore[arg-type]
+@pytest.mark.parametrize("value", [True, 1, "sometimes"])
+def test_fill_on_open_must_be_one_of_its_modes(value: Any) -> None:
+    with pytest.raises(asyncflat.ConfigError, match="fill_on_open must be one of 'local'"):
+        EngineOptions(fill_on_open=value)
+
+
+def slow_chunks(latency_s: float) -> Any:
+    def wrap(store: Any) -> FaultyStore:
+        return FaultyStore(store, latency_s=latency_s, fault_keys="*encoded_tokens/c*", seed=1)
+
+    return wrap
+
+
+def test_a_first_load_later_in_minipoch_0_does_not_wait_for_the_blocks_before_it(
+    dataset: str,
+) -> None:
+    """Step 0's fills read from step 0 on: a resume at a later step of minipoch 0 must not wait
+    for blocks only earlier steps need (a fill planned from its own step skips them)."""
+    with ShufflingLoader(
+        "train", params(dataset), BATCH, SINGLE, store_wrapper=slow_chunks(0.3)
+    ) as loader:
+        resume = loader.plan.first_step(1) - 1  # the last step of minipoch 0
+        check(dataset, loader.load(resume), resume)
+        records = fills(loader)
+        opened = [f for f in records if f["reason"] == "open"]
+        assert len(opened) == 2 and all(f["cancelled"] for f in opened), records
+        demand = loader.stats().as_dict()["active_fills"] + [
+            f for f in records if f["reason"] == "demand"
+        ]
+        assert {(f["stream"], f["must_finish_by_step"]) for f in demand} >= {
+            (0, resume),
+            (1, resume),
+        }, demand
+
+
+def memory_dataset(name: str) -> str:
+    url = f"memory://fill-on-open-{name}.zarr"
+    seqs = random_sequences(5, 600, max_len=80)
+    asyncflat.write_flat_tokens(url, {"train": seqs, "validation": seqs[:50]}, chunk_tokens=256)
+    return url
+
+
+@pytest.mark.parametrize("mode", ["local", "always"])
+def test_a_remote_store_is_filled_on_opening_only_when_asked(mode: str) -> None:
+    url = memory_dataset(mode)
+    options = EngineOptions(fill_on_open=mode)
+    with ShufflingLoader("train", params(url), BATCH, SINGLE, options=options) as loader:
+        time.sleep(0.5)
+        stats = loader.stats().as_dict()
+        started = {f["reason"] for f in stats["fills"] + stats["active_fills"]}
+        assert started == ({"open"} if mode == "always" else set()), stats
+        check(url, loader.load(0), 0)
+
+
+# -- mixtures ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def second(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = str(tmp_path_factory.mktemp("fill-on-open-b") / "b.zarr")
+    seqs = [s + 1000 for s in random_sequences(6, 600, max_len=80)]
+    asyncflat.write_flat_tokens(path, {"train": seqs, "validation": seqs[:50]}, chunk_tokens=256)
+    return path
+
+
+def mixture(a: str, b: str, weight_b: float = 0.5) -> Any:
+    from asyncflat import MixtureParams, MixtureSource
+
+    return MixtureParams(
+        (MixtureSource(params(a), 1 - weight_b), MixtureSource(params(b), weight_b)),
+        seed=1,
+        block_rows=2,
+    )
+
+
+def source_fills(loader: Any, index: int) -> list[dict[str, Any]]:
+    engine = loader.stats().sources[index].engine.as_dict()
+    return engine["fills"] + engine["active_fills"]
+
+
+def test_a_mixture_keeps_its_sources_fills_at_a_fresh_start(dataset: str, second: str) -> None:
+    """A source of small weight reads one stream at its first step: its other stream's fill is
+    still step 0's, and must not be cancelled."""
+    with ShufflingLoader("train", mixture(dataset, second, 0.15), BATCH, SINGLE) as loader:
+        for step in range(6):
+            loader.load(step)
+            time.sleep(0.02)
+        for index in (0, 1):
+            records = source_fills(loader, index)
+            assert {f["stream"] for f in records if f["reason"] == "open"} == {0, 1}, records
+            assert not any(f.get("cancelled") for f in records), records
+
+
+def test_a_mixture_resumed_elsewhere_cancels_its_sources_fills(dataset: str, second: str) -> None:
+    wrap = slow_chunks(0.3)
+    with ShufflingLoader(
+        "train", mixture(dataset, second), BATCH, SINGLE, store_wrapper=[wrap, wrap]
+    ) as loader:
+        loader.load(5)  # still every source's first pass (its figures are the newest pass's)
+        for index in (0, 1):
+            records = source_fills(loader, index)
+            opened = [f for f in records if f["reason"] == "open"]
+            assert opened and all(f.get("cancelled") for f in opened), records
+
+
+def test_a_mixture_refused_by_its_budget_has_read_nothing(dataset: str, second: str) -> None:
+    made: list[FaultyStore] = []
+
+    def counted(store: Any) -> FaultyStore:
+        made.append(FaultyStore(store, latency_s=0.001, fault_keys="*encoded_tokens/c*"))
+        return made[-1]
+
+    def slow_to_open(store: Any) -> FaultyStore:  # the other source opens 0.5 s later
+        return FaultyStore(store, latency_s=0.1, fault_keys=["*zarr.json", "*.zarray", "*.zattrs"])
+
+    options = EngineOptions(max_buffer_bytes=1)
+    with pytest.raises(asyncflat.ConfigError, match="max_buffer_bytes"):
+        ShufflingLoader(
+            "train",
+            mixture(dataset, second),
+            BATCH,
+            SINGLE,
+            options=options,
+            store_wrapper=[counted, slow_to_open],
+        )
+    assert made and all(store.counts.delayed == 0 for store in made)
+
+
+def test_a_load_while_iterating_starts_no_second_builder(dataset: str) -> None:
+    options = EngineOptions(prefetch_to_device=2)
+    with ShufflingLoader("train", params(dataset), BATCH, SINGLE, options=options) as loader:
+        with loader.iter(0) as iterator:
+            for step, batch in iterator:
+                check(dataset, batch, step)
+                if step == 3:
+                    check(dataset, loader.load(3), 3)
+                time.sleep(0.02)
+                if step == 8:
+                    break
+            names = [t for t in library_threads() if "prefetch" in t]
+            assert len(names) == 1, names  # the iterator's

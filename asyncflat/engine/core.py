@@ -123,6 +123,16 @@ class Engine:
         self._loop = asyncio.get_running_loop()  # try_gather hands prefetches to it
         self._opening.start(fill=fill)
 
+    def fill_on_open(self) -> None:
+        """Start step 0's fills now, if no load came first (on the loop; once)."""
+        self._opening.start(fill=True)
+
+    def stop_opening(self) -> None:
+        """No load of this engine will read step 0's fills (a mixture resumed elsewhere):
+        cancel what is not done of them (on the loop)."""
+        with self._lock:
+            self._opening.claim(None)
+
     async def planned(self) -> None:
         """Wait until the plan's block order is computed (raises what computing it raised)."""
         await self._opening.planned()
@@ -147,7 +157,7 @@ class Engine:
             fills: list[Fill] = []
             with self._lock:
                 self._apply_unpins()
-                self._opening.claim(groups)
+                self._opening.claim(step)
                 for stream, minipoch in groups:
                     keep = {m for s, m in groups if s == stream}
                     fill = self._fills.ensure(stream, minipoch, step, keep=keep)

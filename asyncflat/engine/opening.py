@@ -4,9 +4,10 @@ Two things a first load would otherwise wait for start here, off the trainer's t
 plan's block order of this host's streams (computed on a thread of its own: ~10 ns a read
 block of the whole split) and, with ``EngineOptions.fill_on_open``, step 0's fills. The
 trainer's own set-up between constructing a loader and its first load (a model's
-initialisation, its compile: seconds) then hides them. The first load, wherever it is, takes
-step 0's fills over or cancels those it does not read (a resume), before its own fills are
-queued: a fill it cannot need never competes with its reads.
+initialisation, its compile: seconds) then hides them. A first load of step 0 takes those
+fills over; a first load anywhere else (a resume) cancels what is not done of them before its
+own fills are queued, so that they never compete with its reads (only reads already in flight
+finish).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 from asyncflat.engine.fill import Fill
 from asyncflat.engine.lock import OwnedLock
 from asyncflat.engine.permutations import block_order_off_loop
-from asyncflat.engine.table import FillTable, Groups
+from asyncflat.engine.table import FillTable
 from asyncflat.plan.shuffle import ShufflePlan
 
 __all__ = ["Opening"]
@@ -66,9 +67,9 @@ class Opening:
 
     def start(self, *, fill: bool) -> None:
         """Start computing the block order and, with ``fill``, step 0's fills of every stream
-        once it is known (idempotent)."""
+        once it is known, unless a load came first (idempotent)."""
         self.start_planning()
-        if fill and self._task is None and not self._closed():
+        if fill and self._task is None and self._opened is None and not self._closed():
             self._task = asyncio.get_running_loop().create_task(self._fill())
 
     async def _fill(self) -> None:
@@ -86,17 +87,23 @@ class Opening:
                 if self._fills.get(stream, 0) is None
             ]
 
-    def claim(self, groups: Groups) -> None:
-        """A load is about to start its fills (under the engine's lock): the first cancels
-        step 0's fills that it does not read."""
+    def claim(self, step: int | None) -> None:
+        """A load of ``step`` is about to start its fills (under the engine's lock; None: no
+        load will read them). Step 0's fills were planned for step 0: a first load there takes
+        them over (whatever streams it reads: a mixture's source may read some of them later);
+        any other first load cancels what is not done of them, before its own fills are
+        queued, so that they never compete with its reads. A load of a step of minipoch 0
+        then starts a fill planned from its own step (reading only the blocks it needs)."""
         if self._opened == []:
             return
         opened, self._opened = self._opened or [], []
+        if step == 0:
+            return
         for fill in opened:
-            if (fill.stream, fill.minipoch) in groups or fill.done or fill.owners:
+            if fill.done or fill.owners or self._fills.get(fill.stream, fill.minipoch) is not fill:
                 continue
-            if self._fills.get(fill.stream, fill.minipoch) is fill:
-                self._fills.drop(fill, cancelled=True)
+            # A failed one is dropped as failed (its record says so); the others cancelled.
+            self._fills.drop(fill, cancelled=fill.error is None)
 
     def cancel(self) -> None:
         """Closing: start no fill (one already started is the fill table's to cancel)."""

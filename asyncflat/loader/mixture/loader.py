@@ -131,6 +131,8 @@ class MixtureLoader:
         try:
             self._plans = await self._passes.open_first(len(self.streams))
             check_budget(self._sources, self.options.max_buffer_bytes)
+            if self.epoch == 0:  # every source starts at step 0 of its first pass
+                self._passes.fill_on_open(self._source_options)
             step_count = default_step_count(
                 self.params, self.assignment, self._sources, self.rows_per_stream
             )
@@ -162,6 +164,7 @@ class MixtureLoader:
             self._source_options,
             epoch=epoch,
             store_wrapper=self._store_wrappers[index],
+            fill_on_open=False,  # the first passes' once the budget is checked (see _open)
         )
         self._life.keep(engine)  # its tasks never die with a dropped loader's cycle
         return engine

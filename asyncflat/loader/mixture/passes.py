@@ -19,9 +19,11 @@ from typing import Any
 
 import numpy as np
 
+from asyncflat.config import EngineOptions
 from asyncflat.engine import Engine, IntervalStats
 from asyncflat.engine.waiting import raise_with_context
 from asyncflat.errors import AsyncflatError, LoaderClosedError
+from asyncflat.loader.shared.open import fills_on_open
 from asyncflat.plan.shuffle import ShufflePlan
 
 __all__ = ["Passes", "RowGroup", "SourceState", "sum_intervals"]
@@ -132,6 +134,23 @@ class Passes:
             source.last_minipoch_step = plan.first_step(plan.minipoch_count - 1)
             source.buffer_bytes = 2 * streams * plan.buffer_bytes
         return plans
+
+    def fill_on_open(self, options: EngineOptions) -> None:
+        """Start step 0's fills of every source's first pass, as ``options`` say (on the loop,
+        before any load)."""
+        for source in self.sources:
+            engine = source.engines.get(0)
+            if engine is not None and fills_on_open(options, engine.source):
+                engine.fill_on_open()
+
+    def stop_opening(self, keep: set[tuple[int, int]]) -> None:
+        """The mixture's first load is not its first step (a resume): the passes it does not
+        read (``keep``: (source, pass) it reads) cancel what is not done of step 0's fills,
+        which no load may ever read (on the loop)."""
+        for source in self.sources:
+            for epoch, engine in source.engines.items():
+                if (source.index, epoch) not in keep:
+                    engine.stop_opening()
 
     def try_gather(self, groups: list[RowGroup]) -> list[np.ndarray] | None:
         """The rows of every group without the loop when all are ready in open passes and no

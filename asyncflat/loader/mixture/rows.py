@@ -123,6 +123,7 @@ class MixtureRows:
         self._step_count = step_count
         self.lock = threading.Lock()
         self.steps_built = 0
+        self._loaded = False  # rows() has run (the first load's claim is made)
 
     @property
     def step_count(self) -> int:
@@ -153,6 +154,10 @@ class MixtureRows:
 
     async def rows(self, step: int) -> np.ndarray:
         groups = self.groups(step)
+        if not self._loaded:
+            self._loaded = True
+            if self.first_step + step != 0:
+                self.passes.stop_opening({(g.source, g.epoch) for g in groups})
         return self._assemble(step, groups, await self.passes.gather(groups))
 
     def _assemble(self, step: int, groups: list[RowGroup], results: list[np.ndarray]) -> np.ndarray:

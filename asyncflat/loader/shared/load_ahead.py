@@ -76,6 +76,8 @@ class LoadAhead:
         #: the step the builder's next batch is for; None while a load is taking it
         self._next: int | None = None
         self._last: int | None = None  # the step of the latest load that returned
+        #: no load or iter() yet: the first load starts a builder
+        self._fresh = True
 
     def load(self, step: int, build: Callable[[int], Any]) -> Any:
         """The batch of ``load(step)``: the builder's if it expects ``step``, else an
@@ -127,7 +129,8 @@ class LoadAhead:
         threads hold at start-up, and that cost the trainer's second load 1-7 ms."""
         retired = None
         with self._lock:
-            starts = self._last is None or step == self._last + 1  # first, or consecutive
+            consecutive = self._last is not None and step == self._last + 1
+            starts, self._fresh = self._fresh or consecutive, False
             self._last = step
             if self._builder is not None:
                 if self._next is None or self._next == step + 1:
@@ -149,6 +152,7 @@ class LoadAhead:
         the next two consecutive loads start a new one."""
         with self._lock:
             builder = self._builder
+            self._fresh, self._last = False, None  # a load while it iterates starts none
         if builder is not None:
             self._retire(builder)
 

@@ -19,7 +19,7 @@ from asyncflat.source.protocol import StoreWrapper, TokenSource
 from asyncflat.source.zarr_source import ZarrTokenSource
 from asyncflat.storage.local_files import is_url
 
-__all__ = ["open_engine"]
+__all__ = ["fills_on_open", "open_engine"]
 
 # The loader's logger: these records kept their name when this function left asyncflat.loader.shuffling.
 log = logging.getLogger("asyncflat.loader.shuffling")
@@ -35,9 +35,12 @@ async def open_engine(
     epoch: int = 0,
     store_wrapper: StoreWrapper | None = None,
     source: TokenSource | None = None,
+    fill_on_open: bool = True,
 ) -> Engine:
     """Open ``params``' split (unless ``source`` is given), plan epoch ``epoch`` and build the
-    engine of the streams ``host_rows`` belong to (on the running loop, which then owns it)."""
+    engine of the streams ``host_rows`` belong to (on the running loop, which then owns it).
+    ``fill_on_open`` False leaves step 0's fills to the caller (``Engine.fill_on_open``),
+    whatever ``options`` say."""
     if source is None and store_wrapper is None and not params.storage_options:
         source = await _open_plain_local(os.fspath(params.filespec), split, options)
     if source is None:
@@ -89,8 +92,14 @@ async def open_engine(
         format_bytes(plan.token_count * 4),
     )
     engine = Engine(plan, source, streams, options)
-    engine.open(fill=options.prefetch and options.fill_on_open)
+    engine.open(fill=fill_on_open and fills_on_open(options, source))
     return engine
+
+
+def fills_on_open(options: EngineOptions, source: TokenSource) -> bool:
+    """Whether an engine of ``source`` starts step 0's fills when it opens."""
+    mode = options.fill_on_open
+    return options.prefetch and (mode == "always" or (mode == "local" and not source.remote))
 
 
 async def _open_plain_local(
