@@ -129,26 +129,26 @@ def slow_chunks(latency_s: float) -> Any:
     return wrap
 
 
-def test_a_first_load_later_in_minipoch_0_does_not_wait_for_the_blocks_before_it(
+def test_a_first_load_later_in_minipoch_0_takes_the_fill_over_from_its_step(
     dataset: str,
 ) -> None:
-    """Step 0's fills read from step 0 on: a resume at a later step of minipoch 0 must not wait
-    for blocks only earlier steps need (a fill planned from its own step skips them)."""
+    """Step 0's fills were planned from step 0: a resume later in minipoch 0 keeps them (the
+    blocks already read stay) re-planned from its step, and does not wait for the blocks only
+    earlier steps read (one read at a time here: the fill's 16 blocks take seconds)."""
+    wide = FlatTokensParams(dataset, 1, 16, 4, 7, True)
+    options = EngineOptions(max_concurrent_reads=1)
     with ShufflingLoader(
-        "train", params(dataset), BATCH, SINGLE, store_wrapper=slow_chunks(0.3)
+        "train", wide, BATCH, SINGLE, options=options, store_wrapper=slow_chunks(0.15)
     ) as loader:
+        wait_until(lambda: loader.stats().as_dict()["active_fills"] != [], "step 0's fill to start")
         resume = loader.plan.first_step(1) - 1  # the last step of minipoch 0
-        check(dataset, loader.load(resume), resume)
-        records = fills(loader)
-        opened = [f for f in records if f["reason"] == "open"]
-        assert len(opened) == 2 and all(f["cancelled"] for f in opened), records
-        demand = loader.stats().as_dict()["active_fills"] + [
-            f for f in records if f["reason"] == "demand"
-        ]
-        assert {(f["stream"], f["must_finish_by_step"]) for f in demand} >= {
-            (0, resume),
-            (1, resume),
-        }, demand
+        batch = loader.load(resume)
+        (active,) = [f for f in loader.stats().as_dict()["active_fills"] if f["minipoch"] == 0]
+        assert active["reason"] == "open" and active["must_finish_by_step"] == resume
+        assert active["blocks_done"] < active["blocks"], active  # it did not wait for them all
+        want = oracle(dataset, wide, BATCH).batch(resume)
+        np.testing.assert_array_equal(np.asarray(batch.targets), np.asarray(want[0]))
+        assert not [f for f in fills(loader) if f["minipoch"] == 0 and f["cancelled"]]
 
 
 def memory_dataset(name: str) -> str:
@@ -181,13 +181,13 @@ def second(tmp_path_factory: pytest.TempPathFactory) -> str:
     return path
 
 
-def mixture(a: str, b: str, weight_b: float = 0.5) -> Any:
+def mixture(a: str, b: str, weight_b: float = 0.5, block_rows: int = 2) -> Any:
     from asyncflat import MixtureParams, MixtureSource
 
     return MixtureParams(
         (MixtureSource(params(a), 1 - weight_b), MixtureSource(params(b), weight_b)),
         seed=1,
-        block_rows=2,
+        block_rows=block_rows,
     )
 
 
@@ -196,10 +196,30 @@ def source_fills(loader: Any, index: int) -> list[dict[str, Any]]:
     return engine["fills"] + engine["active_fills"]
 
 
+def opened(loader: Any, sources: int = 2) -> None:
+    """Wait until every source's step 0 fills have started (the trainer's set-up)."""
+
+    def started() -> bool:
+        return all(
+            {f["stream"] for f in source_fills(loader, i) if f["reason"] == "open"} == {0, 1}
+            for i in range(sources)
+        )
+
+    wait_until(started, "the sources' fills on opening to start")
+
+
 def test_a_mixture_keeps_its_sources_fills_at_a_fresh_start(dataset: str, second: str) -> None:
     """A source of small weight reads one stream at its first step: its other stream's fill is
     still step 0's, and must not be cancelled."""
-    with ShufflingLoader("train", mixture(dataset, second, 0.15), BATCH, SINGLE) as loader:
+    mix = mixture(dataset, second, 0.125, block_rows=16)
+    with ShufflingLoader("train", mix, BATCH, SINGLE) as loader:
+        opened(loader)
+        wait_until(  # done: the first load could be served off the loop (it must not be)
+            lambda: all(
+                f.get("blocks_done") == f["blocks"] for i in (0, 1) for f in source_fills(loader, i)
+            ),
+            "the fills on opening to finish",
+        )
         for step in range(6):
             loader.load(step)
             time.sleep(0.02)
@@ -214,11 +234,36 @@ def test_a_mixture_resumed_elsewhere_cancels_its_sources_fills(dataset: str, sec
     with ShufflingLoader(
         "train", mixture(dataset, second), BATCH, SINGLE, store_wrapper=[wrap, wrap]
     ) as loader:
+        opened(loader)
         loader.load(5)  # still every source's first pass (its figures are the newest pass's)
         for index in (0, 1):
             records = source_fills(loader, index)
-            opened = [f for f in records if f["reason"] == "open"]
-            assert opened and all(f.get("cancelled") for f in opened), records
+            started = [f for f in records if f["reason"] == "open"]
+            assert started and all(f.get("cancelled") for f in started), records
+
+
+@pytest.mark.parametrize("read_before", [True, False])
+def test_a_mixture_resume_keeps_the_fills_of_a_source_that_still_stands_at_its_step_0(
+    dataset: str, second: str, read_before: bool
+) -> None:
+    """A resume at a step that reads nothing of a source: if the source is past its step 0 on
+    every stream (a source step is 4 rows of a stream here), its step 0 fills are of no use
+    any more (cancelled); if it is still at its step 0 on a stream, its next read there is
+    that step (kept)."""
+    wrap = slow_chunks(3.0)  # b's step 0 fills cannot finish before the resume
+    mix = mixture(dataset, second, 0.125, block_rows=16)  # 2 of every 16 rows of a stream
+    with ShufflingLoader("train", mix, BATCH, SINGLE, store_wrapper=[None, wrap]) as loader:
+        rows_b = np.array([loader.sources(s).reshape(2, 4) == 1 for s in range(40)])
+        reads_b = rows_b.any(axis=(1, 2)).tolist()
+        before = np.cumsum(rows_b.sum(axis=2), axis=0)  # b's rows of each stream, to step s
+        resume = next(
+            s for s in range(1, 40) if not reads_b[s] and (before[s - 1].min() >= 4) == read_before
+        )
+        opened(loader)
+        loader.load(resume)
+        started = [f for f in source_fills(loader, 1) if f["reason"] == "open"]
+        assert len(started) == 2
+        assert all(bool(f.get("cancelled")) == read_before for f in started), started
 
 
 def test_a_mixture_refused_by_its_budget_has_read_nothing(dataset: str, second: str) -> None:
@@ -250,8 +295,8 @@ def test_a_load_while_iterating_starts_no_second_builder(dataset: str) -> None:
         with loader.iter(0) as iterator:
             for step, batch in iterator:
                 check(dataset, batch, step)
-                if step == 3:
-                    check(dataset, loader.load(3), 3)
+                if step in (3, 4):  # two consecutive loads beside it
+                    check(dataset, loader.load(step), step)
                 time.sleep(0.02)
                 if step == 8:
                     break

@@ -108,12 +108,13 @@ class Engine:
         self._unpins: collections.deque[list[tuple[int, int]]] = collections.deque()
         self._closed = False  # no load is served any more
         self._aclosed = False  # workers, row reads and the source closed
-        self._opening = Opening(
+        self.opening = Opening(  # public: a mixture starts and stops its sources' fills
             plan,
             self.streams,
             lock=self._lock,
             fills=self._fills,
             start_reads=self._scheduler.start,
+            requeue=self._scheduler.requeue,
             closed=lambda: self._closed,
         )
 
@@ -121,21 +122,11 @@ class Engine:
         """Start, on the loop, what the first load waits for: the plan's block order and, with
         ``fill``, step 0's fills (:mod:`~asyncflat.engine.opening`)."""
         self._loop = asyncio.get_running_loop()  # try_gather hands prefetches to it
-        self._opening.start(fill=fill)
-
-    def fill_on_open(self) -> None:
-        """Start step 0's fills now, if no load came first (on the loop; once)."""
-        self._opening.start(fill=True)
-
-    def stop_opening(self) -> None:
-        """No load of this engine will read step 0's fills (a mixture resumed elsewhere):
-        cancel what is not done of them (on the loop)."""
-        with self._lock:
-            self._opening.claim(None)
+        self.opening.start(fill=fill)
 
     async def planned(self) -> None:
         """Wait until the plan's block order is computed (raises what computing it raised)."""
-        await self._opening.planned()
+        await self.opening.planned()
 
     # -- public -------------------------------------------------------------------------------
 
@@ -157,7 +148,7 @@ class Engine:
             fills: list[Fill] = []
             with self._lock:
                 self._apply_unpins()
-                self._opening.claim(step)
+                self.opening.claim(step)
                 for stream, minipoch in groups:
                     keep = {m for s, m in groups if s == stream}
                     fill = self._fills.ensure(stream, minipoch, step, keep=keep)
@@ -228,7 +219,7 @@ class Engine:
         if self._aclosed:
             return
         self._aclosed = self._closed = True
-        self._opening.cancel()
+        self.opening.cancel()
         self._fills.fail_all()
         rows = self._rows.aclose() if self._rows is not None else asyncio.sleep(0)
         try:
@@ -238,13 +229,13 @@ class Engine:
         try:
             await self.source.aclose()
         finally:
-            await self._opening.aclose()
+            await self.opening.aclose()
 
     def release(self) -> None:
         """Drop every reference to the buffers (fills, queued units). Idempotent; for closing,
         once nothing runs on the loop any more (:meth:`aclose` calls it)."""
         self._closed = True
-        self._opening.cancel()
+        self.opening.cancel()
         with self._lock:
             self._fills.fail_all()
             self._scheduler.clear()

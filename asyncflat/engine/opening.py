@@ -5,9 +5,9 @@ plan's block order of this host's streams (computed on a thread of its own: ~10 
 block of the whole split) and, with ``EngineOptions.fill_on_open``, step 0's fills. The
 trainer's own set-up between constructing a loader and its first load (a model's
 initialisation, its compile: seconds) then hides them. A first load of step 0 takes those
-fills over; a first load anywhere else (a resume) cancels what is not done of them before its
-own fills are queued, so that they never compete with its reads (only reads already in flight
-finish).
+fills over, one later in minipoch 0 takes them over re-planned from its step; a first load
+anywhere else (a resume) cancels what is not done of them before its own fills are queued,
+so that they never compete with its reads (only reads already in flight finish).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from asyncflat.engine.fill import Fill
+from asyncflat.engine.fill import Fill, Unit
 from asyncflat.engine.lock import OwnedLock
 from asyncflat.engine.permutations import block_order_off_loop
 from asyncflat.engine.table import FillTable
-from asyncflat.plan.shuffle import ShufflePlan
+from asyncflat.plan.shuffle import NEVER, ShufflePlan
 
 __all__ = ["Opening"]
 
@@ -31,7 +31,8 @@ class Opening:
     """The block order and the fills on opening of one engine (on its loop).
 
     Shares the engine's lock and fill table; ``start_reads`` starts the engine's workers,
-    ``closed`` says whether the engine has been closed.
+    ``requeue`` moves a queued unit to another priority, ``closed`` says whether the engine
+    has been closed.
     """
 
     def __init__(
@@ -42,11 +43,12 @@ class Opening:
         lock: OwnedLock,
         fills: FillTable,
         start_reads: Callable[[], None],
+        requeue: Callable[[Unit, int], None],
         closed: Callable[[], bool],
     ) -> None:
         self._plan, self._streams = plan, streams
         self._lock, self._fills = lock, fills
-        self._start_reads, self._closed = start_reads, closed
+        self._start_reads, self._requeue, self._closed = start_reads, requeue, closed
         self._order: asyncio.Future[np.ndarray] | None = None
         self._planner: threading.Thread | None = None
         self._task: asyncio.Task[None] | None = None
@@ -90,10 +92,12 @@ class Opening:
     def claim(self, step: int | None) -> None:
         """A load of ``step`` is about to start its fills (under the engine's lock; None: no
         load will read them). Step 0's fills were planned for step 0: a first load there takes
-        them over (whatever streams it reads: a mixture's source may read some of them later);
-        any other first load cancels what is not done of them, before its own fills are
-        queued, so that they never compete with its reads. A load of a step of minipoch 0
-        then starts a fill planned from its own step (reading only the blocks it needs)."""
+        them over (whatever streams it reads: a mixture's source may read some of them later).
+        A first load later in minipoch 0 takes them over re-planned from its step: the blocks
+        no step from there reads go last, and it waits for none of them (blocks already read
+        are kept). Any other cancels what is not done of them before its own fills are
+        queued, so that they never compete with its reads; a failed one is dropped as failed
+        (its record says so)."""
         if self._opened == []:
             return
         opened, self._opened = self._opened or [], []
@@ -102,8 +106,27 @@ class Opening:
         for fill in opened:
             if fill.done or fill.owners or self._fills.get(fill.stream, fill.minipoch) is not fill:
                 continue
-            # A failed one is dropped as failed (its record says so); the others cancelled.
+            if fill.error is None and step is not None and self._replan(fill, step):
+                continue
             self._fills.drop(fill, cancelled=fill.error is None)
+
+    def stop(self) -> None:
+        """No load will read step 0's fills (a mixture's pass its resume does not read):
+        cancel what is not done of them (on the loop)."""
+        with self._lock:
+            self.claim(None)
+
+    def _replan(self, fill: Fill, step: int) -> bool:
+        """Plan ``fill`` from ``step`` on (its units requeued by their new first step); False
+        when no step from there reads it."""
+        deadlines = self._plan.block_deadlines(fill.perm, fill.minipoch, step)
+        if bool((deadlines == NEVER).all()):
+            return False
+        fill.deadlines = deadlines
+        fill.needed_from = max(step, self._plan.first_step(fill.minipoch))
+        for unit in fill.units:
+            self._requeue(unit, int(min(deadlines[slot] for slot, *_ in unit.pieces)))
+        return True
 
     def cancel(self) -> None:
         """Closing: start no fill (one already started is the fill table's to cancel)."""

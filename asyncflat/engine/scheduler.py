@@ -120,6 +120,13 @@ class UnitScheduler(Generic[U]):
             unit.priority = priority
             self.put(unit)
 
+    def requeue(self, unit: U, priority: int) -> None:
+        """Run ``unit`` at ``priority``, more or less urgent than before, if not taken yet
+        (a fill re-planned for a later first step)."""
+        if not unit.taken and priority != unit.priority:
+            unit.priority = priority
+            self.put(unit)
+
     async def wake_background(self) -> None:
         """A unit's ``background()`` may have turned False: queued ones move to the demand
         queue (ahead of every background unit) and the workers re-check."""

@@ -141,16 +141,16 @@ class Passes:
         for source in self.sources:
             engine = source.engines.get(0)
             if engine is not None and fills_on_open(options, engine.source):
-                engine.fill_on_open()
+                engine.opening.start(fill=True)
 
     def stop_opening(self, keep: set[tuple[int, int]]) -> None:
-        """The mixture's first load is not its first step (a resume): the passes it does not
-        read (``keep``: (source, pass) it reads) cancel what is not done of step 0's fills,
-        which no load may ever read (on the loop)."""
+        """The mixture's first load is not its first step (a resume): the passes not in
+        ``keep`` ((source, pass) that a load may still read from its step 0) cancel what is
+        not done of step 0's fills (on the loop)."""
         for source in self.sources:
             for epoch, engine in source.engines.items():
                 if (source.index, epoch) not in keep:
-                    engine.stop_opening()
+                    engine.opening.stop()
 
     def try_gather(self, groups: list[RowGroup]) -> list[np.ndarray] | None:
         """The rows of every group without the loop when all are ready in open passes and no

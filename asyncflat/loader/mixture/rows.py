@@ -148,6 +148,8 @@ class MixtureRows:
         )
 
     def ready_rows(self, step: int) -> np.ndarray | None:
+        if not self._loaded:
+            return None  # the first load runs on the loop (rows), which settles step 0's fills
         groups = self.groups(step)
         results = self.passes.try_gather(groups)
         return None if results is None else self._assemble(step, groups, results)
@@ -157,7 +159,7 @@ class MixtureRows:
         if not self._loaded:
             self._loaded = True
             if self.first_step + step != 0:
-                self.passes.stop_opening({(g.source, g.epoch) for g in groups})
+                self.passes.stop_opening(self._at_pass_start(step))
         return self._assemble(step, groups, await self.passes.gather(groups))
 
     def _assemble(self, step: int, groups: list[RowGroup], results: list[np.ndarray]) -> np.ndarray:
@@ -168,6 +170,19 @@ class MixtureRows:
             self.steps_built += 1
             count_rows(self.sources, groups, step)
         return out
+
+    def _at_pass_start(self, step: int) -> set[tuple[int, int]]:
+        """The (source, pass) that stand at their step 0 on one of this host's streams at
+        ``step``: their next read (this step's or a later one's) is their step 0."""
+        r = self._rows_per_stream
+        at_start = set()
+        for stream in self.streams:
+            before = self._assignment.count_before(stream, (self.first_step + step) * r)
+            for source, k in enumerate(before.tolist()):
+                epoch, source_step = divmod(k // r, int(self._step_counts[source]))
+                if source_step == 0:
+                    at_start.add((source, epoch))
+        return at_start
 
     def pin_keys(self, step: int) -> PinKeys:
         """Where every source stands at ``step`` on each of this host's streams (its pass and

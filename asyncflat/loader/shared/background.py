@@ -329,6 +329,11 @@ class Prefetchers(Generic[T]):
             if not self._closed:
                 self._retired.add(builder)
 
+    def busy(self) -> bool:
+        """Whether a builder runs (an iterator's, or the load-ahead's)."""
+        with self._lock:
+            return bool(self._live)
+
     def lookup(self, step: int, *, skip: object = None) -> T | None:
         """``step``'s item if a live builder has built it (or is building it), else None.
 

@@ -137,6 +137,8 @@ class LoadAhead:
                     return  # in step (or another thread is taking its batch)
                 retired, self._builder, self._next = self._builder, None, None
             elif starts and self._depth and step + 1 < self._stop_step:
+                if self._prefetchers.busy():
+                    return  # an iterator builds ahead: a load beside it looks its steps up
                 try:
                     self._builder = self._prefetchers.start(
                         self._build, step + 1, self._stop_step, self._depth, spawn=self._spawn
@@ -149,7 +151,7 @@ class LoadAhead:
 
     def retire(self) -> None:
         """Retire the builder if one runs (an ``iter()`` starts, with a builder of its own):
-        the next two consecutive loads start a new one."""
+        once no iterator runs, the next two consecutive loads start a new one."""
         with self._lock:
             builder = self._builder
             self._fresh, self._last = False, None  # a load while it iterates starts none
