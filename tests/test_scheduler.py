@@ -298,3 +298,34 @@ def test_units_of_a_fill_turned_urgent_go_ahead_of_background_units() -> None:
         await sched.aclose()
 
     run(main)
+
+
+def test_background_units_wait_while_held_and_start_once_poked() -> None:
+    """A local store's engine holds background units while a load waits (they would take CPU
+    from the units it waits for); demand units still run, and a poke lets the held ones go."""
+
+    async def main() -> None:
+        rec = Recorder()
+        holding = [True]
+        sched: UnitScheduler[Job] = UnitScheduler(
+            rec,
+            workers=4,
+            reserve=1,
+            budget=100,
+            background_limit=1,
+            hold_background=lambda: holding[0],
+        )
+        background = Job(priority=0, name="bg", is_background=True)
+        demand = Job(priority=5, name="demand")
+        sched.put(background)
+        sched.put(demand)
+        sched.start()
+        await until(lambda: "demand" in rec.started, "the demand unit started")
+        await asyncio.sleep(0.05)  # a bounded look for the held unit starting
+        assert rec.started == ["demand"]
+        holding[0] = False
+        sched.poke()
+        await until(lambda: "bg" in rec.started, "the held background unit started")
+        await sched.aclose()
+
+    run(main)

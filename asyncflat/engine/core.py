@@ -61,9 +61,8 @@ class Engine:
         # try_gather takes it to read finished buffers from the caller's thread, so a buffer is
         # never handed to a new fill mid-read.
         self._lock = OwnedLock()
-        # A prefetch fill nobody waits for yet runs one unit at a time on a local store (reads
-        # are CPU copies there), so it takes at most about one core from the trainer; behind a
-        # network its reads still overlap, since latency, not CPU, bounds them.
+        # On a local store (reads are CPU there) a prefetch nobody waits for runs one unit at a
+        # time, none while a load waits; behind a network latency, not CPU, bounds its reads.
         unit_tokens = (
             source.token_chunk
             if plan.sequence_packing
@@ -77,6 +76,7 @@ class Engine:
             reserve=4 * unit_tokens,  # decoded bytes of the largest unit
             budget=inflight_budget(plan, source, options),
             background_limit=options.max_concurrent_reads if source.remote else 1,
+            hold_background=None if source.remote else lambda: self._units.waiting_step is not None,
         )
         self._fills = FillTable(
             plan,
@@ -87,7 +87,6 @@ class Engine:
             on_permutation_ready=self._permutation_ready,
             prefetch=options.prefetch,
         )
-        # A load ahead of its blocks reads just its rows when the source can do that cheaply.
         self._rows = (
             RowReader(plan, source, self._scheduler, local=not source.remote)
             if plan.sequence_packing and source.partial_reads and options.prefetch
@@ -164,6 +163,7 @@ class Engine:
                     await self._waiter.serve(fill, step, batch_indices, buffer_rows, out[rows])
             finally:
                 self._units.waiting_step = None
+                self._scheduler.poke()  # background units held while it waited may start
                 with self._lock:
                     for fill in fills:
                         fill.owners -= 1

@@ -74,11 +74,15 @@ class UnitScheduler(Generic[U]):
         reserve: int,
         budget: int,
         background_limit: int,
+        hold_background: Callable[[], bool] | None = None,
         name: str = "asyncflat-read",
     ) -> None:
+        """``hold_background`` (when given) says that no background unit may start now
+        (:meth:`poke` once it may again)."""
         self._run, self._name = run, name
         self.workers, self.reserve, self.budget = workers, reserve, budget
         self.background_limit = background_limit
+        self._hold_background = hold_background
         self._demand: list[_Entry] = []  # heaps of (priority, order, unit)
         self._background: list[_Entry] = []
         self._order = itertools.count()  # FIFO among equal priorities
@@ -96,7 +100,8 @@ class UnitScheduler(Generic[U]):
             self._changed = asyncio.Event()
         return self._changed
 
-    def _poke(self) -> None:
+    def poke(self) -> None:
+        """Workers look again for a unit they may take (what admits one has changed)."""
         self._ensure().set()
 
     def start(self) -> None:
@@ -111,7 +116,7 @@ class UnitScheduler(Generic[U]):
     def put(self, unit: U) -> None:
         heap = self._background if unit.background() else self._demand
         heapq.heappush(heap, (unit.priority, next(self._order), unit))
-        self._poke()
+        self.poke()
 
     def reprioritise(self, unit: U, priority: int) -> None:
         """Run ``unit`` at ``priority`` if it is more urgent and not taken yet; its old queue
@@ -136,7 +141,7 @@ class UnitScheduler(Generic[U]):
             heapq.heapify(self._background)
             for entry in promoted:
                 heapq.heappush(self._demand, entry)
-        self._poke()
+        self.poke()
 
     @contextlib.asynccontextmanager
     async def paused(self) -> AsyncIterator[None]:
@@ -148,7 +153,7 @@ class UnitScheduler(Generic[U]):
         finally:
             self._pauses -= 1
             if not self._pauses:
-                self._poke()
+                self.poke()
 
     def clear(self) -> None:
         """Forget every queued unit (closing: they hold their fills, and those the buffers)."""
@@ -183,7 +188,7 @@ class UnitScheduler(Generic[U]):
                 self.in_flight_bytes -= self.reserve
                 if held:
                     self.background_active -= 1
-                self._poke()
+                self.poke()
             # An idle worker must not keep its last unit (and so that unit's fill, its ready
             # events and a view of its buffer) alive until it takes the next one.
             del unit, taken
@@ -200,7 +205,10 @@ class UnitScheduler(Generic[U]):
                     heapq.heappop(heap)  # fill gone, or a stale entry of a moved unit
                     continue
                 held = unit.background()
-                if held and self.background_active >= self.background_limit:
+                if held and (
+                    self.background_active >= self.background_limit
+                    or (self._hold_background is not None and self._hold_background())
+                ):
                     break  # background units behind it may not run either
                 heapq.heappop(heap)
                 unit.taken = True
