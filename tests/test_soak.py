@@ -27,6 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
+from conftest import oracle
 from helpers.resources import library_threads, rss_kib, wait_until
 from reference_impl import ReferenceLoader, load_split_arrays
 
@@ -74,20 +75,10 @@ def test_epochs_with_faults_random_access_and_resumes(tmp_path: Path) -> None:
     for epoch in range(EPOCHS):
         packing = epoch % 2 == 0
         params = FlatTokensParams(path, 2, 3, 4, seed=100 + epoch, sequence_packing=packing)
-        oracle = ReferenceLoader(
-            tokens,
-            starts,
-            seq_len=BATCH.len,
-            batch=BATCH.batch,
-            streams=2,
-            read_blocks_per_shuffle_buffer=3,
-            sequences_per_read_block=4,
-            seed=100 + epoch,
-            sequence_packing=packing,
-        )
+        reference = oracle((tokens, starts), params, BATCH)
         served: dict[int, np.ndarray] = {}
         step = 0
-        while step < oracle.step_count:
+        while step < reference.step_count:
             assert time.monotonic() - started < BUDGET_S, (
                 f"soak over budget in epoch {epoch} at step {step}"
             )
@@ -114,29 +105,30 @@ def test_epochs_with_faults_random_access_and_resumes(tmp_path: Path) -> None:
             with ShufflingLoader(
                 "train", params, BATCH, SINGLE, options=options, store_wrapper=wrap
             ) as loader:
-                assert loader.step_count == oracle.step_count
+                assert loader.step_count == reference.step_count
                 # This loader's life: a few stretches, then a resume in a fresh loader.
                 for _ in range(int(rng.integers(1, 4))):
-                    if step >= oracle.step_count:
+                    if step >= reference.step_count:
                         break
                     if rng.random() < 0.3:  # random access: anywhere in the epoch, then back
-                        for jump in rng.integers(0, oracle.step_count, 3).tolist():
-                            check(loader.load(jump), oracle, jump, served)
+                        for jump in rng.integers(0, reference.step_count, 3).tolist():
+                            check(loader.load(jump), reference, jump, served)
                     stretch = int(rng.integers(5, 30))
                     with loader.iter(step) as iterator:
                         for got_step, batch in iterator:
                             assert got_step == step
-                            check(batch, oracle, step, served)
+                            check(batch, reference, step, served)
                             step += 1
-                            if step >= oracle.step_count or stretch == 0:
+                            if step >= reference.step_count or stretch == 0:
                                 break
                             stretch -= 1
                 retries += loader.stats()["retries"]
             injected += sum(s.counts.transient for s in stores)
 
-        assert sorted(served) == list(range(oracle.step_count))
+        assert sorted(served) == list(range(reference.step_count))
         rows = np.sort(np.concatenate(list(served.values())))
-        np.testing.assert_array_equal(rows, np.arange(oracle.read_block_count * 4))  # each row once
+        # each row once
+        np.testing.assert_array_equal(rows, np.arange(reference.read_block_count * 4))
 
     assert injected > 50 and retries > 50, (injected, retries)
     assert loaders > EPOCHS * 2
@@ -145,21 +137,21 @@ def test_epochs_with_faults_random_access_and_resumes(tmp_path: Path) -> None:
 
 def check(
     batch: asyncflat.TokenBatch,
-    oracle: ReferenceLoader,
+    reference: ReferenceLoader,
     step: int,
     served: dict[int, np.ndarray],
     shape: TokenBatchParams = BATCH,
 ) -> None:
-    targets, is_start = oracle.batch(step)
+    targets, is_start = reference.batch(step)
     got = np.asarray(batch.targets)
     np.testing.assert_array_equal(got, targets, err_msg=f"step {step}")
     np.testing.assert_array_equal(np.asarray(batch.is_seq_start), is_start, err_msg=f"step {step}")
     first = got[:, 0].astype(np.int64)
-    if oracle.sequence_packing:
+    if reference.sequence_packing:
         rows = first // shape.len
     else:  # a non-packed row starts with its sequence's first token: its offset
-        rows = np.searchsorted(oracle.seq_starts.astype(np.int64), first, side="right") - 1
-    np.testing.assert_array_equal(rows, oracle.row_ids(step))
+        rows = np.searchsorted(reference.seq_starts.astype(np.int64), first, side="right") - 1
+    np.testing.assert_array_equal(rows, reference.row_ids(step))
     served[step] = rows
 
 
@@ -254,21 +246,7 @@ def test_hundreds_of_lifecycles_and_thousands_of_loads_hold_memory_and_threads(
     asyncflat.write_flat_tokens(path, {"train": seqs}, chunk_tokens=1024)
     tokens, starts = load_split_arrays(path, "train")
     params = FlatTokensParams(path, 2, 2, 4, seed=7, sequence_packing=True)
-
-    def oracle(batch: TokenBatchParams) -> ReferenceLoader:
-        return ReferenceLoader(
-            tokens,
-            starts,
-            seq_len=batch.len,
-            batch=batch.batch,
-            streams=2,
-            read_blocks_per_shuffle_buffer=2,
-            sequences_per_read_block=4,
-            seed=7,
-            sequence_packing=True,
-        )
-
-    reference = oracle(BATCH)
+    reference = oracle((tokens, starts), params, BATCH)
     rng = np.random.default_rng(11)
     started = time.monotonic()
 
@@ -277,7 +255,7 @@ def test_hundreds_of_lifecycles_and_thousands_of_loads_hold_memory_and_threads(
     assert ends["closed while busy"] >= LIFECYCLES // 8, ends
     lifecycles_s = time.monotonic() - started
 
-    small = oracle(LOAD_BATCH)
+    small = oracle((tokens, starts), params, LOAD_BATCH)
     with ShufflingLoader("train", params, LOAD_BATCH, SINGLE) as loader:
         steps = loader.step_count
         assert steps == small.step_count and steps > 2000
