@@ -34,6 +34,7 @@ __all__ = [
     "Fill",
     "FillWriter",
     "Unit",
+    "first_need",
     "forget",
     "plan_units",
     "read_unpacked_rows",
@@ -259,23 +260,24 @@ def _units_packed(plan: ShufflePlan, fill: Fill, chunk: int) -> list[Unit]:
     for parts in by_chunk.values():
         start, stop = min(p[2] for p in parts), max(p[3] for p in parts)
         pieces = [(slot, off, lo - start, hi - lo) for slot, off, lo, hi in parts]
-        priority = int(min(fill.deadlines[slot] for slot, *_ in pieces))
-        units.append(Unit(fill, priority, start, stop, pieces))
+        units.append(Unit(fill, first_need(fill.deadlines, pieces), start, stop, pieces))
     return units
+
+
+def first_need(deadlines: np.ndarray, pieces: list[tuple[int, int, int, int]]) -> int:
+    """A unit's priority: the first step that needs one of its pieces' slots."""
+    return int(min(deadlines[slot] for slot, *_ in pieces))
 
 
 def _units_unpacked(plan: ShufflePlan, fill: Fill) -> list[Unit]:
     spb, seq_len = plan.sequences_per_read_block, plan.seq_len
-    return [
-        Unit(
-            fill,
-            int(fill.deadlines[slot]),
-            block * spb,
-            (block + 1) * spb,
-            [(slot, 0, 0, spb * seq_len)],
+    units = []
+    for slot, block in enumerate(fill.blocks.tolist()):
+        pieces = [(slot, 0, 0, spb * seq_len)]
+        units.append(
+            Unit(fill, first_need(fill.deadlines, pieces), block * spb, (block + 1) * spb, pieces)
         )
-        for slot, block in enumerate(fill.blocks.tolist())
-    ]
+    return units
 
 
 async def read_unpacked_rows(

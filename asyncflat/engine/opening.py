@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from asyncflat.engine.fill import Fill, Unit
+from asyncflat.engine.fill import Fill, Unit, first_need
 from asyncflat.engine.lock import OwnedLock
 from asyncflat.engine.permutations import block_order_off_loop
 from asyncflat.engine.table import FillTable
@@ -125,7 +125,7 @@ class Opening:
         fill.deadlines = deadlines
         fill.needed_from = max(step, self._plan.first_step(fill.minipoch))
         for unit in fill.units:
-            self._requeue(unit, int(min(deadlines[slot] for slot, *_ in unit.pieces)))
+            self._requeue(unit, first_need(deadlines, unit.pieces))
         return True
 
     def cancel(self) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -171,33 +172,31 @@ class MixtureRows:
             count_rows(self.sources, groups, step)
         return out
 
-    def _at_pass_start(self, step: int) -> set[tuple[int, int]]:
-        """The (source, pass) that stand at their step 0 on one of this host's streams at
-        ``step``: their next read (this step's or a later one's) is their step 0."""
+    def _standing(self, step: int) -> Iterator[tuple[int, int, int, int]]:
+        """Where every source stands at ``step`` on each of this host's streams: (stream,
+        source, pass, source step), whether or not ``step`` reads it."""
         r = self._rows_per_stream
-        at_start = set()
         for stream in self.streams:
             before = self._assignment.count_before(stream, (self.first_step + step) * r)
             for source, k in enumerate(before.tolist()):
                 epoch, source_step = divmod(k // r, int(self._step_counts[source]))
-                if source_step == 0:
-                    at_start.add((source, epoch))
-        return at_start
+                yield stream, source, epoch, source_step
+
+    def _at_pass_start(self, step: int) -> set[tuple[int, int]]:
+        """The (source, pass) that stand at their step 0 on one of this host's streams at
+        ``step``: their next read (this step's or a later one's) is their step 0."""
+        return {(source, epoch) for _, source, epoch, at in self._standing(step) if at == 0}
 
     def pin_keys(self, step: int) -> PinKeys:
         """Where every source stands at ``step`` on each of this host's streams (its pass and
         minipoch), whether or not ``step`` reads it: equal for all the steps in which no
         source changes minipoch, so an iterator pins once per source minipoch."""
-        r = self._rows_per_stream
         keys = []
-        for stream in self.streams:
-            before = self._assignment.count_before(stream, (self.first_step + step) * r)
-            for source, k in enumerate(before.tolist()):
-                epoch, source_step = divmod(k // r, int(self._step_counts[source]))
-                row = np.array([stream * r])
-                minipoch = int(self._plans[source].locate(source_step, row).minipoch[0])
-                is_open = self.passes.engine_now(source, epoch) is not None
-                keys.append((source, epoch, stream, minipoch, is_open))
+        for stream, source, epoch, source_step in self._standing(step):
+            row = np.array([stream * self._rows_per_stream])
+            minipoch = int(self._plans[source].locate(source_step, row).minipoch[0])
+            is_open = self.passes.engine_now(source, epoch) is not None
+            keys.append((source, epoch, stream, minipoch, is_open))
         return tuple(keys)
 
     def pin(self, keys: PinKeys) -> list[tuple[Engine, list[tuple[int, int]]]]:
