@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import re
+import subprocess
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -102,6 +104,27 @@ def test_crc32c_is_the_standard_one() -> None:
         data = rng.integers(0, 256, size, np.uint8)
         assert chunks.crc32c(data) == google_crc32c.value(data.tobytes()), size
     assert chunks.crc32c(b"123456789") == 0xE3069283  # RFC 3720's check value
+
+
+def test_the_first_checksum_starts_no_subprocess() -> None:
+    """The first checksum of a process (on a cold start's way to its first batch) finds the C
+    library in google-crc32c's wheel: no ``ldconfig``/``gcc`` subprocess (a fork of the whole
+    trainer process) to look for the system's, from any of the threads that ask at once."""
+    code = (
+        "import subprocess, threading\n"
+        "def refuse(*args, **kwargs):\n"
+        "    raise AssertionError(f'a subprocess was started: {args!r}')\n"
+        "subprocess.Popen = refuse\n"
+        "from asyncflat.storage import chunks\n"
+        "values = []\n"
+        "threads = [threading.Thread(target=lambda: values.append(chunks.crc32c(b'123456789')))\n"
+        "           for _ in range(4)]\n"
+        "[t.start() for t in threads]; [t.join() for t in threads]\n"
+        "assert values == [0xE3069283] * 4, values\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 def test_a_flipped_bit_fails_the_fill_path(store: Store, sequences: list[np.ndarray]) -> None:

@@ -228,7 +228,21 @@ def _python_crc32c(data: np.ndarray) -> int:
 def _native_crc32c() -> Callable[[int, int, int], int] | None:
     """``crc32c_extend(crc, address, length)`` of the C library google-crc32c wraps (its wheel's
     copy, else the system's), called through ctypes, which releases the GIL; None when none is
-    found or one found does not give the standard check value."""
+    found or one found does not give the standard check value.
+
+    The system's is looked up only when the wheel has none: ``ctypes.util.find_library`` runs
+    ``ldconfig`` and ``gcc`` in subprocesses (~10 ms here, a fork of the whole trainer process
+    under a sandboxed kernel), and the first checksum, which asks for this, is on the way to a
+    cold start's first batch. ``functools.cache`` does not stop two threads computing it at
+    once (a fill's first checksums run on several): a lock does."""
+    with _NATIVE_LOCK:
+        return _load_native_crc32c()
+
+
+_NATIVE_LOCK = threading.Lock()
+
+
+def _load_native_crc32c() -> Callable[[int, int, int], int] | None:
     candidates: list[str] = []
     try:
         import google_crc32c
@@ -238,9 +252,18 @@ def _native_crc32c() -> Callable[[int, int, int], int] | None:
         site = Path(google_crc32c.__file__).resolve().parent.parent
         for folder in ("google_crc32c.libs", "google_crc32c/.dylibs", "google_crc32c"):
             candidates += sorted(str(p) for p in (site / folder).glob("libcrc32c*"))
-    system = ctypes.util.find_library("crc32c")
-    if system:
-        candidates.append(system)
+    function = _first_native(candidates)
+    if function is None:
+        system = ctypes.util.find_library("crc32c")
+        function = _first_native([system] if system else [])
+    if function is None:
+        log.info("no native crc32c library found: checksums are computed holding the GIL")
+    return function
+
+
+def _first_native(candidates: list[str]) -> Callable[[int, int, int], int] | None:
+    """The first of ``candidates`` (library paths) that has ``crc32c_extend`` and gives the
+    standard check value."""
     for candidate in candidates:
         try:
             function = ctypes.CDLL(candidate).crc32c_extend
@@ -250,5 +273,4 @@ def _native_crc32c() -> Callable[[int, int, int], int] | None:
         function.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
         if function(0, b"123456789", 9) == _CHECK_VALUE:
             return function
-    log.info("no native crc32c library found: checksums are computed holding the GIL")
     return None
