@@ -27,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-from asyncflat.plan.permutation import permutation  # noqa: E402
+from asyncflat.plan.permutation import permutation
 
 # the module itself, for its knob (asyncflat.plan's ``permutation`` is the function)
 permutation_module = importlib.import_module("asyncflat.plan.permutation")

@@ -530,3 +530,49 @@ def test_a_mixture_iterator_pins_the_buffers_it_reads_next(
         assert log.held()
         iterator.close()
         assert not log.held()
+
+
+@pytest.mark.parametrize(("block_rows", "warned"), [(2, True), (4, False)])
+def test_a_source_whose_share_of_a_block_rounds_to_zero_is_warned_about_once(
+    stores: list[str],
+    tmp_path: Any,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+    block_rows: int,
+    warned: bool,
+) -> None:
+    """Weights (0.75, 0.25) with block_rows=2 give counts (2, 0) per block: source 1 would
+    never be served. One WARNING at construction says so and how to choose block_rows, and
+    ``inspect --mixture`` prints the same; block_rows=4 (counts 3, 1) warns of nothing."""
+    import dataclasses
+
+    import yaml
+
+    from asyncflat.cli import main
+
+    mixture = MixtureParams(
+        (MixtureSource(flat(stores[0]), 0.75), MixtureSource(flat(stores[1]), 0.25)),
+        block_rows=block_rows,
+        steps=8,
+    )
+    caplog.set_level(logging.WARNING)
+    with asyncflat.ShufflingLoader("train", mixture, BATCH, options=OPTIONS) as loader:
+        served = [encoded(loader.load(step)) for step in range(8)]
+    warnings = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and r.getMessage().startswith("mixture:")
+    ]
+    if warned:
+        assert len(warnings) == 1, warnings
+        assert "source 1 (weight 0.25)" in warnings[0] and "block_rows >= 4" in warnings[0]
+    else:
+        assert warnings == []
+    # what the warning is about: with block_rows=2, no row of source 1 is served
+    sources_served = {int(row.min() // 2 // VOCAB) for batch in served for row in batch}
+    assert sources_served == ({0} if warned else {0, 1})
+    config = tmp_path / "mixture.yaml"
+    config.write_text(yaml.safe_dump(dataclasses.asdict(mixture)))
+    args = ["inspect", str(config), "--mixture", "--len", "16", "--batch", "8", "--no-progress"]
+    assert main(args) == 0
+    assert ("warning: mixture: source 1 (weight 0.25)" in capsys.readouterr().out) is warned

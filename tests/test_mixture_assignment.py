@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from test_config_types import from_dict
 
 from asyncflat import ConfigError, FlatTokensParams, MixtureParams, MixtureSource, MixtureStage
-from asyncflat.plan.mixture import Assignment, largest_remainder
+from asyncflat.plan.mixture import Assignment, largest_remainder, starved_warning
 
 weights_st = st.lists(st.floats(0, 10, allow_nan=False) | st.integers(0, 5), min_size=1, max_size=4)
 
@@ -193,3 +193,14 @@ def test_stage_steps_and_weights_are_checked() -> None:
         MixtureStage(0, (1.0,))
     with pytest.raises(ConfigError, match="positive sum"):
         MixtureStage(2, (0.0, 0.0))
+
+
+def test_the_starved_warning_names_each_source_and_stage_whose_share_rounds_to_zero() -> None:
+    assert starved_warning(Assignment([(0, (0.75, 0.25))], 4, 4, seed=0)) is None
+    assert starved_warning(Assignment([(0, (1.0, 0.0))], 4, 2, seed=0)) is None  # zero: wanted
+    message = starved_warning(Assignment([(0, (0.75, 0.25)), (6, (0.1, 0.9))], 4, 2, seed=0))
+    assert message is not None
+    assert "source 1 (weight 0.25) in the stage from step 0" in message
+    assert "source 0 (weight 0.1) in the stage from step 6" in message
+    assert "block_rows >= 10" in message  # 0.1 of a block is one row from 10 rows on
+    assert "source 0 (weight 0.75)" not in message and "(weight 0.9)" not in message

@@ -18,7 +18,7 @@ from asyncflat.errors import ConfigError
 from asyncflat.inspection import describe_split, loader_figures
 from asyncflat.loader.mixture.config import MixtureParams
 from asyncflat.plan.coverage import format_bytes
-from asyncflat.plan.mixture import Assignment
+from asyncflat.plan.mixture import Assignment, starved_warning
 
 __all__ = ["figures_text", "inspect_mixture", "load_mixture_config", "mixture_figures"]
 
@@ -94,6 +94,7 @@ def mixture_figures(
         "step_count": steps,
         "buffer_bytes_per_host": sum(s["buffer_bytes_per_host"] for s in sources),
         "sources": sources,
+        "warning": starved_warning(assignment),
     }
 
 
@@ -110,6 +111,8 @@ def figures_text(figures: dict[str, Any], hosts: int = 1) -> str:
             f"{s['passes']} pass(es) used; buffers {format_bytes(s['buffer_bytes_per_host'])} "
             "per host"
         )
+    if figures.get("warning"):
+        lines.append(f"warning: {figures['warning']}")
     return "\n".join(lines)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import math
 from collections.abc import Sequence
 from fractions import Fraction
 
@@ -27,7 +28,7 @@ import numpy as np
 from asyncflat.errors import ConfigError
 from asyncflat.plan.permutation import permutation
 
-__all__ = ["Assignment", "largest_remainder"]
+__all__ = ["Assignment", "largest_remainder", "starved_warning"]
 
 # Keeps the block seeds apart from any FlatTokensParams seed (those are below 2**130).
 _TAG = 0x6D6978 << 192
@@ -51,6 +52,37 @@ def largest_remainder(weights: Sequence[float], n: int) -> np.ndarray:
     for s in order[:left]:
         counts[s] += 1
     return np.array(counts, np.int64)
+
+
+def starved_warning(assignment: Assignment) -> str | None:
+    """The one warning when a source of positive weight gets no row of a full block in some
+    stage (its quota of ``block_rows`` rows rounds to zero: weights (0.75, 0.25) with
+    ``block_rows=2`` give counts (2, 0)), so that it is served only in a stage's shorter last
+    block, if at all; else None. The loader logs it at construction and ``asyncflat inspect
+    --mixture`` prints it."""
+    starved = []
+    for stage, (start, weights) in enumerate(zip(assignment.stage_steps, assignment.weights)):
+        counts = assignment.block_counts(stage)
+        for source, weight in enumerate(weights):
+            if weight > 0 and counts[source] == 0:
+                starved.append(
+                    f"source {source} (weight {weight:g}) in the stage from step {start}"
+                )
+    if not starved:
+        return None
+    smallest = min(
+        Fraction(w) / sum(Fraction(x) for x in weights)
+        for weights in assignment.weights
+        for w in weights
+        if w > 0
+    )
+    return (
+        f"mixture: {'; '.join(starved)} gets no row of a block of block_rows="
+        f"{assignment.block_rows} (largest remainder rounds its share to zero), so it is "
+        "served only in a stage's shorter last block, if at all; choose block_rows so that "
+        "every weight's share of a block is whole (at least one row: block_rows >= "
+        f"{math.ceil(1 / smallest)})"
+    )
 
 
 class Assignment:
@@ -87,6 +119,10 @@ class Assignment:
                 base = base + full * self._full[g] + self._counts(g, rest)
 
     # -- blocks ---------------------------------------------------------------------------------
+
+    def block_counts(self, stage: int) -> np.ndarray:
+        """Each source's rows in a full block of ``stage`` (a copy)."""
+        return self._full[stage].copy()
 
     def _make_counts(self, stage: int, n: int) -> np.ndarray:
         return largest_remainder(self.weights[stage], n)

@@ -41,7 +41,7 @@ from asyncflat.loader.shared.batch import BatchBuilder, BatchType, TokenBatch, d
 from asyncflat.loader.shared.iterator import BatchIterator
 from asyncflat.loader.shared.lifecycle import Lifecycle
 from asyncflat.loader.shared.open import open_engine
-from asyncflat.plan.mixture import Assignment
+from asyncflat.plan.mixture import Assignment, starved_warning
 from asyncflat.plan.shuffle import ShufflePlan
 from asyncflat.source.protocol import StoreWrapper
 
@@ -113,6 +113,9 @@ class MixtureLoader:
         self.assignment = Assignment(
             params.schedule(), self.rows_per_stream, params.block_rows, params.seed
         )
+        starved = starved_warning(self.assignment)
+        if starved is not None:
+            log.warning(starved)
         self._life: Lifecycle[MixtureRows] = Lifecycle(
             "MixtureLoader",
             builder,
