@@ -204,3 +204,22 @@ def test_the_starved_warning_names_each_source_and_stage_whose_share_rounds_to_z
     assert "source 0 (weight 0.1) in the stage from step 6" in message
     assert "block_rows >= 10" in message  # 0.1 of a block is one row from 10 rows on
     assert "source 0 (weight 0.75)" not in message and "(weight 0.9)" not in message
+    # the block_rows it suggests does give every source a row, in every stage
+    enough = Assignment([(0, (0.75, 0.25)), (6, (0.1, 0.9))], 4, 10, seed=0)
+    assert starved_warning(enough) is None
+    assert all((enough.block_counts(stage) >= 1).all() for stage in range(2))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    weights=st.lists(st.floats(0.001, 1.0), min_size=2, max_size=5),
+    block_rows=st.integers(1, 64),
+)
+def test_the_block_rows_the_warning_suggests_always_suffices(
+    weights: list[float], block_rows: int
+) -> None:
+    message = starved_warning(Assignment([(0, tuple(weights))], 4, block_rows, seed=0))
+    if message is None:
+        return
+    suggested = int(message.split("any block_rows >= ")[1].split()[0])
+    assert starved_warning(Assignment([(0, tuple(weights))], 4, suggested, seed=0)) is None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import hashlib
 import io
 import json
@@ -20,8 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncflat.errors import ConfigError
+from asyncflat.plan.kernel import CHUNK
 from asyncflat.plan.permutation import (
-    BLOCK,
     PYTHON_BELOW,
     YIELD_SLICE,
     ensure_kernel,
@@ -79,8 +78,8 @@ def test_matches_reference(seed: int, n: int) -> None:
     [
         (0, PYTHON_BELOW - 1),
         (0, PYTHON_BELOW),
-        (5, BLOCK),
-        (5, BLOCK + 1),
+        (5, CHUNK),
+        (5, CHUNK + 1),
         (2**40 + 7, 70_001),
         (2**100, 65_537),
         (2**64 - 1, 131_075),
@@ -376,36 +375,3 @@ def test_a_yielding_permutation_lets_other_threads_run_meanwhile() -> None:
     slices = n // YIELD_SLICE
     assert yielding >= slices // 4, (yielding, plain, slices)
     assert plain < yielding // 4, (yielding, plain, slices)
-
-
-@pytest.mark.parametrize("cpus", [1, 2, 4], ids=lambda c: f"{c}cpus")
-@pytest.mark.parametrize("n", [4 * 64, 4 * 64 + 1, 10 * 64 + 3, 20_000])
-def test_blocks_drawn_on_helper_threads_give_the_same_permutation(
-    monkeypatch: pytest.MonkeyPatch, n: int, cpus: int
-) -> None:
-    """Large sizes draw the swap targets of the next blocks on helper threads while the current
-    block's swaps run: the same permutation, whatever the block size, the helper count (the
-    usable CPUs less one, at most MAX_DRAW_THREADS) and where ``n`` ends in a block."""
-    # (asyncflat.plan's ``permutation`` is the function, which hides the module's name there)
-    permutation_module = sys.modules[permutation.__module__]
-    ensure_kernel()
-    monkeypatch.setattr(permutation_module, "BLOCK", 64)
-    monkeypatch.setattr(permutation_module, "PIPELINE_FROM", 64)
-    monkeypatch.setattr(permutation_module, "usable_cpus", lambda: cpus)
-    threads: set[str] = set()
-    real_submit = concurrent.futures.ThreadPoolExecutor.submit
-
-    def submit(self, fn, *args, **kwargs):  # type: ignore[no-untyped-def]
-        def named(*a, **k):  # type: ignore[no-untyped-def]
-            threads.add(threading.current_thread().name)
-            return fn(*a, **k)
-
-        return real_submit(self, named, *args, **kwargs)
-
-    monkeypatch.setattr(concurrent.futures.ThreadPoolExecutor, "submit", submit)
-    got = permutation(7, n, method="kernel")
-    np.testing.assert_array_equal(got, slow_reference(7, n))
-    if cpus == 1:
-        assert not threads  # nobody to draw ahead: inline
-    else:
-        assert threads and all(name.startswith("permutation-draws") for name in threads)

@@ -40,11 +40,10 @@ def block_order_off_loop(
     """``plan.served_block_order``, computed on a thread of its own (call on the loop), and
     that thread.
 
-    It takes time in proportion to the whole split (~0.1 s at 14.3M read blocks on two cores,
-    with the GIL released), so no loop pool runs it: a first load waits for it, and a load's
-    decodes must not queue behind it. The computation is not interrupted (the kernel's calls
-    run to the end of the split): closing the engine waits for the thread, so it never
-    outlives its loader.
+    It takes time in proportion to the whole split (~10 ns a read block, with the GIL
+    released), so no loop pool runs it: a first load waits for it, and a load's decodes must
+    not queue behind it. The computation cannot be interrupted (one call into the kernel):
+    closing the engine waits for the thread, so it never outlives its loader.
     """
     loop = asyncio.get_running_loop()
     order: asyncio.Future[np.ndarray] = loop.create_future()

@@ -13,36 +13,39 @@ read-only installs.
 It computes exactly what the frozen algorithm of :mod:`asyncflat.plan.permutation` computes:
 Philox4x64-10 on the key of ``np.random.Philox(seed)`` (counter based, so raw draw ``i`` is lane
 ``i % 4`` of block ``i // 4 + 1``), swap targets ``raw % (i + 1)`` and the swaps from the last
-position down. Each module has two functions, called through ctypes (which releases the GIL) on
-a block of positions at a time: ``targets`` (the draws, about 80% of the work in cache; pure in
-its arguments, so the caller computes the next blocks' on other threads) and ``swaps`` (the
-permutation) or ``columns`` (some columns of it, :func:`_build_columns`).
+position down, a chunk of ``CHUNK`` positions at a time (first the chunk's targets, then its
+swaps). It is called through ctypes, which releases the GIL for the call.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import llvmlite.binding as llvm
 from llvmlite import ir
 
-__all__ = ["COLUMNS_CHUNK", "PREFETCH_AHEAD", "Kernel", "compile_columns_kernel", "compile_kernel"]
+__all__ = [
+    "CHUNK",
+    "PREFETCH_AHEAD",
+    "ColumnsKernel",
+    "Kernel",
+    "compile_columns_kernel",
+    "compile_kernel",
+]
 
-#: How many swaps ahead ``swaps`` prefetches the entry a swap will touch.
+# Swap targets computed per batch: a multiple of 4 (one Philox block) whose uint32 fit L1.
+CHUNK = 4096
+#: How many swaps ahead the permutation prefetches the entry a swap will touch.
 PREFETCH_AHEAD = 64
-#: Swap targets the columns kernel draws per batch: a multiple of 4 (one Philox block) whose
-#: uint32 fit L1.
-COLUMNS_CHUNK = 4096
 
-_I1, _I32, _I64, _I128 = ir.IntType(1), ir.IntType(32), ir.IntType(64), ir.IntType(128)
+_I1, _I8, _I32 = ir.IntType(1), ir.IntType(8), ir.IntType(32)
+_I64, _I128 = ir.IntType(64), ir.IntType(128)
 _F64 = ir.DoubleType()
-_TARGETS = "asyncflat_targets"
-_SWAPS = "asyncflat_swaps"
-_COLUMNS = "asyncflat_columns"
+_NAME = "asyncflat_permutation"
+_COLUMNS = "asyncflat_permutation_columns"
 _EMPTY = ir.Constant(_I32, 0xFFFFFFFF)
 _GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: Fibonacci hashing
 
@@ -50,18 +53,12 @@ _GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: Fibonacci hashing
 _M0, _M1 = 0xD2E7470EE14C6C93, 0xCA5A826395121157
 _W0, _W1 = 0x9E3779B97F4A7C15, 0xBB67AE8584CAA73B
 
-
-@dataclasses.dataclass(frozen=True)
-class Kernel:
-    """One compiled module's functions (ctypes; arrays passed by address)."""
-
-    #: ``targets(k0, k1, start, end, out)``: swap targets of ``[start, end)`` into ``out``
-    targets: Callable[[int, int, int, int, int], None]
-    #: ``swaps(result, start, end, targets)``, or ``columns(k0, k1, n, streams, rank, served,
-    #: keys, values, bits, out, scratch)`` for the columns module (:func:`_build_columns`)
-    apply: Callable[..., None]
-    #: uint32 items of the ``scratch`` that ``apply`` takes (0: it takes none)
-    scratch: int = 0
+#: ``kernel(k0, k1, result_address, n, scratch_address)``: fills ``result`` (``n`` uint32) with
+#: the permutation; ``scratch`` holds ``CHUNK`` uint32.
+Kernel = Callable[[int, int, int, int, int], None]
+#: ``columns(k0, k1, n, streams, rank, served, keys, values, bits, out, scratch)`` (addresses
+#: for the arrays): some columns of the permutation, see :func:`_build_columns`.
+ColumnsKernel = Callable[[int, int, int, int, int, int, int, int, int, int, int], None]
 
 
 def _const(value: int) -> ir.Constant:
@@ -132,57 +129,47 @@ def _targets(b: ir.IRBuilder, k0: Any, k1: Any, start: Any, end: Any, swaps: Any
                 b.store(target, b.gep(swaps, [b.sub(i, start)]))
 
 
-def _build_targets(module: ir.Module) -> None:
-    """``targets(k0, k1, start, end, out)``: swap targets of positions ``[start, end)`` into
-    ``out`` (``start`` a multiple of 4). Pure in its arguments (counter-based draws), so blocks
-    of positions can be computed on several threads at once."""
-    signature = ir.FunctionType(ir.VoidType(), [_I64, _I64, _I64, _I64, _I32.as_pointer()])
-    function = ir.Function(module, signature, _TARGETS)
-    k0, k1, start, end, out = function.args
-    b = ir.IRBuilder(function.append_basic_block("entry"))
-    _targets(b, k0, k1, start, end, out)
-    b.ret_void()
-
-
-def _prefetch(module: ir.Module) -> ir.Function:
-    """``llvm.prefetch`` (address, write, locality, data cache)."""
-    i8p = ir.IntType(8).as_pointer()
-    return ir.Function(
-        module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]), "llvm.prefetch.p0i8"
+def _build_permutation(module: ir.Module) -> None:
+    signature = ir.FunctionType(
+        ir.VoidType(), [_I64, _I64, _I32.as_pointer(), _I64, _I32.as_pointer()]
     )
-
-
-def _build_swaps(module: ir.Module) -> None:
-    """``swaps(result, start, end, targets)``: Fisher-Yates' swaps of positions ``end - 1``
-    down to ``start``, ``targets[i - start]`` each. Beyond a cache's size every swap is a
-    random access: the entry ``PREFETCH_AHEAD`` swaps ahead is prefetched (measured 15% faster
-    at 2**24 entries)."""
-    ptr = _I32.as_pointer()
-    function = ir.Function(module, ir.FunctionType(ir.VoidType(), [ptr, _I64, _I64, ptr]), _SWAPS)
-    result, start, end, targets = function.args
-    prefetch = _prefetch(module)
+    function = ir.Function(module, signature, _NAME)
+    k0, k1, result, n, swaps = function.args
+    # llvm.prefetch(address, write, locality, data cache)
+    prefetch = ir.Function(
+        module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]),
+        "llvm.prefetch.p0i8",
+    )  # fmt: skip
     b = ir.IRBuilder(function.append_basic_block("entry"))
-    with _count(b, b.sub(end, _const(1)), b.sub(start, _const(1)), -1) as i:
-        ahead = b.sub(i, _const(PREFETCH_AHEAD))
-        with b.if_then(b.icmp_signed(">=", ahead, start)):
-            later = b.zext(b.load(b.gep(targets, [b.sub(ahead, start)])), _I64)
-            address = b.bitcast(b.gep(result, [later]), ir.IntType(8).as_pointer())
-            b.call(
-                prefetch,
-                [address, ir.Constant(_I32, 1), ir.Constant(_I32, 3), ir.Constant(_I32, 1)],
-            )
-        j = b.zext(b.load(b.gep(targets, [b.sub(i, start)])), _I64)
-        at_i, at_j = b.gep(result, [i]), b.gep(result, [j])
-        value_i, value_j = b.load(at_i), b.load(at_j)
-        b.store(value_j, at_i)
-        b.store(value_i, at_j)
+
+    with _count(b, _const(0), n, 1) as i:  # result = arange(n)
+        b.store(b.trunc(i, _I32), b.gep(result, [i]))
+
+    last_start = b.mul(b.sdiv(b.sub(n, _const(1)), _const(CHUNK)), _const(CHUNK))
+    with _count(b, last_start, _const(-1), -CHUNK) as start:
+        end = b.select(
+            b.icmp_signed("<", b.add(start, _const(CHUNK)), n), b.add(start, _const(CHUNK)), n
+        )
+        _targets(b, k0, k1, start, end, swaps)
+        with _count(b, b.sub(end, _const(1)), b.sub(start, _const(1)), -1) as i:
+            # Beyond the caches each swap is a random access: prefetch the entry the swap
+            # PREFETCH_AHEAD positions down will touch (measured 15% faster at 2**24).
+            ahead = b.sub(i, _const(PREFETCH_AHEAD))
+            with b.if_then(b.icmp_signed(">=", ahead, start)):
+                later = b.zext(b.load(b.gep(swaps, [b.sub(ahead, start)])), _I64)
+                address = b.bitcast(b.gep(result, [later]), _I8.as_pointer())
+                b.call(prefetch, [address, *(ir.Constant(_I32, v) for v in (1, 3, 1))])
+            j = b.zext(b.load(b.gep(swaps, [b.sub(i, start)])), _I64)
+            at_i, at_j = b.gep(result, [i]), b.gep(result, [j])
+            value_i, value_j = b.load(at_i), b.load(at_j)
+            b.store(value_j, at_i)
+            b.store(value_i, at_j)
     b.ret_void()
 
 
 def _build_module(columns: bool) -> ir.Module:
-    module = ir.Module(_COLUMNS if columns else _SWAPS)
-    _build_targets(module)
-    (_build_columns if columns else _build_swaps)(module)
+    module = ir.Module(_COLUMNS if columns else _NAME)
+    (_build_columns if columns else _build_permutation)(module)
     return module
 
 
@@ -269,10 +256,7 @@ def _build_columns(module: ir.Module) -> None:
     which is the value the permutation holds there. Position ``i`` is first touched by undo
     step ``i``, so a wanted position enters the table (position -> output index) at its own
     step, and the table never holds more entries than the output: memory in proportion to the
-    served columns, time in proportion to ``n`` (one draw and one probe per position). Its
-    draws stay in the kernel, ``COLUMNS_CHUNK`` at a time: the blocks of draws that helper
-    threads would compute ahead (as for the permutation) would outweigh the few columns a host
-    of many serves, whose plan's memory is in proportion to them.
+    served columns, time in proportion to ``n`` (one draw and one probe per position).
     """
     ptr = _I32.as_pointer()
     signature = ir.FunctionType(
@@ -285,11 +269,9 @@ def _build_columns(module: ir.Module) -> None:
     row, column = b.alloca(_I64), b.alloca(_I64)
     b.store(_const(0), row)
     b.store(_const(0), column)
-    with _count(b, _const(0), n, COLUMNS_CHUNK) as start:
+    with _count(b, _const(0), n, CHUNK) as start:
         end = b.select(
-            b.icmp_signed("<", b.add(start, _const(COLUMNS_CHUNK)), n),
-            b.add(start, _const(COLUMNS_CHUNK)),
-            n,
+            b.icmp_signed("<", b.add(start, _const(CHUNK)), n), b.add(start, _const(CHUNK)), n
         )
         _targets(b, k0, k1, start, end, swaps)
         with _count(b, start, end, 1) as i:
@@ -347,32 +329,26 @@ _engines: list[Any] = []
 
 
 def compile_kernel() -> Kernel:
-    """Compile the permutation's functions for this CPU (~0.06 s of CPU)."""
-    targets, swaps = _compile(columns=False)
-    u64, i64, pointer = ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p
-    return Kernel(
-        targets=ctypes.CFUNCTYPE(None, u64, u64, i64, i64, pointer)(targets),
-        apply=ctypes.CFUNCTYPE(None, pointer, i64, i64, pointer)(swaps),
-    )
+    """Compile the permutation kernel for this CPU and return it (~0.06 s of CPU)."""
+    address = _compile(columns=False)
+    return ctypes.CFUNCTYPE(
+        None, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p
+    )(address)
 
 
-def compile_columns_kernel() -> Kernel:
-    """Compile the columns' functions for this CPU (~0.07 s of CPU). Apart from the
+def compile_columns_kernel() -> ColumnsKernel:
+    """Compile the columns kernel for this CPU and return it (~0.07 s of CPU). Apart from the
     permutation's: a process that needs one of them (a host serving every stream, or one of
     many) never compiles the other (compiling both took 0.13 s, on the way to a first batch)."""
-    targets, columns = _compile(columns=True)
+    address = _compile(columns=True)
     u64, i64, pointer = ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p
-    return Kernel(
-        targets=ctypes.CFUNCTYPE(None, u64, u64, i64, i64, pointer)(targets),
-        apply=ctypes.CFUNCTYPE(
-            None, u64, u64, i64, i64, pointer, i64, pointer, pointer, i64, pointer, pointer
-        )(columns),
-        scratch=COLUMNS_CHUNK,
-    )
+    return ctypes.CFUNCTYPE(
+        None, u64, u64, i64, i64, pointer, i64, pointer, pointer, i64, pointer, pointer
+    )(address)
 
 
-def _compile(*, columns: bool) -> tuple[int, int]:
-    """Compile one module; the addresses of its ``targets`` and its other function."""
+def _compile(*, columns: bool) -> int:
+    """Compile one kernel's module; the address of its function."""
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
     try:
@@ -388,12 +364,9 @@ def _compile(*, columns: bool) -> tuple[int, int]:
     _optimise(parsed, machine)
     engine = llvm.create_mcjit_compiler(parsed, machine)
     engine.finalize_object()
-    addresses = (
-        int(engine.get_function_address(_TARGETS)),
-        int(engine.get_function_address(_COLUMNS if columns else _SWAPS)),
-    )
+    address = int(engine.get_function_address(_COLUMNS if columns else _NAME))
     # Never disposed: freeing the code at interpreter exit, under a thread still running it,
     # would crash the process. It is a few kilobytes, once per process.
     engine.detach()
     _engines.append(engine)
-    return addresses
+    return address

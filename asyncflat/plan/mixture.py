@@ -80,8 +80,8 @@ def starved_warning(assignment: Assignment) -> str | None:
         f"mixture: {'; '.join(starved)} gets no row of a block of block_rows="
         f"{assignment.block_rows} (largest remainder rounds its share to zero), so it is "
         "served only in a stage's shorter last block, if at all; choose block_rows so that "
-        "every weight's share of a block is whole (at least one row: block_rows >= "
-        f"{math.ceil(1 / smallest)})"
+        "every weight's share of a block is whole (any block_rows >= "
+        f"{math.ceil(1 / smallest)} gives every source at least one row)"
     )
 
 

@@ -20,9 +20,7 @@ numpy) must see the same data order as before. It was chosen to make that possib
 Evaluated literally it takes about 0.4 s per million elements, so large ``n`` runs a machine-code
 kernel instead (:mod:`asyncflat.plan.kernel`: LLVM IR compiled with llvmlite on first use
 in ~0.1 s, where numba took 0.6-1.1 s per process; it runs with the GIL released, so a background
-thread can shuffle while the trainer runs Python). It runs a block of ``BLOCK`` positions at a
-time, the swap targets first (the draws: counter based, so from ``PIPELINE_FROM`` positions on
-the next blocks' are drawn on helper threads meanwhile), then the swaps. The kernel re-implements Philox4x64-10 on the
+thread can shuffle while the trainer runs Python). The kernel re-implements Philox4x64-10 on the
 key of ``np.random.Philox(seed)``; the tests check it against numpy's own ``random_raw``, the
 literal algorithm, and checked-in golden vectors. ``n`` up to ``2**16`` (a shuffle buffer's rows
 up to a 512 MiB buffer of 2048-token sequences) takes a plain Python path that needs no
@@ -33,28 +31,19 @@ and ~64 MiB of resident library code).
 from __future__ import annotations
 
 import atexit
-import collections
 import logging
 import operator
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import numpy as np
 
-from asyncflat.config import usable_cpus
 from asyncflat.errors import ConfigError
 
-if TYPE_CHECKING:
-    from asyncflat.plan.kernel import Kernel
-
 __all__ = [
-    "BLOCK",
-    "MAX_DRAW_THREADS",
     "NO_COMPILE_MAX",
-    "PIPELINE_FROM",
     "PYTHON_BELOW",
     "YIELD_PAUSE_S",
     "YIELD_SLICE",
@@ -76,19 +65,12 @@ PYTHON_BELOW = 2048
 #: dataset of up to 2**16 blocks) never pays LLVM's compile time and resident code, and a
 #: restart's first batch never waits for it. Larger sizes need the kernel.
 NO_COMPILE_MAX = 1 << 16
-#: Positions per call of a kernel function: a multiple of 4 (one Philox block) whose swap
-#: targets (uint32) fit a core's L2 cache.
-BLOCK = 1 << 16
-#: From this many positions the swap targets of the next blocks are drawn on helper threads
-#: while the current block's swaps run (smaller: the threads' start costs more than it saves).
-PIPELINE_FROM = 1 << 20
-#: At most this many helper threads draw ahead: with two, the swaps (a random memory access
-#: each, beyond the caches) bound the time. Never more than the usable CPUs less one.
-MAX_DRAW_THREADS = 2
 _METHODS = ("auto", "python", "kernel")
-_EMPTY = 0xFFFFFFFF  # a free slot of the columns' table
-_kernel: Kernel | None = None
-_columns_kernel: Kernel | None = None
+_Kernel = Callable[[np.uint64, np.uint64, np.ndarray], None]
+#: (k0, k1, n, streams, rank, out): see :func:`permutation_columns`
+_ColumnsKernel = Callable[[np.uint64, np.uint64, int, int, np.ndarray, np.ndarray], None]
+_kernel: _Kernel | None = None
+_columns_kernel: _ColumnsKernel | None = None
 _kernel_lock = threading.Lock()
 _warm_up_thread: threading.Thread | None = None
 _warm_up_lock = threading.Lock()
@@ -131,15 +113,8 @@ def permutation(
     if _python_path(method, n):
         return _python_permutation(bit_generator, n, yield_gil=yield_gil)
     key = _philox_key(bit_generator)
-    kernel = _get_kernel()
-    result = np.arange(n, dtype=np.uint32)
-    _by_blocks(
-        kernel,
-        key,
-        n,
-        top_down=True,
-        apply=lambda start, end, targets: kernel.apply(result.ctypes.data, start, end, targets),
-    )
+    result = np.empty(n, np.uint32)
+    _get_kernel()(key[0], key[1], result)
     return result
 
 
@@ -187,59 +162,8 @@ def permutation_columns(
     rank = np.full(streams, -1, np.int32)
     rank[list(served)] = np.arange(len(served), dtype=np.int32)
     out = np.empty((rows, len(served)), np.uint32)
-    slots = _table_slots(out.size)
-    keys = np.full(slots, _EMPTY, np.uint32)  # wanted position -> output index
-    values = np.empty(slots, np.uint32)
-    kernel = _get_kernel(columns=True)
-    scratch = np.empty(kernel.scratch, np.uint32)
-    kernel.apply(
-        int(key[0]), int(key[1]), n, streams, rank.ctypes.data, len(served), keys.ctypes.data,
-        values.ctypes.data, slots.bit_length() - 1, out.ctypes.data, scratch.ctypes.data,
-    )  # fmt: skip
+    _get_columns_kernel()(key[0], key[1], n, streams, rank, out)
     return out
-
-
-def _by_blocks(
-    kernel: Kernel,
-    key: np.ndarray,
-    n: int,
-    *,
-    top_down: bool,
-    apply: Callable[[int, int, int], None],
-) -> None:
-    """``apply(start, end, targets_address)`` on each block of ``BLOCK`` positions of
-    ``range(n)`` in turn (from the top when ``top_down``), with the block's swap targets drawn
-    first: on helper threads, ``2 * helpers`` blocks ahead, from ``PIPELINE_FROM`` positions."""
-    starts = list(range(0, n, BLOCK))
-    if top_down:
-        starts.reverse()
-    k0, k1 = int(key[0]), int(key[1])
-
-    def draw(start: int, out: np.ndarray) -> np.ndarray:
-        kernel.targets(k0, k1, start, min(start + BLOCK, n), out.ctypes.data)
-        return out
-
-    helpers = min(MAX_DRAW_THREADS, usable_cpus() - 1) if n >= PIPELINE_FROM else 0
-    if helpers < 1:
-        targets = np.empty(min(BLOCK, n), np.uint32)
-        for start in starts:
-            apply(start, min(start + BLOCK, n), draw(start, targets).ctypes.data)
-        return
-    ahead = 2 * helpers
-    spare = [np.empty(BLOCK, np.uint32) for _ in range(ahead + 1)]
-    with ThreadPoolExecutor(helpers, thread_name_prefix="permutation-draws") as pool:
-        drawing = collections.deque(
-            (start, pool.submit(draw, start, spare.pop())) for start in starts[:ahead]
-        )
-        queued = iter(starts[ahead:])
-        while drawing:
-            start, future = drawing.popleft()
-            targets = future.result()
-            following = next(queued, None)
-            if following is not None:
-                drawing.append((following, pool.submit(draw, following, spare.pop())))
-            apply(start, min(start + BLOCK, n), targets.ctypes.data)
-            spare.append(targets)
 
 
 def _table_slots(entries: int) -> int:
@@ -363,35 +287,63 @@ def _python_permutation(
     return out
 
 
-def _get_kernel(*, columns: bool = False) -> Kernel:
-    """The compiled permutation (or columns) kernel, compiled now unless it is (a compile under
-    way in another thread is waited for, not repeated)."""
-    global _kernel, _columns_kernel
-    compiled = _columns_kernel if columns else _kernel
-    if compiled is None:
+def _get_kernel() -> _Kernel:
+    global _kernel
+    if _kernel is None:
         with _kernel_lock:
-            compiled = _columns_kernel if columns else _kernel
-            if compiled is None:
-                compiled = _load_kernel(columns=columns)
-                if columns:
-                    _columns_kernel = compiled
-                else:
-                    _kernel = compiled
-    return compiled
+            if _kernel is None:
+                _kernel = _load_kernel()
+    return _kernel
 
 
-def _load_kernel(*, columns: bool) -> Kernel:
-    """Compile the machine-code permutation (or columns) kernel; llvmlite is imported only
-    here."""
+def _get_columns_kernel() -> _ColumnsKernel:
+    global _columns_kernel
+    if _columns_kernel is None:
+        with _kernel_lock:
+            if _columns_kernel is None:
+                _columns_kernel = _load_columns_kernel()
+    return _columns_kernel
+
+
+def _load_kernel() -> _Kernel:
+    """Compile the machine-code permutation kernel (llvmlite is imported only here)."""
     started = time.perf_counter()
     from asyncflat.plan import kernel as compiled_kernel
 
-    compiled = (
-        compiled_kernel.compile_columns_kernel() if columns else compiled_kernel.compile_kernel()
-    )
-    logger.debug(
-        "compiled the %s kernel in %.3fs",
-        "columns" if columns else "permutation",
-        time.perf_counter() - started,
-    )
-    return compiled
+    compiled = compiled_kernel.compile_kernel()
+    chunk = compiled_kernel.CHUNK
+    logger.debug("compiled the permutation kernel in %.3fs", time.perf_counter() - started)
+
+    def kernel(k0: np.uint64, k1: np.uint64, result: np.ndarray) -> None:
+        if result.dtype != np.uint32 or not result.flags.c_contiguous or not result.flags.writeable:
+            raise TypeError("the permutation kernel needs a writeable C-contiguous uint32 array")
+        scratch = np.empty(chunk, np.uint32)
+        compiled(int(k0), int(k1), result.ctypes.data, result.size, scratch.ctypes.data)
+
+    return kernel
+
+
+def _load_columns_kernel() -> _ColumnsKernel:
+    """Compile the machine-code columns kernel (llvmlite is imported only here)."""
+    started = time.perf_counter()
+    from asyncflat.plan import kernel as compiled_kernel
+
+    compiled_columns = compiled_kernel.compile_columns_kernel()
+    chunk = compiled_kernel.CHUNK
+    logger.debug("compiled the columns kernel in %.3fs", time.perf_counter() - started)
+
+    def columns(
+        k0: np.uint64, k1: np.uint64, n: int, streams: int, rank: np.ndarray, out: np.ndarray
+    ) -> None:
+        if rank.dtype != np.int32 or out.dtype != np.uint32 or not out.flags.c_contiguous:
+            raise TypeError("the columns kernel needs int32 ranks and a C-contiguous uint32 out")
+        slots = _table_slots(out.size)
+        keys = np.full(slots, 0xFFFFFFFF, np.uint32)  # every slot free
+        values = np.empty(slots, np.uint32)
+        scratch = np.empty(chunk, np.uint32)
+        compiled_columns(
+            int(k0), int(k1), n, streams, rank.ctypes.data, out.shape[1], keys.ctypes.data,
+            values.ctypes.data, slots.bit_length() - 1, out.ctypes.data, scratch.ctypes.data,
+        )  # fmt: skip
+
+    return columns

@@ -20,8 +20,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import dataclasses
-import functools
 import logging
+import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -224,7 +224,6 @@ def _python_crc32c(data: np.ndarray) -> int:
     return int(google_crc32c.value(data))
 
 
-@functools.cache
 def _native_crc32c() -> Callable[[int, int, int], int] | None:
     """``crc32c_extend(crc, address, length)`` of the C library google-crc32c wraps (its wheel's
     copy, else the system's), called through ctypes, which releases the GIL; None when none is
@@ -233,13 +232,34 @@ def _native_crc32c() -> Callable[[int, int, int], int] | None:
     The system's is looked up only when the wheel has none: ``ctypes.util.find_library`` runs
     ``ldconfig`` and ``gcc`` in subprocesses (~10 ms here, a fork of the whole trainer process
     under a sandboxed kernel), and the first checksum, which asks for this, is on the way to a
-    cold start's first batch. ``functools.cache`` does not stop two threads computing it at
-    once (a fill's first checksums run on several): a lock does."""
-    with _NATIVE_LOCK:
-        return _load_native_crc32c()
+    cold start's first batch. Resolved once per process, by whichever thread asks first (a
+    fill's first checksums run on several at once), the others waiting for its answer."""
+    if _native.resolved:
+        return _native.function
+    with _native.lock:
+        if not _native.resolved:
+            _native.function = _load_native_crc32c()
+            _native.resolved = True
+    return _native.function
 
 
-_NATIVE_LOCK = threading.Lock()
+class _Native:
+    """The resolved library function, and the lock its first lookup holds."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.resolved = False
+        self.function: Callable[[int, int, int], int] | None = None
+
+    def after_fork(self) -> None:
+        # A thread of the parent may have held the lock at fork: the child's copy would stay
+        # held forever (that thread does not exist there).
+        self.lock = threading.Lock()
+
+
+_native = _Native()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_native.after_fork)
 
 
 def _load_native_crc32c() -> Callable[[int, int, int], int] | None:
