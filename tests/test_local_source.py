@@ -194,6 +194,38 @@ def test_a_restart_imports_no_zarr(tmp_path: Path, sequences: list[np.ndarray]) 
     np.testing.assert_array_equal(np.array(result["targets"], np.uint32), expected)
 
 
+def test_a_cold_start_runs_no_subprocess(tmp_path: Path, sequences: list[np.ndarray]) -> None:
+    """Construction and the first loads of a checksummed local store (the writer's default)
+    start no subprocess: the first checksums looked for the system's crc32c library with
+    ``ldconfig`` and ``gcc`` (six processes forked from the trainer on its way to step 0)."""
+    path = written(tmp_path, sequences, zarr_format=3)
+    script = textwrap.dedent(
+        f"""
+        import subprocess
+        import asyncflat, jax
+        jax.devices()
+        started = []
+        class Recorded(subprocess.Popen):
+            def __init__(self, args, *rest, **kwargs):
+                started.append(args)
+                super().__init__(args, *rest, **kwargs)
+        subprocess.Popen = Recorded
+        p = asyncflat.FlatTokensParams({str(path)!r}, 1, 4, 16, seed=3, sequence_packing=True)
+        b = asyncflat.TokenBatchParams(len={BATCH.len}, batch={BATCH.batch})
+        with asyncflat.ShufflingLoader("train", p, b) as loader:
+            for step in range(min(loader.step_count, 12)):
+                loader.load(step)
+        print(started)
+        """
+    )
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
+
+
 # -- what falls back, and with which errors ------------------------------------------------------
 
 
