@@ -18,7 +18,6 @@ Where that library cannot be found, ``google_crc32c.value`` (or zarr 3.0's ``crc
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import dataclasses
 import logging
 import os
@@ -229,11 +228,12 @@ def _native_crc32c() -> Callable[[int, int, int], int] | None:
     copy, else the system's), called through ctypes, which releases the GIL; None when none is
     found or one found does not give the standard check value.
 
-    The system's is looked up only when the wheel has none: ``ctypes.util.find_library`` runs
-    ``ldconfig`` and ``gcc`` in subprocesses (~10 ms here, a fork of the whole trainer process
-    under a sandboxed kernel), and the first checksum, which asks for this, is on the way to a
-    cold start's first batch. Resolved once per process, by whichever thread asks first (a
-    fill's first checksums run on several at once), the others waiting for its answer."""
+    The system's is opened by its file name (the dynamic loader searches its usual paths), not
+    found with ``ctypes.util.find_library``, which runs ``ldconfig``, ``gcc`` and ``ld`` in
+    subprocesses (~10 ms here, forks of the whole trainer process under a sandboxed kernel):
+    the first checksum, which asks for this, is on the way to a cold start's first batch.
+    Resolved once per process, by whichever thread asks first (a fill's first checksums run on
+    several at once), the others waiting for its answer."""
     if _native.resolved:
         return _native.function
     with _native.lock:
@@ -272,13 +272,14 @@ def _load_native_crc32c() -> Callable[[int, int, int], int] | None:
         site = Path(google_crc32c.__file__).resolve().parent.parent
         for folder in ("google_crc32c.libs", "google_crc32c/.dylibs", "google_crc32c"):
             candidates += sorted(str(p) for p in (site / folder).glob("libcrc32c*"))
-    function = _first_native(candidates)
-    if function is None:
-        system = ctypes.util.find_library("crc32c")
-        function = _first_native([system] if system else [])
+    function = _first_native([*candidates, *_SYSTEM_NAMES])
     if function is None:
         log.info("no native crc32c library found: checksums are computed holding the GIL")
     return function
+
+
+#: The system's crc32c library (Linux, macOS), opened by name: the dynamic loader's own search.
+_SYSTEM_NAMES = ("libcrc32c.so.1", "libcrc32c.so", "libcrc32c.dylib")
 
 
 def _first_native(candidates: list[str]) -> Callable[[int, int, int], int] | None:
