@@ -29,6 +29,27 @@ def random_sequences(
     return [rng.integers(0, vocab, rng.integers(1, max_len + 1)) for _ in range(count)]
 
 
+def random_store(
+    tmp_path_factory: pytest.TempPathFactory,
+    name: str,
+    seed: int,
+    count: int,
+    *,
+    validation: int,
+    chunk_tokens: int,
+) -> str:
+    """A module's dataset: ``count`` random sequences of up to 80 tokens in ``train`` and the
+    first ``validation`` of them in ``validation``, under a fresh ``name`` folder."""
+    import asyncflat
+
+    path = str(tmp_path_factory.mktemp(name) / "data.zarr")
+    seqs = random_sequences(seed, count, max_len=80)
+    asyncflat.write_flat_tokens(
+        path, {"train": seqs, "validation": seqs[:validation]}, chunk_tokens=chunk_tokens
+    )
+    return path
+
+
 def oracle(data: Any, params: Any, batch: Any = None, *, split: str = "train") -> Any:
     """The reference loader (tests/reference_impl.py) for the same data and parameters.
 

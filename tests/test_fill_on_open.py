@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
-from conftest import oracle, random_sequences, wait_until
+from conftest import oracle, random_sequences, random_store, wait_until
 from helpers.resources import library_threads
 
 import asyncflat
@@ -35,10 +35,7 @@ BATCH = TokenBatchParams(len=16, batch=8)
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = str(tmp_path_factory.mktemp("fill-on-open") / "data.zarr")
-    seqs = random_sequences(5, 600, max_len=80)
-    asyncflat.write_flat_tokens(path, {"train": seqs, "validation": seqs[:50]}, chunk_tokens=256)
-    return path
+    return random_store(tmp_path_factory, "fill-on-open", 5, 600, validation=50, chunk_tokens=256)
 
 
 def params(path: str) -> FlatTokensParams:

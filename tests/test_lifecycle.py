@@ -29,11 +29,10 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
-from conftest import random_sequences
+from conftest import random_store
 from helpers.resources import library_threads, open_fds, wait_until
 from reference_impl import ReferenceLoader, load_split_arrays
 
-import asyncflat
 from asyncflat import (
     EngineOptions,
     FlatTokensParams,
@@ -52,10 +51,7 @@ BATCH = TokenBatchParams(len=16, batch=8)
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = str(tmp_path_factory.mktemp("lifecycle") / "data.zarr")
-    seqs = random_sequences(7, 400, max_len=80)
-    asyncflat.write_flat_tokens(path, {"train": seqs, "validation": seqs[:100]}, chunk_tokens=1024)
-    return path
+    return random_store(tmp_path_factory, "lifecycle", 7, 400, validation=100, chunk_tokens=1024)
 
 
 def params(path: str, seed: int = 0, packing: bool = True, streams: int = 2) -> FlatTokensParams:

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
-from conftest import oracle, random_sequences
+from conftest import oracle, random_store
 from helpers.resources import library_threads, wait_until
 
 import asyncflat
@@ -38,10 +38,7 @@ BATCH = TokenBatchParams(len=16, batch=8)
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = str(tmp_path_factory.mktemp("load-ahead") / "data.zarr")
-    seqs = random_sequences(11, 400, max_len=80)
-    asyncflat.write_flat_tokens(path, {"train": seqs, "validation": seqs[:50]}, chunk_tokens=1024)
-    return path
+    return random_store(tmp_path_factory, "load-ahead", 11, 400, validation=50, chunk_tokens=1024)
 
 
 def params(path: str) -> FlatTokensParams:
