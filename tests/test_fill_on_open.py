@@ -9,11 +9,16 @@
   whatever streams a source's first step reads, and a resume cancels those of passes it does
   not read;
 * ``fill_on_open="never"`` (or ``prefetch=False``) starts nothing before the first load;
-* a loader closed before any load cancels the fill and leaves no thread behind.
+* a loader closed before any load cancels the fill and leaves no thread behind;
+* step 0's buffers are faulted in on the CPU pool meanwhile: the fills write into them only
+  once every page is written (slow page writes never land on decoded rows), the first load
+  of a resume waits for them too, and closing stops them.
 """
 
 from __future__ import annotations
 
+import ctypes
+import threading
 import time
 from typing import Any
 
@@ -24,6 +29,7 @@ from conftest import oracle, random_sequences, random_store, wait_until
 from helpers.resources import library_threads
 
 import asyncflat
+import asyncflat.engine.fill
 from asyncflat import EngineOptions, FlatTokensParams, ShufflingLoader, TokenBatchParams
 from asyncflat.testing.faults import FaultyStore
 
@@ -299,3 +305,71 @@ def test_a_load_while_iterating_starts_no_second_builder(dataset: str) -> None:
                     break
             names = [t for t in library_threads() if "prefetch" in t]
             assert len(names) == 1, names  # the iterator's
+
+
+class SlowPages:
+    """``ctypes.memset`` (what a PageWriter writes pages with), each call ``delay_s`` late."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, delay_s: float) -> None:
+        self.calls = 0
+        self._lock = threading.Lock()
+        real = ctypes.memset
+
+        def memset(address: int, value: int, size: int) -> Any:
+            time.sleep(delay_s)
+            with self._lock:
+                self.calls += 1
+            return real(address, value, size)
+
+        monkeypatch.setattr(ctypes, "memset", memset)
+        # 768-byte buffers: 12 pieces each
+        monkeypatch.setattr(asyncflat.engine.fill, "PAGES_PIECE_BYTES", 64)
+
+
+def test_step_0s_buffers_are_written_before_the_fills_write_into_them(
+    dataset: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pages = SlowPages(monkeypatch, 0.3)
+    # more pool threads than pieces: every piece sleeps at once while the fills read and decode
+    options = EngineOptions(decode_threads=32)
+    with ShufflingLoader("train", params(dataset), BATCH, SINGLE, options=options) as loader:
+        for step in range(loader.plan.first_step(1)):  # every row of step 0's buffers
+            check(dataset, loader.load(step), step)
+        assert pages.calls == 2 * 12  # both streams' step-0 buffers, every piece once
+
+
+def test_a_resume_waits_for_the_page_writes_of_the_buffer_it_takes(
+    dataset: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    SlowPages(monkeypatch, 0.3)
+    options = EngineOptions(decode_threads=32)
+    with ShufflingLoader("train", params(dataset), BATCH, SINGLE, options=options) as loader:
+        plan = loader.plan
+        last = plan.first_step(plan.minipoch_count - 1)
+        check(dataset, loader.load(last), last)
+        time.sleep(0.5)  # every page write has landed: the rows read next must still be right
+        # the rest of the last minipoch, then the whole first (whichever took which buffer)
+        for step in [*range(last + 1, plan.step_count), *range(plan.first_step(1))]:
+            check(dataset, loader.load(step), step)
+
+
+def test_no_page_is_written_ahead_when_nothing_is_filled_on_opening(
+    dataset: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pages = SlowPages(monkeypatch, 0.0)
+    options = EngineOptions(fill_on_open="never")
+    with ShufflingLoader("train", params(dataset), BATCH, SINGLE, options=options) as loader:
+        time.sleep(0.2)
+        assert pages.calls == 0
+        check(dataset, loader.load(0), 0)
+    assert pages.calls == 0  # buffers allocated by the fills themselves are not written ahead
+
+
+def test_closing_stops_writing_pages(dataset: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    pages = SlowPages(monkeypatch, 0.2)  # 2 x 12 pieces on two threads: 2.4 s if not stopped
+    loader = ShufflingLoader("train", params(dataset), BATCH, SINGLE)
+    start = time.perf_counter()
+    loader.close()
+    assert time.perf_counter() - start < 1.5
+    wait_until(lambda: library_threads() == [], "the loader's threads to end")
+    assert pages.calls < 2 * 12

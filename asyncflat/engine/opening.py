@@ -2,7 +2,8 @@
 
 Two things a first load would otherwise wait for start here, off the trainer's thread: the
 plan's block order of this host's streams (computed on a thread of its own: ~10 ns a read
-block of the whole split) and, with ``EngineOptions.fill_on_open``, step 0's fills. The
+block of the whole split) and, with ``EngineOptions.fill_on_open``, step 0's fills, whose
+buffers are faulted in on the CPU pool meanwhile (:class:`~.fill.PageWriter`). The
 trainer's own set-up between constructing a loader and its first load (a model's
 initialisation, its compile: seconds) then hides them. A first load of step 0 takes those
 fills over, one later in minipoch 0 takes them over re-planned from its step; a first load
@@ -18,7 +19,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from asyncflat.engine.fill import Fill, Unit, first_need
+from asyncflat.engine.fill import Fill, PageWriter, Unit, first_need
 from asyncflat.engine.lock import OwnedLock
 from asyncflat.engine.permutations import block_order_off_loop
 from asyncflat.engine.table import FillTable
@@ -54,6 +55,7 @@ class Opening:
         self._task: asyncio.Task[None] | None = None
         #: step 0's fills started here; None until started, [] once a load has claimed them
         self._opened: list[Fill] | None = None
+        self._page_writers: list[PageWriter] = []
 
     def start_planning(self) -> None:
         """Start computing the block order on its own thread (idempotent). Not on the loop's
@@ -73,6 +75,12 @@ class Opening:
         self.start_planning()
         if fill and self._task is None and self._opened is None and not self._closed():
             self._task = asyncio.get_running_loop().create_task(self._fill())
+            for stream in self._streams:  # the buffers those fills will take, while they wait
+                fresh = self._fills.fault_in(stream)
+                if fresh is not None:
+                    writer = PageWriter(*fresh)
+                    writer.start()
+                    self._page_writers.append(writer)
 
     async def _fill(self) -> None:
         try:
@@ -129,9 +137,13 @@ class Opening:
         return True
 
     def cancel(self) -> None:
-        """Closing: start no fill (one already started is the fill table's to cancel)."""
+        """Closing: start no fill (one already started is the fill table's to cancel) and
+        write no more pages."""
         if self._task is not None:
             self._task.cancel()
+        for writer in self._page_writers:
+            writer.stop()
+        self._page_writers = []
 
     async def aclose(self) -> None:
         """Closing: as :meth:`cancel`, then wait for the block order's thread (its

@@ -79,6 +79,11 @@ class FillTable:
     def serves(self, stream: int) -> bool:
         return stream in self._fills
 
+    def fault_in(self, stream: int) -> tuple[np.ndarray, asyncio.Event] | None:
+        """The buffer ``stream``'s first fill will take, allocated now to be faulted in ahead
+        (see :meth:`BufferPair.fault_in`); None if already allocated."""
+        return self._buffers[stream].fault_in(0)
+
     def __iter__(self) -> Iterator[Fill]:
         for fills in self._fills.values():
             yield from fills.values()
