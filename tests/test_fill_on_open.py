@@ -84,6 +84,10 @@ def test_a_first_load_elsewhere_cancels_the_fill_it_does_not_read(dataset: str) 
         plan = loader.plan
         resume = plan.first_step(plan.minipoch_count - 1) + 1  # a resume in the last minipoch
         assert plan.minipoch_count >= 3
+        # the trainer's set-up: long enough for step 0's fills to start, not to finish
+        wait_until(
+            lambda: len(loader.stats().as_dict()["active_fills"]) == 2, "step 0's fills to start"
+        )
         check(dataset, loader.load(resume), resume)
         records = fills(loader)
         opened = [f for f in records if f["reason"] == "open"]
@@ -373,3 +377,33 @@ def test_closing_stops_writing_pages(dataset: str, monkeypatch: pytest.MonkeyPat
     assert time.perf_counter() - start < 1.5
     wait_until(lambda: library_threads() == [], "the loader's threads to end")
     assert pages.calls < 2 * 12
+
+
+@pytest.mark.parametrize("mode", ["local", "always"])
+def test_a_remote_stores_buffers_are_written_on_opening_whatever_it_fills(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = memory_dataset(f"pages-{mode}")
+    pages = SlowPages(monkeypatch, 0.0)
+    options = EngineOptions(fill_on_open=mode)
+    with ShufflingLoader("train", params(url), BATCH, SINGLE, options=options) as loader:
+        wait_until(lambda: pages.calls == 2 * 12, "step 0's buffers' pages to be written")
+        stats = loader.stats().as_dict()
+        started = {f["reason"] for f in stats["fills"] + stats["active_fills"]}
+        assert started <= ({"open"} if mode == "always" else set()), stats
+        for step in range(4):
+            check(url, loader.load(step), step)
+    assert pages.calls == 2 * 12  # never again: the fills reuse those buffers
+
+
+def test_a_mixture_writes_its_sources_buffers_once_its_budget_is_checked(
+    dataset: str, second: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asyncflat import MixtureLoader
+
+    pages = SlowPages(monkeypatch, 0.0)
+    with MixtureLoader("train", mixture(dataset, second), BATCH, SINGLE) as loader:
+        # each source's first pass: two streams, one step-0 buffer each
+        wait_until(lambda: pages.calls == 2 * 2 * 12, "the sources' buffers' pages")
+        for step in range(4):
+            loader.load(step)

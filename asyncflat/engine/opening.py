@@ -2,8 +2,9 @@
 
 Two things a first load would otherwise wait for start here, off the trainer's thread: the
 plan's block order of this host's streams (computed on a thread of its own: ~10 ns a read
-block of the whole split) and, with ``EngineOptions.fill_on_open``, step 0's fills, whose
-buffers are faulted in on the CPU pool meanwhile (:class:`~.fill.PageWriter`). The
+block of the whole split), with ``EngineOptions.fill_on_open`` step 0's fills, and the
+buffers those fills take, faulted in on the CPU pool (:class:`~.fill.PageWriter`; on any
+store, since it reads nothing). The
 trainer's own set-up between constructing a loader and its first load (a model's
 initialisation, its compile: seconds) then hides them. A first load of step 0 takes those
 fills over, one later in minipoch 0 takes them over re-planned from its step; a first load
@@ -69,14 +70,18 @@ class Opening:
         assert self._order is not None
         await asyncio.shield(self._order)
 
-    def start(self, *, fill: bool) -> None:
-        """Start computing the block order and, with ``fill``, step 0's fills of every stream
-        once it is known, unless a load came first (idempotent)."""
+    def start(self, *, fill: bool, pages: bool = False) -> None:
+        """Start computing the block order; with ``fill``, step 0's fills of every stream once
+        it is known; with ``pages``, writing the pages of the buffers step 0's fills take
+        (whoever starts those fills); unless a load came first (idempotent)."""
         self.start_planning()
-        if fill and self._task is None and self._opened is None and not self._closed():
+        if self._opened is not None or self._closed():
+            return
+        if fill and self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._fill())
-            for stream in self._streams:  # the buffers those fills will take, while they wait
-                fresh = self._fills.fault_in(stream)
+        if pages:
+            for stream in self._streams:
+                fresh = self._fills.fault_in(stream)  # None once allocated
                 if fresh is not None:
                     writer = PageWriter(*fresh)
                     writer.start()
