@@ -633,3 +633,41 @@ def test_behind_a_network_the_fill_streams_on_while_a_load_reads_its_rows() -> N
         await engine.aclose()
 
     run(main)
+
+
+def test_closing_stops_computing_the_block_order() -> None:
+    """The block order of 10^14 tokens (95M read blocks: ~1 s of draws on two cores, for the
+    one stream of 1,024 this host serves) is stopped when its engine closes, not waited for."""
+    import threading
+    import time
+
+    from asyncflat.engine.permutations import block_order_off_loop
+    from asyncflat.plan.permutation import Stop
+
+    params = FlatTokensParams("fake://tokens", 1024, 16, 512, seed=0, sequence_packing=True)
+    plan = ShufflePlan.create(
+        params,
+        TokenBatchParams(len=2048, batch=1024),
+        token_count=10**14,
+        sequence_count=10**14 // 2048,
+        served_streams=(512,),
+    )
+    assert plan.read_block_count > 95_000_000
+
+    async def main() -> tuple[float, BaseException | None, threading.Thread]:
+        stop = Stop()
+        order, thread = block_order_off_loop(plan, stop)
+        await asyncio.sleep(0.05)  # computing
+        assert not order.done()
+        started = time.perf_counter()
+        stop.set()  # what closing the engine does
+        await asyncio.get_running_loop().run_in_executor(None, thread.join)
+        stopped_in = time.perf_counter() - started
+        await asyncio.sleep(0)  # the result is handed to the loop
+        return stopped_in, order.exception(), thread
+
+    stopped_in, error, thread = run(main)
+    assert not thread.is_alive()
+    assert stopped_in < 0.25, stopped_in
+    assert isinstance(error, LoaderClosedError)
+    assert "served_block_order" not in vars(plan)  # nothing half-computed is kept

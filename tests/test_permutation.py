@@ -23,9 +23,12 @@ from asyncflat.plan.kernel import CHUNK
 from asyncflat.plan.permutation import (
     PYTHON_BELOW,
     YIELD_SLICE,
+    Stop,
+    Stopped,
     ensure_kernel,
     kernel_status,
     permutation,
+    permutation_columns,
 )
 
 GOLDEN = json.loads((Path(__file__).parent / "golden_permutations.json").read_text())
@@ -375,3 +378,48 @@ def test_a_yielding_permutation_lets_other_threads_run_meanwhile() -> None:
     slices = n // YIELD_SLICE
     assert yielding >= slices // 4, (yielding, plain, slices)
     assert plain < yielding // 4, (yielding, plain, slices)
+
+
+# -- stopping ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda stop: permutation(5, 3 * CHUNK + 7, method="kernel", stop=stop),
+        lambda stop: permutation(5, 3 * CHUNK + 7, method="python", yield_gil=True, stop=stop),
+        lambda stop: permutation(5, 300, method="python", stop=stop),
+        # the columns kernel (one column of eight), and the whole permutation it may fall back on
+        lambda stop: permutation_columns(5, 8 * CHUNK, 8, (3,), method="kernel", stop=stop),
+        lambda stop: permutation_columns(5, 8 * CHUNK, 8, tuple(range(8)), stop=stop),
+    ],
+    ids=["kernel", "python-yielding", "python", "columns-kernel", "columns-all"],
+)
+def test_a_stop_set_before_the_call_stops_it(call: Any) -> None:
+    stop = Stop()
+    expected = call(Stop())  # an unset flag changes nothing
+    assert call(None).tolist() == expected.tolist()
+    stop.set()
+    with pytest.raises(Stopped):
+        call(stop)
+
+
+@pytest.mark.parametrize("columns", [False, True])
+def test_a_stop_set_from_another_thread_ends_a_long_permutation_early(columns: bool) -> None:
+    n = 1 << 24  # ~0.1-0.3 s of kernel on these machines
+
+    def run(stop: Stop | None) -> Any:
+        if columns:
+            return permutation_columns(9, n, 1024, (512,), method="kernel", stop=stop)
+        return permutation(9, n, method="kernel", stop=stop)
+
+    started = time.perf_counter()
+    run(None)
+    whole = time.perf_counter() - started
+    stop = Stop()
+    timer = threading.Timer(0.005, stop.set)
+    started = time.perf_counter()
+    timer.start()
+    with pytest.raises(Stopped):
+        run(stop)
+    assert time.perf_counter() - started < whole / 2, (time.perf_counter() - started, whole)

@@ -181,10 +181,10 @@ def test_a_block_order_that_fails_reaches_the_load_and_close_is_clean(
     """A failure computing the block order on its thread is the load's error (never a hang, nor
     a SystemExit raised on the engine's loop), and closing waits for that thread."""
 
-    def fail(self: ShufflePlan) -> np.ndarray:
+    def fail(self: ShufflePlan, stop: object = None) -> np.ndarray:
         raise raised
 
-    monkeypatch.setattr(ShufflePlan, "served_block_order", property(fail))
+    monkeypatch.setattr(ShufflePlan, "compute_block_order", fail)
     params = FlatTokensParams(dataset, 1, RBPSB, SPB, SEED, True)
     batch = TokenBatchParams(len=SEQ_LEN, batch=8)
     options = EngineOptions(load_timeout_s=30)

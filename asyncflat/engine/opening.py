@@ -24,6 +24,7 @@ from asyncflat.engine.fill import Fill, PageWriter, Unit, first_need
 from asyncflat.engine.lock import OwnedLock
 from asyncflat.engine.permutations import block_order_off_loop
 from asyncflat.engine.table import FillTable
+from asyncflat.plan.permutation import Stop
 from asyncflat.plan.shuffle import NEVER, ShufflePlan
 
 __all__ = ["Opening"]
@@ -53,6 +54,7 @@ class Opening:
         self._start_reads, self._requeue, self._closed = start_reads, requeue, closed
         self._order: asyncio.Future[np.ndarray] | None = None
         self._planner: threading.Thread | None = None
+        self._stop_planning = Stop()
         self._task: asyncio.Task[None] | None = None
         #: step 0's fills started here; None until started, [] once a load has claimed them
         self._opened: list[Fill] | None = None
@@ -62,7 +64,7 @@ class Opening:
         """Start computing the block order on its own thread (idempotent). Not on the loop's
         pools: a load waits for it, and its decodes must not queue behind it."""
         if self._order is None:
-            self._order, self._planner = block_order_off_loop(self._plan)
+            self._order, self._planner = block_order_off_loop(self._plan, self._stop_planning)
 
     async def planned(self) -> None:
         """Wait until the block order is computed (raises what computing it raised)."""
@@ -142,8 +144,9 @@ class Opening:
         return True
 
     def cancel(self) -> None:
-        """Closing: start no fill (one already started is the fill table's to cancel) and
-        write no more pages."""
+        """Closing: stop computing the block order, start no fill (one already started is the
+        fill table's to cancel) and write no more pages."""
+        self._stop_planning.set()
         if self._task is not None:
             self._task.cancel()
         for writer in self._page_writers:
@@ -151,8 +154,8 @@ class Opening:
         self._page_writers = []
 
     async def aclose(self) -> None:
-        """Closing: as :meth:`cancel`, then wait for the block order's thread (its
-        computation cannot be interrupted, and must not outlive the loader)."""
+        """Closing: as :meth:`cancel`, then wait for the block order's thread (stopped within
+        tens of microseconds; it must not outlive the loader)."""
         self.cancel()
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)

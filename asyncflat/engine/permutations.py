@@ -26,7 +26,8 @@ from collections.abc import Callable
 import numpy as np
 
 from asyncflat.engine.loop import background_executor
-from asyncflat.errors import AsyncflatError
+from asyncflat.errors import AsyncflatError, LoaderClosedError
+from asyncflat.plan.permutation import Stop, Stopped
 from asyncflat.plan.shuffle import ShufflePlan
 
 __all__ = ["RowPermutations", "block_order_off_loop"]
@@ -35,15 +36,15 @@ _Key = tuple[int, int]
 
 
 def block_order_off_loop(
-    plan: ShufflePlan,
+    plan: ShufflePlan, stop: Stop
 ) -> tuple[asyncio.Future[np.ndarray], threading.Thread]:
     """``plan.served_block_order``, computed on a thread of its own (call on the loop), and
     that thread.
 
     It takes time in proportion to the whole split (~10 ns a read block, with the GIL
     released), so no loop pool runs it: a first load waits for it, and a load's decodes must
-    not queue behind it. The computation cannot be interrupted (one call into the kernel):
-    closing the engine waits for the thread, so it never outlives its loader.
+    not queue behind it. Closing the engine sets ``stop`` (the kernel returns within tens of
+    microseconds) and waits for the thread, so it never outlives its loader.
     """
     loop = asyncio.get_running_loop()
     order: asyncio.Future[np.ndarray] = loop.create_future()
@@ -60,7 +61,9 @@ def block_order_off_loop(
         result: np.ndarray = np.empty(0, np.uint32)
         error: BaseException | None = None
         try:
-            result = plan.served_block_order
+            result = plan.compute_block_order(stop)
+        except Stopped:  # closing stopped it: a load still waiting learns the engine closed
+            error = LoaderClosedError("the engine was closed")
         except Exception as exc:  # noqa: BLE001  (handed to the load that waits)
             error = exc
         except BaseException as exc:  # noqa: BLE001  (a SystemExit on the loop would stop it)

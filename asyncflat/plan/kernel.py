@@ -14,7 +14,10 @@ It computes exactly what the frozen algorithm of :mod:`asyncflat.plan.permutatio
 Philox4x64-10 on the key of ``np.random.Philox(seed)`` (counter based, so raw draw ``i`` is lane
 ``i % 4`` of block ``i // 4 + 1``), swap targets ``raw % (i + 1)`` and the swaps from the last
 position down, a chunk of ``CHUNK`` positions at a time (first the chunk's targets, then its
-swaps). It is called through ctypes, which releases the GIL for the call.
+swaps). It is called through ctypes, which releases the GIL for the call. Both kernels read a
+stop flag (an int32 another thread may set) before each chunk and return early when it is set,
+so that closing a loader does not wait for a block order nobody will read (~1 s at 10^14
+tokens); the caller then discards the result.
 """
 
 from __future__ import annotations
@@ -53,12 +56,13 @@ _GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: Fibonacci hashing
 _M0, _M1 = 0xD2E7470EE14C6C93, 0xCA5A826395121157
 _W0, _W1 = 0x9E3779B97F4A7C15, 0xBB67AE8584CAA73B
 
-#: ``kernel(k0, k1, result_address, n, scratch_address)``: fills ``result`` (``n`` uint32) with
-#: the permutation; ``scratch`` holds ``CHUNK`` uint32.
-Kernel = Callable[[int, int, int, int, int], None]
-#: ``columns(k0, k1, n, streams, rank, served, keys, values, bits, out, scratch)`` (addresses
-#: for the arrays): some columns of the permutation, see :func:`_build_columns`.
-ColumnsKernel = Callable[[int, int, int, int, int, int, int, int, int, int, int], None]
+#: ``kernel(k0, k1, result_address, n, scratch_address, stop_address)``: fills ``result``
+#: (``n`` uint32) with the permutation; ``scratch`` holds ``CHUNK`` uint32; it returns early
+#: (``result`` unfinished) once the int32 at ``stop`` is non-zero.
+Kernel = Callable[[int, int, int, int, int, int], None]
+#: ``columns(k0, k1, n, streams, rank, served, keys, values, bits, out, scratch, stop)``
+#: (addresses for the arrays): some columns of the permutation, see :func:`_build_columns`.
+ColumnsKernel = Callable[[int, int, int, int, int, int, int, int, int, int, int, int], None]
 
 
 def _const(value: int) -> ir.Constant:
@@ -82,6 +86,14 @@ def _count(b: ir.IRBuilder, start: Any, stop: Any, step: int) -> Iterator[Any]:
     i.add_incoming(b.add(i, _const(step)), b.block)
     b.branch(head)
     b.position_at_end(after)
+
+
+def _return_if_stopped(b: ir.IRBuilder, stop: Any) -> None:
+    """Return from the kernel if the int32 at ``stop`` is non-zero (an atomic load: read again
+    each time, never hoisted out of the loop)."""
+    flag = b.load_atomic(stop, "monotonic", 4)
+    with b.if_then(b.icmp_signed("!=", flag, ir.Constant(_I32, 0)), likely=False):
+        b.ret_void()
 
 
 def _mulhilo(b: ir.IRBuilder, a: int, x: Any) -> tuple[Any, Any]:
@@ -130,11 +142,10 @@ def _targets(b: ir.IRBuilder, k0: Any, k1: Any, start: Any, end: Any, swaps: Any
 
 
 def _build_permutation(module: ir.Module) -> None:
-    signature = ir.FunctionType(
-        ir.VoidType(), [_I64, _I64, _I32.as_pointer(), _I64, _I32.as_pointer()]
-    )
+    ptr = _I32.as_pointer()
+    signature = ir.FunctionType(ir.VoidType(), [_I64, _I64, ptr, _I64, ptr, ptr])
     function = ir.Function(module, signature, _NAME)
-    k0, k1, result, n, swaps = function.args
+    k0, k1, result, n, swaps, stop = function.args
     # llvm.prefetch(address, write, locality, data cache)
     prefetch = ir.Function(
         module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]),
@@ -147,6 +158,7 @@ def _build_permutation(module: ir.Module) -> None:
 
     last_start = b.mul(b.sdiv(b.sub(n, _const(1)), _const(CHUNK)), _const(CHUNK))
     with _count(b, last_start, _const(-1), -CHUNK) as start:
+        _return_if_stopped(b, stop)
         end = b.select(
             b.icmp_signed("<", b.add(start, _const(CHUNK)), n), b.add(start, _const(CHUNK)), n
         )
@@ -260,16 +272,17 @@ def _build_columns(module: ir.Module) -> None:
     """
     ptr = _I32.as_pointer()
     signature = ir.FunctionType(
-        ir.VoidType(), [_I64, _I64, _I64, _I64, ptr, _I64, ptr, ptr, _I64, ptr, ptr]
+        ir.VoidType(), [_I64, _I64, _I64, _I64, ptr, _I64, ptr, ptr, _I64, ptr, ptr, ptr]
     )
     function = ir.Function(module, signature, _COLUMNS)
-    k0, k1, n, streams, rank, served, keys, values, bits, out, swaps = function.args
+    k0, k1, n, streams, rank, served, keys, values, bits, out, swaps, stop = function.args
     find, insert, remove = _table_functions(module)
     b = ir.IRBuilder(function.append_basic_block("entry"))
     row, column = b.alloca(_I64), b.alloca(_I64)
     b.store(_const(0), row)
     b.store(_const(0), column)
     with _count(b, _const(0), n, CHUNK) as start:
+        _return_if_stopped(b, stop)
         end = b.select(
             b.icmp_signed("<", b.add(start, _const(CHUNK)), n), b.add(start, _const(CHUNK)), n
         )
@@ -331,8 +344,9 @@ _engines: list[Any] = []
 def compile_kernel() -> Kernel:
     """Compile the permutation kernel for this CPU and return it (~0.06 s of CPU)."""
     address = _compile(columns=False)
+    pointer = ctypes.c_void_p
     return ctypes.CFUNCTYPE(
-        None, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p
+        None, ctypes.c_uint64, ctypes.c_uint64, pointer, ctypes.c_int64, pointer, pointer
     )(address)
 
 
@@ -343,7 +357,7 @@ def compile_columns_kernel() -> ColumnsKernel:
     address = _compile(columns=True)
     u64, i64, pointer = ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p
     return ctypes.CFUNCTYPE(
-        None, u64, u64, i64, i64, pointer, i64, pointer, pointer, i64, pointer, pointer
+        None, u64, u64, i64, i64, pointer, i64, pointer, pointer, i64, pointer, pointer, pointer
     )(address)
 
 

@@ -40,13 +40,15 @@ from typing import Any, Literal
 
 import numpy as np
 
-from asyncflat.errors import ConfigError
+from asyncflat.errors import AsyncflatError, ConfigError
 
 __all__ = [
     "NO_COMPILE_MAX",
     "PYTHON_BELOW",
     "YIELD_PAUSE_S",
     "YIELD_SLICE",
+    "Stop",
+    "Stopped",
     "ensure_kernel",
     "kernel_status",
     "permutation",
@@ -55,6 +57,33 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+
+class Stopped(AsyncflatError):
+    """A permutation was asked to stop (:class:`Stop`) before it was finished."""
+
+
+class Stop:
+    """Asks a running :func:`permutation` or :func:`permutation_columns` to stop (from any
+    thread): the kernel reads the flag before each chunk of ``CHUNK`` positions (tens of
+    microseconds apart), the yielding Python path between its slices; the call then raises
+    :class:`Stopped`."""
+
+    def __init__(self) -> None:
+        self._flag = np.zeros(1, np.int32)  # the kernel reads it through its address
+
+    def set(self) -> None:
+        self._flag[0] = 1
+
+    def is_set(self) -> bool:
+        return bool(self._flag[0])
+
+    @property
+    def address(self) -> int:
+        return int(self._flag.ctypes.data)
+
+
+_NEVER = Stop()  # the flag of calls nobody stops
 
 #: Sizes below this always take the plain Python path: fast enough (well under a millisecond),
 #: and never paying for compiling the kernel.
@@ -66,9 +95,9 @@ PYTHON_BELOW = 2048
 #: restart's first batch never waits for it. Larger sizes need the kernel.
 NO_COMPILE_MAX = 1 << 16
 _METHODS = ("auto", "python", "kernel")
-_Kernel = Callable[[np.uint64, np.uint64, np.ndarray], None]
-#: (k0, k1, n, streams, rank, out): see :func:`permutation_columns`
-_ColumnsKernel = Callable[[np.uint64, np.uint64, int, int, np.ndarray, np.ndarray], None]
+_Kernel = Callable[[np.uint64, np.uint64, np.ndarray, "Stop"], None]
+#: (k0, k1, n, streams, rank, out, stop): see :func:`permutation_columns`
+_ColumnsKernel = Callable[[np.uint64, np.uint64, int, int, np.ndarray, np.ndarray, "Stop"], None]
 _kernel: _Kernel | None = None
 _columns_kernel: _ColumnsKernel | None = None
 _kernel_lock = threading.Lock()
@@ -82,6 +111,7 @@ def permutation(
     *,
     yield_gil: bool = False,
     method: Literal["auto", "python", "kernel"] = "auto",
+    stop: Stop | None = None,
 ) -> np.ndarray:
     """A permutation of ``range(n)`` as a ``uint32`` array, fixed forever by ``(seed, n)``.
 
@@ -98,6 +128,8 @@ def permutation(
     short sleep between them, so another thread waits at most one slice (tens of microseconds)
     for it, at several times the wall time (23 ms against 4 ms at 32,768 items, measured by
     ``bench/gil.py``). Same swaps, same result. The kernel path releases the GIL throughout.
+
+    ``stop``: once set (from another thread), the call raises :class:`Stopped` soon after.
     """
     if method not in _METHODS:
         raise ConfigError(
@@ -110,11 +142,13 @@ def permutation(
     if not 0 <= n < 1 << 32:
         raise ConfigError(f"permutation: n must be in [0, 2**32), got {n}")
     bit_generator = np.random.Philox(seed)
+    stop = stop or _NEVER
     if _python_path(method, n):
-        return _python_permutation(bit_generator, n, yield_gil=yield_gil)
+        return _python_permutation(bit_generator, n, yield_gil=yield_gil, stop=stop)
     key = _philox_key(bit_generator)
     result = np.empty(n, np.uint32)
-    _get_kernel()(key[0], key[1], result)
+    _get_kernel()(key[0], key[1], result, stop)
+    _raise_if_stopped(stop)
     return result
 
 
@@ -126,6 +160,7 @@ def permutation_columns(
     *,
     yield_gil: bool = False,
     method: Literal["auto", "python", "kernel"] = "auto",
+    stop: Stop | None = None,
 ) -> np.ndarray:
     """Columns ``served`` of ``permutation(seed, n)`` seen as ``n // streams`` rows of
     ``streams`` columns: ``uint32[n // streams, len(served)]``, row-major.
@@ -135,7 +170,7 @@ def permutation_columns(
     entry depends on every swap), but when few columns are served the kernel keeps only theirs
     (a table of wanted positions, about 12 bytes per served entry, instead of the 4 bytes per
     entry of the whole permutation). ``served`` is sorted, distinct, in ``[0, streams)``;
-    ``streams`` divides ``n``.
+    ``streams`` divides ``n``. ``stop``: as for :func:`permutation`.
     """
     seed, n = _as_int("seed", seed), _as_int("n", n)
     if seed < 0:
@@ -151,19 +186,27 @@ def permutation_columns(
         )
     rows = n // streams
     if len(served) == streams or _python_path(method, n, columns=True):
-        full = permutation(seed, n, yield_gil=yield_gil, method=method)
+        full = permutation(seed, n, yield_gil=yield_gil, method=method, stop=stop)
         if len(served) == streams:
             return full.reshape(rows, streams)
         return np.ascontiguousarray(full.reshape(rows, streams)[:, list(served)])
     if method == "auto" and 4 * n <= _table_bytes(rows * len(served)):
         # Most columns served: the whole permutation is smaller than the table.
-        return np.ascontiguousarray(permutation(seed, n).reshape(rows, streams)[:, list(served)])
+        full = permutation(seed, n, stop=stop)
+        return np.ascontiguousarray(full.reshape(rows, streams)[:, list(served)])
+    stop = stop or _NEVER
     key = _philox_key(np.random.Philox(_as_int("seed", seed)))
     rank = np.full(streams, -1, np.int32)
     rank[list(served)] = np.arange(len(served), dtype=np.int32)
     out = np.empty((rows, len(served)), np.uint32)
-    _get_columns_kernel()(key[0], key[1], n, streams, rank, out)
+    _get_columns_kernel()(key[0], key[1], n, streams, rank, out, stop)
+    _raise_if_stopped(stop)
     return out
+
+
+def _raise_if_stopped(stop: Stop) -> None:
+    if stop.is_set():
+        raise Stopped("the permutation was stopped before it was finished")
 
 
 def _table_slots(entries: int) -> int:
@@ -262,10 +305,11 @@ YIELD_PAUSE_S = 50e-6
 
 
 def _python_permutation(
-    bit_generator: np.random.Philox, n: int, *, yield_gil: bool = False
+    bit_generator: np.random.Philox, n: int, *, yield_gil: bool = False, stop: Stop = _NEVER
 ) -> np.ndarray:
     """The literal Fisher-Yates in Python; with ``yield_gil``, cut into slices of
-    ``YIELD_SLICE`` swaps with the GIL released between them (the same result)."""
+    ``YIELD_SLICE`` swaps with the GIL released between them (the same result), ``stop``
+    read between them."""
     bounds = np.arange(1, n + 1, dtype=np.uint64)
     swaps = bit_generator.random_raw(n) % bounds  # numpy: short, and not worth slicing
     result = list(range(n))
@@ -276,7 +320,9 @@ def _python_permutation(
         for i, j in zip(range(hi - 1, lo - 1, -1), reversed(swaps[lo:hi].tolist())):
             result[i], result[j] = result[j], result[i]
         if yield_gil:
+            _raise_if_stopped(stop)
             time.sleep(YIELD_PAUSE_S)
+    _raise_if_stopped(stop)
     if not yield_gil:
         return np.array(result, dtype=np.uint32)
     out = np.empty(n, np.uint32)
@@ -314,11 +360,13 @@ def _load_kernel() -> _Kernel:
     chunk = compiled_kernel.CHUNK
     logger.debug("compiled the permutation kernel in %.3fs", time.perf_counter() - started)
 
-    def kernel(k0: np.uint64, k1: np.uint64, result: np.ndarray) -> None:
+    def kernel(k0: np.uint64, k1: np.uint64, result: np.ndarray, stop: Stop) -> None:
         if result.dtype != np.uint32 or not result.flags.c_contiguous or not result.flags.writeable:
             raise TypeError("the permutation kernel needs a writeable C-contiguous uint32 array")
         scratch = np.empty(chunk, np.uint32)
-        compiled(int(k0), int(k1), result.ctypes.data, result.size, scratch.ctypes.data)
+        compiled(
+            int(k0), int(k1), result.ctypes.data, result.size, scratch.ctypes.data, stop.address
+        )
 
     return kernel
 
@@ -333,7 +381,13 @@ def _load_columns_kernel() -> _ColumnsKernel:
     logger.debug("compiled the columns kernel in %.3fs", time.perf_counter() - started)
 
     def columns(
-        k0: np.uint64, k1: np.uint64, n: int, streams: int, rank: np.ndarray, out: np.ndarray
+        k0: np.uint64,
+        k1: np.uint64,
+        n: int,
+        streams: int,
+        rank: np.ndarray,
+        out: np.ndarray,
+        stop: Stop,
     ) -> None:
         if rank.dtype != np.int32 or out.dtype != np.uint32 or not out.flags.c_contiguous:
             raise TypeError("the columns kernel needs int32 ranks and a C-contiguous uint32 out")
@@ -344,6 +398,7 @@ def _load_columns_kernel() -> _ColumnsKernel:
         compiled_columns(
             int(k0), int(k1), n, streams, rank.ctypes.data, out.shape[1], keys.ctypes.data,
             values.ctypes.data, slots.bit_length() - 1, out.ctypes.data, scratch.ctypes.data,
+            stop.address,
         )  # fmt: skip
 
     return columns

@@ -55,7 +55,7 @@ import numpy as np
 
 from asyncflat.config import FlatTokensParams, TokenBatchParams
 from asyncflat.errors import ConfigError, DatasetTooLargeError, StepOutOfRangeError
-from asyncflat.plan.permutation import permutation, permutation_columns
+from asyncflat.plan.permutation import Stop, permutation, permutation_columns
 
 __all__ = ["EPOCH_SEED_STRIDE", "NEVER", "RowLocation", "ShufflePlan", "epoch_seed"]
 
@@ -309,9 +309,24 @@ class ShufflePlan:
         entries are kept (:func:`~asyncflat.plan.permutation.permutation_columns`). For a
         background thread: the kernel runs with the GIL released.
         """
-        return permutation_columns(
-            self.epoch_seed, self.read_block_count, self.streams, self.served, yield_gil=True
-        )
+        return self.compute_block_order()
+
+    def compute_block_order(self, stop: Stop | None = None) -> np.ndarray:
+        """:attr:`served_block_order`, computed now unless it is already; ``stop`` (set from
+        another thread) ends the computation early with
+        :class:`~asyncflat.plan.permutation.Stopped`, and nothing is kept."""
+        order = self.__dict__.get("served_block_order")
+        if order is None:
+            order = permutation_columns(
+                self.epoch_seed,
+                self.read_block_count,
+                self.streams,
+                self.served,
+                yield_gil=True,
+                stop=stop,
+            )
+            self.__dict__["served_block_order"] = order  # functools.cached_property's cache
+        return order
 
     @property
     def block_order(self) -> np.ndarray:
