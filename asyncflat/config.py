@@ -293,9 +293,8 @@ class EngineOptions:
       elsewhere (a resume) cancels what is not done of it before its own reads are queued;
       reads already in flight finish, which behind a network is a round of requests
       competing with the resume's (and a checkpoint's restore may share that bucket): hence
-      ``"local"``. Unless ``"never"``, the buffers step 0 takes are also faulted in as the
-      loader opens, on any store (their pages written once on the CPU pool: no read, no
-      request). Only with ``prefetch``.
+      ``"local"``. Where step 0's buffers fill on opening, they are also faulted in then
+      (their pages written once on the CPU pool). Only with ``prefetch``.
     * ``engine_niceness``: how much lower than the trainer's the scheduling priority of the
       engine's threads is (Linux ``nice``; 0 keeps it equal). Fills then take only the CPU the
       trainer leaves, and a load that waits for data leaves the trainer idle anyway.

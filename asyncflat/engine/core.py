@@ -117,12 +117,11 @@ class Engine:
             closed=lambda: self._closed,
         )
 
-    def open(self, *, fill: bool, pages: bool) -> None:
-        """Start, on the loop, what the first load waits for: the plan's block order, with
-        ``fill`` step 0's fills, with ``pages`` writing their buffers' pages
-        (:mod:`~asyncflat.engine.opening`)."""
+    def open(self, *, fill: bool) -> None:
+        """Start, on the loop, what the first load waits for: the plan's block order and, with
+        ``fill``, step 0's fills and their buffers' pages (:mod:`~asyncflat.engine.opening`)."""
         self._loop = asyncio.get_running_loop()  # try_gather hands prefetches to it
-        self.opening.start(fill=fill, pages=pages)
+        self.opening.start(fill=fill)
 
     async def planned(self) -> None:
         """Wait until the plan's block order is computed (raises what computing it raised)."""

@@ -2,9 +2,8 @@
 
 Two things a first load would otherwise wait for start here, off the trainer's thread: the
 plan's block order of this host's streams (computed on a thread of its own: ~10 ns a read
-block of the whole split), with ``EngineOptions.fill_on_open`` step 0's fills, and the
-buffers those fills take, faulted in on the CPU pool (:class:`~.fill.PageWriter`; on any
-store, since it reads nothing). The
+block of the whole split) and, with ``EngineOptions.fill_on_open``, step 0's fills, whose
+buffers are faulted in on the CPU pool meanwhile (:class:`~.fill.PageWriter`). The
 trainer's own set-up between constructing a loader and its first load (a model's
 initialisation, its compile: seconds) then hides them. A first load of step 0 takes those
 fills over, one later in minipoch 0 takes them over re-planned from its step; a first load
@@ -15,6 +14,7 @@ so that they never compete with its reads (only reads already in flight finish).
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Callable
 
@@ -28,6 +28,8 @@ from asyncflat.plan.permutation import Stop
 from asyncflat.plan.shuffle import NEVER, ShufflePlan
 
 __all__ = ["Opening"]
+
+log = logging.getLogger("asyncflat.engine")
 
 
 class Opening:
@@ -72,22 +74,24 @@ class Opening:
         assert self._order is not None
         await asyncio.shield(self._order)
 
-    def start(self, *, fill: bool, pages: bool = False) -> None:
-        """Start computing the block order; with ``fill``, step 0's fills of every stream once
-        it is known; with ``pages``, writing the pages of the buffers step 0's fills take
-        (whoever starts those fills); unless a load came first (idempotent)."""
+    def start(self, *, fill: bool) -> None:
+        """Start computing the block order and, with ``fill``, step 0's fills of every stream
+        once it is known, unless a load came first (idempotent); meanwhile the pages of the
+        buffers those fills will take are written (:class:`~.fill.PageWriter`)."""
         self.start_planning()
-        if self._opened is not None or self._closed():
+        if not fill or self._task is not None or self._opened is not None or self._closed():
             return
-        if fill and self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._fill())
-        if pages:
-            for stream in self._streams:
+        self._task = asyncio.get_running_loop().create_task(self._fill())
+        for stream in self._streams:
+            try:
                 fresh = self._fills.fault_in(stream)  # None once allocated
-                if fresh is not None:
-                    writer = PageWriter(*fresh)
-                    writer.start()
-                    self._page_writers.append(writer)
+            except MemoryError:  # the fill that needs it allocates it again, and fails there
+                log.debug("stream %d: no memory to fault step 0's buffer in ahead", stream)
+                continue
+            if fresh is not None:
+                writer = PageWriter(*fresh)
+                writer.start()
+                self._page_writers.append(writer)
 
     async def _fill(self) -> None:
         try:

@@ -23,7 +23,7 @@ from asyncflat.config import EngineOptions
 from asyncflat.engine import Engine, IntervalStats
 from asyncflat.engine.waiting import raise_with_context
 from asyncflat.errors import AsyncflatError, LoaderClosedError
-from asyncflat.loader.shared.open import fills_on_open, pages_on_open
+from asyncflat.loader.shared.open import fills_on_open
 from asyncflat.plan.shuffle import ShufflePlan
 
 __all__ = ["Passes", "RowGroup", "SourceState", "sum_intervals"]
@@ -140,10 +140,8 @@ class Passes:
         before any load)."""
         for source in self.sources:
             engine = source.engines.get(0)
-            if engine is not None:
-                engine.opening.start(
-                    fill=fills_on_open(options, engine.source), pages=pages_on_open(options)
-                )
+            if engine is not None and fills_on_open(options, engine.source):
+                engine.opening.start(fill=True)
 
     def stop_opening(self, keep: set[tuple[int, int]]) -> None:
         """The mixture's first load is not its first step (a resume): the passes not in

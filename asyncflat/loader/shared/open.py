@@ -19,7 +19,7 @@ from asyncflat.source.protocol import StoreWrapper, TokenSource
 from asyncflat.source.zarr_source import ZarrTokenSource
 from asyncflat.storage.local_files import is_url
 
-__all__ = ["fills_on_open", "open_engine", "pages_on_open"]
+__all__ = ["fills_on_open", "open_engine"]
 
 # The loader's logger: these records kept their name when this function left asyncflat.loader.shuffling.
 log = logging.getLogger("asyncflat.loader.shuffling")
@@ -92,10 +92,7 @@ async def open_engine(
         format_bytes(plan.token_count * 4),
     )
     engine = Engine(plan, source, streams, options)
-    engine.open(
-        fill=fill_on_open and fills_on_open(options, source),
-        pages=fill_on_open and pages_on_open(options),
-    )
+    engine.open(fill=fill_on_open and fills_on_open(options, source))
     return engine
 
 
@@ -103,12 +100,6 @@ def fills_on_open(options: EngineOptions, source: TokenSource) -> bool:
     """Whether an engine of ``source`` starts step 0's fills when it opens."""
     mode = options.fill_on_open
     return options.prefetch and (mode == "always" or (mode == "local" and not source.remote))
-
-
-def pages_on_open(options: EngineOptions) -> bool:
-    """Whether an engine faults in the buffers of step 0's fills when it opens, on any store:
-    writing pages reads nothing, so it cannot compete with a resume's reads."""
-    return options.prefetch and options.fill_on_open != "never"
 
 
 async def _open_plain_local(
