@@ -300,33 +300,21 @@ class ShufflePlan:
 
     @functools.cached_property
     def served_block_order(self) -> np.ndarray:
-        """The global shuffle of read blocks, the served streams' part of it (computed once):
-        ``uint32[blocks_per_stream, len(served)]``, entry ``[k, c]`` being
-        ``block_order[k * streams + served[c]]``, the k-th block dealt to stream ``served[c]``.
-
-        All ``read_block_count`` swaps are drawn (any entry depends on all of them, so this
-        takes time in proportion to the whole split: ~10 ns a block), but only the served
-        entries are kept (:func:`~asyncflat.plan.permutation.permutation_columns`). For a
-        background thread: the kernel runs with the GIL released.
-        """
+        """The served streams' part of the global shuffle of read blocks, computed once:
+        ``uint32[blocks_per_stream, len(served)]``, ``[k, c]`` being ``block_order[k * streams +
+        served[c]]``, the k-th block of stream ``served[c]``. Every swap is drawn (each entry
+        depends on all: ~10 ns a block of the split), only served entries kept
+        (:func:`~asyncflat.plan.permutation.permutation_columns`), the GIL released."""
         return self.compute_block_order()
 
     def compute_block_order(self, stop: Stop | None = None) -> np.ndarray:
-        """:attr:`served_block_order`, computed now unless it is already; ``stop`` (set from
-        another thread) ends the computation early with
-        :class:`~asyncflat.plan.permutation.Stopped`, and nothing is kept."""
-        order = self.__dict__.get("served_block_order")
-        if order is None:
-            order = permutation_columns(
-                self.epoch_seed,
-                self.read_block_count,
-                self.streams,
-                self.served,
-                yield_gil=True,
-                stop=stop,
-            )
-            self.__dict__["served_block_order"] = order  # functools.cached_property's cache
-        return order
+        """:attr:`served_block_order`, computed now unless it is; ``stop`` ends it early."""
+        if "served_block_order" not in self.__dict__:  # functools.cached_property's cache
+            self.__dict__["served_block_order"] = permutation_columns(
+                self.epoch_seed, self.read_block_count, self.streams, self.served,
+                yield_gil=True, stop=stop,
+            )  # fmt: skip
+        return self.__dict__["served_block_order"]
 
     @property
     def block_order(self) -> np.ndarray:
