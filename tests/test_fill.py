@@ -136,3 +136,28 @@ def test_a_dropped_fills_writes_land_before_the_next_fill_writes() -> None:
         assert order == ["old", "new"]
 
     run(main)
+
+
+def test_a_fill_dropped_before_its_buffers_pages_are_written_hands_that_wait_on() -> None:
+    """A buffer faulted in ahead (``fault_in``) is taken by a fill that must not write before
+    the page writes end; dropped before they do, it hands the same wait to the next fill."""
+
+    async def main() -> None:
+        plan = make_plan()
+        pair = BufferPair(plan.seqs_per_buffer, SEQ_LEN)
+        fresh = pair.fault_in(0)
+        assert fresh is not None
+        buffer, pages_done = fresh
+        assert pair.fault_in(0) is None  # allocated once
+        taken, after = pair.take(0)
+        assert taken is buffer and after is pages_done
+        first = make_fill(plan, buffer)
+        first.write_after = after
+        pair.release(first)  # a resume cancels it: no write of its ever started
+        taken, after = pair.take(0)
+        assert taken is buffer and after is pages_done and not after.is_set()
+        pages_done.set()
+        taken, after = pair.take(0)
+        assert after is None  # handed once
+
+    run(main)
