@@ -420,3 +420,52 @@ def test_a_mixture_writes_its_sources_buffers_when_it_fills_them_on_opening(
         wait_until(lambda: pages.calls == 2 * 2 * 12, "the sources' buffers' pages")
         for step in range(4):
             loader.load(step)
+
+
+def test_the_block_orders_array_is_written_before_the_order_is_computed_in_it(
+    dataset: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A large order's array has its pages written on the pool while the kernel compiles: the
+    order is computed in it only once they are, and it is the plan's order from then on."""
+    import asyncflat.engine.opening
+    from asyncflat.plan.shuffle import ShufflePlan
+
+    pages = SlowPages(monkeypatch, 0.1)
+    monkeypatch.setattr(asyncflat.engine.opening, "ORDER_PAGES_MIN", 1)  # this small dataset's
+    monkeypatch.setattr(asyncflat.engine.opening, "ORDER_PAGES_PIECE_BYTES", 64)
+    seen: list[tuple[np.ndarray | None, int]] = []
+    real = ShufflePlan.compute_block_order
+
+    def compute(self: ShufflePlan, stop: Any = None, out: np.ndarray | None = None) -> np.ndarray:
+        seen.append((out, pages.calls))
+        return real(self, stop, out)
+
+    monkeypatch.setattr(ShufflePlan, "compute_block_order", compute)
+    options = EngineOptions(fill_on_open="never")  # the order's pages alone
+    with ShufflingLoader("train", params(dataset), BATCH, SINGLE, options=options) as loader:
+        check(dataset, loader.load(0), 0)
+        [(out, written)] = seen
+        assert out is not None and out.size == loader.plan.read_block_count
+        assert written == -(-out.nbytes // 64)  # every piece, before the order was computed
+        assert np.shares_memory(loader.plan.served_block_order, out)
+        for step in range(1, loader.plan.first_step(2)):
+            check(dataset, loader.load(step), step)
+
+
+def test_closing_while_the_block_orders_pages_are_written_ends_at_once(
+    dataset: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncflat.engine.opening
+
+    pages = SlowPages(monkeypatch, 0.2)
+    monkeypatch.setattr(asyncflat.engine.opening, "ORDER_PAGES_MIN", 1)
+    monkeypatch.setattr(asyncflat.engine.opening, "ORDER_PAGES_PIECE_BYTES", 8)
+    options = EngineOptions(fill_on_open="never")
+    loader = ShufflingLoader("train", params(dataset), BATCH, SINGLE, options=options)
+    wait_until(lambda: pages.calls >= 1, "the order's first page write")
+    start = time.perf_counter()
+    loader.close()
+    assert time.perf_counter() - start < 1.5  # not the pieces' 0.2 s each, one after another
+    wait_until(lambda: library_threads() == [], "the loader's threads to end")
+    with pytest.raises(asyncflat.LoaderClosedError):
+        loader.load(0)

@@ -29,6 +29,7 @@ from asyncflat.plan.permutation import (
     kernel_status,
     permutation,
     permutation_columns,
+    whole_permutation_size,
 )
 
 GOLDEN = json.loads((Path(__file__).parent / "golden_permutations.json").read_text())
@@ -423,3 +424,43 @@ def test_a_stop_set_from_another_thread_ends_a_long_permutation_early(columns: b
     with pytest.raises(Stopped):
         run(stop)
     assert time.perf_counter() - started < whole / 2, (time.perf_counter() - started, whole)
+
+
+@pytest.mark.parametrize("method", ["python", "kernel"])
+@pytest.mark.parametrize("n", [0, 1, 5000, CHUNK * 3 + 7])
+def test_a_permutation_computed_in_a_given_array_is_the_same(method: str, n: int) -> None:
+    """``out`` (an array whose pages the engine wrote ahead) changes where, never what."""
+    out = np.full(n, 0xDEADBEEF, np.uint32)
+    result = permutation(11, n, method=method, out=out)  # type: ignore[arg-type]
+    assert result is out
+    np.testing.assert_array_equal(out, permutation(11, n))
+
+
+@pytest.mark.parametrize(
+    "out",
+    [np.empty(9, np.uint32), np.empty(10, np.int64), np.empty(20, np.uint32)[::2]],
+    ids=["size", "dtype", "strided"],
+)
+def test_a_wrong_array_to_compute_in_is_refused(out: np.ndarray) -> None:
+    with pytest.raises(ConfigError, match="out must be a writeable C-contiguous uint32"):
+        permutation(1, 10, out=out)
+
+
+def test_columns_are_computed_in_the_given_array_only_on_the_whole_permutations_path() -> None:
+    n, streams = 64 * CHUNK, 1024
+    # every column served: the whole permutation, computed in ``out`` (the result is its view)
+    assert whole_permutation_size(n, streams, streams) == n
+    out = np.empty(n, np.uint32)
+    every = permutation_columns(3, n, streams, tuple(range(streams)), out=out)
+    assert np.shares_memory(every, out)
+    np.testing.assert_array_equal(every.reshape(-1), permutation(3, n))
+    # most served: the whole permutation too (smaller than the table), columns copied out of it
+    most = tuple(range(1, streams))
+    assert whole_permutation_size(n, streams, len(most)) == n
+    np.testing.assert_array_equal(
+        permutation_columns(3, n, streams, most, out=np.empty(n, np.uint32)), every[:, 1:]
+    )
+    # one column: the columns kernel's table, no array of n entries to compute in
+    assert whole_permutation_size(n, streams, 1) == 0
+    with pytest.raises(ConfigError, match="out is for the whole permutation"):
+        permutation_columns(3, n, streams, (5,), out=out)

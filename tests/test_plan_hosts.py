@@ -181,7 +181,7 @@ def test_a_block_order_that_fails_reaches_the_load_and_close_is_clean(
     """A failure computing the block order on its thread is the load's error (never a hang, nor
     a SystemExit raised on the engine's loop), and closing waits for that thread."""
 
-    def fail(self: ShufflePlan, stop: object = None) -> np.ndarray:
+    def fail(self: ShufflePlan, stop: object = None, out: object = None) -> np.ndarray:
         raise raised
 
     monkeypatch.setattr(ShufflePlan, "compute_block_order", fail)

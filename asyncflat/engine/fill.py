@@ -250,9 +250,10 @@ PAGES_PIECE_BYTES = 4 << 20
 
 
 class PageWriter:
-    """Writes every page of a fresh buffer once, in jobs of :data:`PAGES_PIECE_BYTES` queued on
-    the loop's CPU pool, and sets ``done`` when the last has finished: the buffer's first fill
-    writes after that, so a page write never lands on rows a decode wrote.
+    """Writes every page of a fresh buffer once, in jobs of ``piece_bytes`` (default
+    :data:`PAGES_PIECE_BYTES`) queued on the loop's CPU pool, and sets ``done`` when the last
+    has finished: the buffer's first fill writes after that, so a page write never lands on
+    rows a decode wrote.
 
     A fresh buffer's pages are mapped at their first write. Left to the first fill, that is one
     fault per 4 KiB page inside its decodes, interleaved with its reads and checksums; written
@@ -261,10 +262,17 @@ class PageWriter:
     fill's own, so its reads of a local store (on the same pool) start behind them: measured,
     the first load still came sooner (64 MiB: 85 -> 71 ms there). ``ctypes.memset`` releases the
     GIL. Dedicated threads beside the pool measured no better there than the pool itself.
+
+    ``finished`` is ``done`` for a thread off the loop (the block order's, whose array is
+    written the same way).
     """
 
-    def __init__(self, buffer: np.ndarray, done: asyncio.Event) -> None:
+    def __init__(
+        self, buffer: np.ndarray, done: asyncio.Event, piece_bytes: int | None = None
+    ) -> None:
         self._buffer, self._done = buffer, done
+        self._piece_bytes = piece_bytes or PAGES_PIECE_BYTES
+        self.finished = threading.Event()
         self._stopped = False
         self._left = 0
         self._lock = threading.Lock()
@@ -273,10 +281,11 @@ class PageWriter:
     def start(self) -> None:
         """Queue the jobs (on the loop)."""
         loop = self._loop = asyncio.get_running_loop()
-        pieces = range(0, self._buffer.nbytes, PAGES_PIECE_BYTES)
+        pieces = range(0, self._buffer.nbytes, self._piece_bytes)
         self._left = len(pieces)
         if not pieces:
             self._done.set()
+            self.finished.set()
         for lo in pieces:
             loop.run_in_executor(None, self._piece, lo)
 
@@ -286,14 +295,17 @@ class PageWriter:
         none writes after this."""
         self._stopped = True
         self._done.set()
+        self.finished.set()
 
     def _piece(self, lo: int) -> None:
         if not self._stopped:
-            size = min(PAGES_PIECE_BYTES, self._buffer.nbytes - lo)
+            size = min(self._piece_bytes, self._buffer.nbytes - lo)
             ctypes.memset(self._buffer.ctypes.data + lo, 0, size)
         with self._lock:
             self._left -= 1
             last = self._left == 0
+        if last:
+            self.finished.set()
         if last and self._loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                 self._loop.call_soon_threadsafe(self._done.set)

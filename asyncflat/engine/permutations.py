@@ -27,16 +27,18 @@ import numpy as np
 
 from asyncflat.engine.loop import background_executor
 from asyncflat.errors import AsyncflatError, LoaderClosedError
-from asyncflat.plan.permutation import Stop, Stopped
+from asyncflat.plan.permutation import Stop, Stopped, ensure_kernel
 from asyncflat.plan.shuffle import ShufflePlan
 
 __all__ = ["RowPermutations", "block_order_off_loop"]
 
 _Key = tuple[int, int]
+#: how often the block order's thread, waiting for its array's pages, looks at its stop flag
+_POLL_S = 0.05
 
 
 def block_order_off_loop(
-    plan: ShufflePlan, stop: Stop
+    plan: ShufflePlan, stop: Stop, pages: tuple[np.ndarray, threading.Event] | None = None
 ) -> tuple[asyncio.Future[np.ndarray], threading.Thread]:
     """``plan.served_block_order``, computed on a thread of its own (call on the loop), and
     that thread.
@@ -45,6 +47,10 @@ def block_order_off_loop(
     released), so no loop pool runs it: a first load waits for it, and a load's decodes must
     not queue behind it. Closing the engine sets ``stop`` (the kernel returns within tens of
     microseconds) and waits for the thread, so it never outlives its loader.
+
+    ``pages``: the whole permutation's array and an event set once its pages are written
+    (:class:`~asyncflat.engine.fill.PageWriter`, on the CPU pool): the thread compiles the
+    kernel meanwhile, then computes the order in it.
     """
     loop = asyncio.get_running_loop()
     order: asyncio.Future[np.ndarray] = loop.create_future()
@@ -61,7 +67,13 @@ def block_order_off_loop(
         result: np.ndarray = np.empty(0, np.uint32)
         error: BaseException | None = None
         try:
-            result = plan.compute_block_order(stop)
+            out = None
+            if pages is not None:
+                ensure_kernel()  # while the pages are written
+                out, written = pages
+                while not written.wait(_POLL_S) and not stop.is_set():
+                    pass
+            result = plan.compute_block_order(stop, out)
         except Stopped:  # closing stopped it: a load still waiting learns the engine closed
             error = LoaderClosedError("the engine was closed")
         except Exception as exc:  # noqa: BLE001  (handed to the load that waits)

@@ -301,26 +301,26 @@ class ShufflePlan:
     @functools.cached_property
     def served_block_order(self) -> np.ndarray:
         """The served streams' part of the global shuffle of read blocks, computed once:
-        ``uint32[blocks_per_stream, len(served)]``, ``[k, c]`` being ``block_order[k * streams +
-        served[c]]``, the k-th block of stream ``served[c]``. Every swap is drawn (each entry
-        depends on all: ~10 ns a block of the split), only served entries kept
-        (:func:`~asyncflat.plan.permutation.permutation_columns`), the GIL released."""
+        ``uint32[blocks_per_stream, len(served)]``, ``[k, c]`` = ``block_order[k * streams +
+        served[c]]``, the k-th block of stream ``served[c]``. Every swap is drawn (~10 ns a block
+        of the split), only served entries kept, the GIL released (:meth:`compute_block_order`)."""
         return self.compute_block_order()
 
-    def compute_block_order(self, stop: Stop | None = None) -> np.ndarray:
-        """:attr:`served_block_order`, computed now unless it is; ``stop`` ends it early."""
+    def compute_block_order(
+        self, stop: Stop | None = None, out: np.ndarray | None = None
+    ) -> np.ndarray:
+        """:attr:`served_block_order`, now unless computed (``stop``, ``out``: see
+        :func:`~asyncflat.plan.permutation.permutation_columns`)."""
         if "served_block_order" not in self.__dict__:  # functools.cached_property's cache
-            self.__dict__["served_block_order"] = permutation_columns(
-                self.epoch_seed, self.read_block_count, self.streams, self.served,
-                yield_gil=True, stop=stop,
-            )  # fmt: skip
+            args = (self.epoch_seed, self.read_block_count, self.streams, self.served)
+            order = permutation_columns(*args, yield_gil=True, stop=stop, out=out)
+            self.__dict__["served_block_order"] = order
         return self.__dict__["served_block_order"]
 
     @property
     def block_order(self) -> np.ndarray:
-        """The whole global shuffle of read blocks (uint32[read_block_count]): the served
-        order itself when every stream is served, else computed on each call (inspection and
-        tests; the loader reads :attr:`served_block_order`)."""
+        """The whole global shuffle of read blocks (uint32[read_block_count]): the served order
+        when every stream is served, else computed each call (for inspection and tests)."""
         if self.served_streams is None or len(self.served) == self.streams:
             return self.served_block_order.reshape(-1)
         return permutation(self.epoch_seed, self.read_block_count)
