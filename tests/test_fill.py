@@ -161,3 +161,23 @@ def test_a_fill_dropped_before_its_buffers_pages_are_written_hands_that_wait_on(
         assert after is None  # handed once
 
     run(main)
+
+
+def test_page_writes_let_go_of_their_array_once_written() -> None:
+    """A block order's array (written ahead, then computed in) may be kept only as a copy of
+    some columns: the writer, kept until closing, must not keep the whole array alive."""
+    import weakref
+
+    from asyncflat.engine.fill import PageWriter
+
+    async def main() -> None:
+        array = np.full(1000, 7, np.uint32)
+        alive = weakref.ref(array)
+        writer = PageWriter(array, asyncio.Event(), piece_bytes=512)
+        writer.start()
+        await asyncio.get_running_loop().run_in_executor(None, writer.finished.wait)
+        assert not array.any()  # every page written (zeroed) before ``finished``
+        del array
+        assert alive() is None
+
+    run(main)

@@ -436,10 +436,16 @@ def test_a_permutation_computed_in_a_given_array_is_the_same(method: str, n: int
     np.testing.assert_array_equal(out, permutation(11, n))
 
 
+def _read_only(n: int) -> np.ndarray:
+    out = np.empty(n, np.uint32)
+    out.flags.writeable = False
+    return out
+
+
 @pytest.mark.parametrize(
     "out",
-    [np.empty(9, np.uint32), np.empty(10, np.int64), np.empty(20, np.uint32)[::2]],
-    ids=["size", "dtype", "strided"],
+    [np.empty(9, np.uint32), np.empty(10, np.int64), np.empty(20, np.uint32)[::2], _read_only(10)],
+    ids=["size", "dtype", "strided", "read-only"],
 )
 def test_a_wrong_array_to_compute_in_is_refused(out: np.ndarray) -> None:
     with pytest.raises(ConfigError, match="out must be a writeable C-contiguous uint32"):

@@ -117,11 +117,11 @@ class Engine:
             closed=lambda: self._closed,
         )
 
-    def open(self, *, fill: bool) -> None:
+    def open(self, *, fill: bool, write_pages: bool = False) -> None:
         """Start, on the loop, what the first load waits for: the plan's block order and, with
-        ``fill``, step 0's fills and their buffers' pages (:mod:`~asyncflat.engine.opening`)."""
+        ``fill``, step 0's fills (:meth:`~asyncflat.engine.opening.Opening.start`)."""
         self._loop = asyncio.get_running_loop()  # try_gather hands prefetches to it
-        self.opening.start(fill=fill)
+        self.opening.start(fill=fill, write_pages=write_pages)
 
     async def planned(self) -> None:
         """Wait until the plan's block order is computed (raises what computing it raised)."""

@@ -271,7 +271,7 @@ class PageWriter:
         self, buffer: np.ndarray, done: asyncio.Event, piece_bytes: int | None = None
     ) -> None:
         self._buffer, self._done = buffer, done
-        self._piece_bytes = piece_bytes or PAGES_PIECE_BYTES
+        self._piece_bytes = PAGES_PIECE_BYTES if piece_bytes is None else piece_bytes
         self.finished = threading.Event()
         self._stopped = False
         self._left = 0
@@ -304,7 +304,8 @@ class PageWriter:
         with self._lock:
             self._left -= 1
             last = self._left == 0
-        if last:
+        if last:  # no job writes any more: let go of the array (a block order's may be copied)
+            self._buffer = np.empty(0, np.uint32)
             self.finished.set()
         if last and self._loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile

@@ -27,7 +27,7 @@ from asyncflat.engine.table import FillTable
 from asyncflat.plan.permutation import Stop, whole_permutation_size
 from asyncflat.plan.shuffle import NEVER, ShufflePlan
 
-__all__ = ["ORDER_PAGES_MIN", "Opening"]
+__all__ = ["ORDER_PAGES_MIN", "ORDER_PAGES_PIECE_BYTES", "Opening"]
 
 log = logging.getLogger("asyncflat.engine")
 
@@ -67,11 +67,13 @@ class Opening:
         self._opened: list[Fill] | None = None
         self._page_writers: list[PageWriter] = []
 
-    def start_planning(self) -> None:
+    def start_planning(self, *, write_pages: bool = False) -> None:
         """Start computing the block order on its own thread (idempotent). Not on the loop's
-        pools: a load waits for it, and its decodes must not queue behind it."""
+        pools: a load waits for it, and its decodes must not queue behind it. With
+        ``write_pages`` (a loader's opening: nothing else is on the pool yet), a large order's
+        array has its pages written on the pool meanwhile."""
         if self._order is None:
-            pages = self._order_pages()
+            pages = self._order_pages() if write_pages else None
             self._order, self._planner = block_order_off_loop(
                 self._plan, self._stop_planning, pages
             )
@@ -83,7 +85,7 @@ class Opening:
         (10^14 tokens) on two cores. None when the order needs no such array."""
         plan = self._plan
         size = whole_permutation_size(plan.read_block_count, plan.streams, len(plan.served))
-        if size < ORDER_PAGES_MIN or "served_block_order" in plan.__dict__:
+        if size < ORDER_PAGES_MIN:
             return None
         try:
             out = np.empty(size, np.uint32)
@@ -102,11 +104,12 @@ class Opening:
         assert self._order is not None
         await asyncio.shield(self._order)
 
-    def start(self, *, fill: bool) -> None:
-        """Start computing the block order and, with ``fill``, step 0's fills of every stream
-        once it is known, unless a load came first (idempotent); meanwhile the pages of the
-        buffers those fills will take are written (:class:`~.fill.PageWriter`)."""
-        self.start_planning()
+    def start(self, *, fill: bool, write_pages: bool = False) -> None:
+        """Start computing the block order (``write_pages``: see :meth:`start_planning`) and,
+        with ``fill``, step 0's fills of every stream once it is known, unless a load came
+        first (idempotent); meanwhile the pages of the buffers those fills will take are
+        written (:class:`~.fill.PageWriter`)."""
+        self.start_planning(write_pages=write_pages)
         if not fill or self._task is not None or self._opened is not None or self._closed():
             return
         self._task = asyncio.get_running_loop().create_task(self._fill())

@@ -33,8 +33,6 @@ from asyncflat.plan.shuffle import ShufflePlan
 __all__ = ["RowPermutations", "block_order_off_loop"]
 
 _Key = tuple[int, int]
-#: how often the block order's thread, waiting for its array's pages, looks at its stop flag
-_POLL_S = 0.05
 
 
 def block_order_off_loop(
@@ -63,7 +61,7 @@ def block_order_off_loop(
         else:
             order.set_result(result)
 
-    def compute() -> None:
+    def compute(pages: tuple[np.ndarray, threading.Event] | None) -> None:
         result: np.ndarray = np.empty(0, np.uint32)
         error: BaseException | None = None
         try:
@@ -71,9 +69,12 @@ def block_order_off_loop(
             if pages is not None:
                 ensure_kernel()  # while the pages are written
                 out, written = pages
-                while not written.wait(_POLL_S) and not stop.is_set():
-                    pass
+                written.wait()  # set by the last page write, or by closing (PageWriter.stop)
+                if stop.is_set():  # the kernel would write the whole array before looking
+                    raise Stopped("closed while the block order's pages were written")
+            del pages
             result = plan.compute_block_order(stop, out)
+            del out  # only the plan's order (a view of it, or a copy of its columns) is kept
         except Stopped:  # closing stopped it: a load still waiting learns the engine closed
             error = LoaderClosedError("the engine was closed")
         except Exception as exc:  # noqa: BLE001  (handed to the load that waits)
@@ -85,7 +86,9 @@ def block_order_off_loop(
 
     # A failure no load collects (the loader closed first) is not an unretrieved exception.
     order.add_done_callback(lambda f: f.cancelled() or f.exception())
-    thread = threading.Thread(target=compute, name="asyncflat-plan", daemon=True)
+    # ``pages`` as an argument: the thread drops it once run (the Thread object is kept until
+    # closing, and the whole array must not live on where only some columns are kept).
+    thread = threading.Thread(target=compute, args=(pages,), name="asyncflat-plan", daemon=True)
     thread.start()
     return order, thread
 

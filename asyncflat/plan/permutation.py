@@ -153,7 +153,8 @@ def permutation(
     ):  # fmt: skip
         raise ConfigError(
             f"permutation: out must be a writeable C-contiguous uint32 array of shape ({n},), "
-            f"got {out.dtype} {out.shape}"
+            f"got {out.dtype} {out.shape} (C-contiguous: {out.flags.c_contiguous}, writeable: "
+            f"{out.flags.writeable})"
         )
     bit_generator = np.random.Philox(seed)
     stop = stop or _NEVER

@@ -92,7 +92,9 @@ async def open_engine(
         format_bytes(plan.token_count * 4),
     )
     engine = Engine(plan, source, streams, options)
-    engine.open(fill=fill_on_open and fills_on_open(options, source))
+    # A mixture's passes (no fills on opening) open while others serve: no page writes on the
+    # pool there, where the serving passes' decodes would queue behind them.
+    engine.open(fill=fill_on_open and fills_on_open(options, source), write_pages=fill_on_open)
     return engine
 
 
