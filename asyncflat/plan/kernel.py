@@ -153,8 +153,14 @@ def _build_permutation(module: ir.Module) -> None:
     )  # fmt: skip
     b = ir.IRBuilder(function.append_basic_block("entry"))
 
-    with _count(b, _const(0), n, 1) as i:  # result = arange(n)
-        b.store(b.trunc(i, _I32), b.gep(result, [i]))
+    # result = arange(n), with a stop check every 16 chunks: this pass alone first-writes the
+    # whole array (0.4-0.7 s at 95M entries), and closing must not wait for it
+    piece = 16 * CHUNK
+    with _count(b, _const(0), n, piece) as lo:
+        _return_if_stopped(b, stop)
+        hi = b.select(b.icmp_signed("<", b.add(lo, _const(piece)), n), b.add(lo, _const(piece)), n)
+        with _count(b, lo, hi, 1) as i:
+            b.store(b.trunc(i, _I32), b.gep(result, [i]))
 
     last_start = b.mul(b.sdiv(b.sub(n, _const(1)), _const(CHUNK)), _const(CHUNK))
     with _count(b, last_start, _const(-1), -CHUNK) as start:
