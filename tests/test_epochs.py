@@ -7,10 +7,13 @@ seeded with ``seed + e * 2**64``, so the oracle for it is the reference loader w
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -225,13 +228,12 @@ def test_iter_epochs_builds_the_next_epoch_before_the_boundary(
                 events["built"] = progress[0]
             super().__init__(*args, **kwargs)  # type: ignore[arg-type]
 
-        def load(self, step: int) -> asyncflat.TokenBatch:
-            batch = super().load(step)
-            if self.plan.epoch == 1 and step == 0:
-                events.setdefault("first_loaded", progress[0])
-            return batch
+    def first_loaded(epoch: int, step: int) -> None:
+        if (epoch, step) == (1, 0):
+            events.setdefault("first_loaded", progress[0])
 
     monkeypatch.setattr(epochs_mod, "ShufflingLoader", Recording)
+    _record_builds(monkeypatch, first_loaded)
     batch_params = TokenBatchParams(len=SEQ_LEN, batch=BATCH)
     with contextlib.closing(
         asyncflat.iter_epochs("train", _params(dataset), batch_params, epochs=2)
@@ -255,6 +257,48 @@ def test_iter_epochs_builds_the_next_epoch_before_the_boundary(
     # each yield, so it still shows the step before), started long before the epoch ended.
     assert built[0] == 0 and last_minipoch_from - 1 <= built[1] < plan.step_count - 1
     assert first_loaded[0] == 0  # epoch 1's step 0 was ready before epoch 0 ended
+
+
+def _record_builds(monkeypatch: pytest.MonkeyPatch, record: Callable[[int, int], None]) -> None:
+    """Call ``record(epoch, step)`` after each batch a loader builds (on any thread)."""
+    from asyncflat.loader.shared.lifecycle import Lifecycle
+    from asyncflat.loader.shared.load_ahead import NOT_READY
+
+    real = Lifecycle.build
+
+    def build(self: Lifecycle[Any], step: int, *, ready_only: bool = False) -> Any:
+        batch = real(self, step, ready_only=ready_only)
+        if batch is not NOT_READY:
+            record(self.server.engine.plan.epoch, step)
+        return batch
+
+    monkeypatch.setattr(Lifecycle, "build", build)
+
+
+def test_iter_epochs_builds_each_step_once(dataset: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next epoch's first step is built ahead and the epoch goes on from it, never building
+    step 1 twice (a ``load(0)`` built it ahead, then ``iter(1)`` built it again)."""
+    builds: collections.Counter[tuple[int, int]] = collections.Counter()
+    lock = threading.Lock()
+
+    def record(epoch: int, step: int) -> None:
+        with lock:
+            builds[(epoch, step)] += 1
+
+    _record_builds(monkeypatch, record)
+    batch_params = TokenBatchParams(len=SEQ_LEN, batch=BATCH)
+    oracles = {e: _oracle(dataset, e) for e in range(2)}
+    with contextlib.closing(
+        asyncflat.iter_epochs("train", _params(dataset), batch_params, epochs=2)
+    ) as it:
+        seen = []
+        for epoch, step, batch in it:
+            _assert_batch(batch, oracles[epoch], step)
+            seen.append((epoch, step))
+            time.sleep(0.01)  # a trainer's step: the builders run ahead meanwhile
+    assert seen == [(e, s) for e in range(2) for s in range(oracles[0].step_count)]
+    assert builds.keys() >= set(seen)
+    assert {key: n for key, n in builds.items() if n > 1} == {}
 
 
 def test_iter_epochs_bad_arguments(dataset: str) -> None:

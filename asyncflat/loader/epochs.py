@@ -33,6 +33,7 @@ from asyncflat.errors import ConfigError
 from asyncflat.loader.mixture.config import MixtureParams
 from asyncflat.loader.mixture.loader import MixtureLoader
 from asyncflat.loader.shared.batch import TokenBatch
+from asyncflat.loader.shared.iterator import BatchIterator
 from asyncflat.loader.shuffling import ShufflingLoader
 
 __all__ = ["EpochIterator", "iter_epochs"]
@@ -163,10 +164,19 @@ class EpochIterator(Iterator[tuple[int, int, TokenBatch]]):
             )
             return loader
 
-        def make_and_start(epoch: int) -> tuple[Loader, TokenBatch]:
+        def make_and_start(epoch: int) -> tuple[Loader, BatchIterator, TokenBatch]:
+            """The next epoch's loader, its iterator and its first batch: minipoch 0 is filled
+            now, not at the boundary, and the iterator goes on from there (a ``load(0)`` then
+            ``iter(1)`` built step 1 twice: once ahead of the load, once in the iterator)."""
             loader = make(epoch)
             try:
-                return loader, loader.load(0)  # fills minipoch 0 now, not at the boundary
+                iterator = loader.iter(0)
+                try:
+                    _, batch = next(iterator)
+                except BaseException:
+                    iterator.close()
+                    raise
+                return loader, iterator, batch
             except BaseException:
                 loader.close()
                 raise
@@ -175,8 +185,9 @@ class EpochIterator(Iterator[tuple[int, int, TokenBatch]]):
             return
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="asyncflat-next-epoch")
         loader = self.loader = make(start_epoch)
-        first: TokenBatch | None = None
-        upcoming: concurrent.futures.Future[tuple[Loader, TokenBatch]] | None = None
+        #: the current epoch's iterator and first batch when its loader was built ahead
+        started: tuple[BatchIterator, TokenBatch] | None = None
+        upcoming: concurrent.futures.Future[tuple[Loader, BatchIterator, TokenBatch]] | None = None
         step = start_step
         try:
             if step > loader.step_count:
@@ -189,11 +200,11 @@ class EpochIterator(Iterator[tuple[int, int, TokenBatch]]):
                 last = epochs is not None and epoch + 1 >= epochs
                 # The next epoch starts building once this one serves its last minipoch.
                 build_from = build_ahead_from(loader)
-                iterator = loader.iter(step) if first is None else loader.iter(1)
+                iterator = loader.iter(step) if started is None else started[0]
                 with iterator:
-                    if first is not None:
+                    if started is not None:
+                        first, started = started[1], None
                         yield epoch, 0, first
-                        first = None
                     for step, batch in iterator:
                         if upcoming is None and not last and step >= build_from:
                             log.debug("building the loader of epoch %d ahead", epoch + 1)
@@ -204,16 +215,21 @@ class EpochIterator(Iterator[tuple[int, int, TokenBatch]]):
                 if upcoming is None:  # resumed past build_from, or an empty remainder
                     upcoming = pool.submit(make_and_start, epoch + 1)
                 loader.close()
-                loader, first = upcoming.result()
+                loader, next_iterator, next_first = upcoming.result()
+                started = (next_iterator, next_first)
                 self.loader = loader
                 upcoming = None
                 step = 0
         finally:
             loader.close()
             self.loader = None
+            if started is not None:  # an error before its epoch's iterator was entered
+                started[0].close()
             if upcoming is not None:
                 try:
-                    upcoming.result()[0].close()
+                    next_loader, next_iterator, _ = upcoming.result()
+                    next_iterator.close()
+                    next_loader.close()
                 except Exception:  # its error is not this generator's to raise now
                     log.debug("the next epoch's loader failed while closing", exc_info=True)
             pool.shutdown(wait=True)
