@@ -312,3 +312,44 @@ def test_iter_epochs_bad_arguments(dataset: str) -> None:
         with pytest.raises(ConfigError, match=match):
             list(asyncflat.iter_epochs("train", _params(dataset), batch_params, **kwargs))
     assert list(asyncflat.iter_epochs("train", _params(dataset), batch_params, epochs=0)) == []
+
+
+def test_a_dropped_epoch_iterator_closes_its_loaders_at_once(dataset: str) -> None:
+    """No reference cycle through the iterator: dropping it closes its loaders right away, on
+    the dropping thread, without waiting for the cycle collector (which, run on one of the
+    loaders' own threads, could deadlock their close)."""
+    import gc
+
+    from conftest import wait_until
+    from helpers.resources import library_threads
+
+    batch_params = TokenBatchParams(len=SEQ_LEN, batch=BATCH)
+    gc.disable()
+    try:
+        it = asyncflat.iter_epochs("train", _params(dataset), batch_params, epochs=3)
+        for _ in range(3):
+            next(it)
+        assert library_threads()
+        del it
+        wait_until(lambda: library_threads() == [], "the loaders' threads to end", timeout=5)
+    finally:
+        gc.enable()
+
+
+def test_the_first_batch_of_an_epoch_is_not_kept_for_the_whole_epoch(dataset: str) -> None:
+    import gc
+    import weakref
+
+    batch_params = TokenBatchParams(len=SEQ_LEN, batch=BATCH)
+    first: weakref.ref[asyncflat.TokenBatch] | None = None
+    with contextlib.closing(
+        asyncflat.iter_epochs("train", _params(dataset), batch_params, epochs=2)
+    ) as it:
+        for epoch, step, batch in it:
+            if (epoch, step) == (1, 0):
+                first = weakref.ref(batch)
+            del batch
+            if (epoch, step) == (1, 3):
+                gc.collect()
+                assert first is not None and first() is None
+                break

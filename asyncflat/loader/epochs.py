@@ -111,10 +111,20 @@ class EpochIterator(Iterator[tuple[int, int, TokenBatch]]):
         epochs: int | None,
         options: EngineOptions,
     ) -> None:
-        self.loader: Loader | None = None
-        self._gen = self._run(
-            split, params, token_batch_params, sharding, start_epoch, start_step, epochs, options
-        )
+        # The generator holds this holder, not the iterator: a dropped iterator is finalized
+        # at once by the thread that drops it (a cycle through ``self`` waited for the cycle
+        # collector, whose run on one of the loaders' own threads could deadlock its close).
+        self._current: list[Loader | None] = [None]
+        self._gen = _run(
+            self._current, split, params, token_batch_params, sharding, start_epoch, start_step,
+            epochs, options,
+        )  # fmt: skip
+
+    @property
+    def loader(self) -> Loader | None:
+        """The loader of the epoch being served (None before the first ``next()`` and after
+        the end)."""
+        return self._current[0]
 
     def __iter__(self) -> EpochIterator:
         return self
@@ -146,90 +156,93 @@ class EpochIterator(Iterator[tuple[int, int, TokenBatch]]):
                 except Exception:  # noqa: BLE001 - logging torn down at shutdown
                     pass
 
-    def _run(
-        self,
-        split: str,
-        params: FlatTokensParams | MixtureParams,
-        token_batch_params: TokenBatchParams,
-        sharding: Sharding | None,
-        start_epoch: int,
-        start_step: int,
-        epochs: int | None,
-        options: EngineOptions,
-    ) -> Generator[tuple[int, int, TokenBatch], None, None]:
-        def make(epoch: int) -> Loader:
-            # (ShufflingLoader(...) of a MixtureParams is a MixtureLoader)
-            loader: Loader = ShufflingLoader(
-                split, params, token_batch_params, sharding, options=options, epoch=epoch
-            )
-            return loader
 
-        def make_and_start(epoch: int) -> tuple[Loader, BatchIterator, TokenBatch]:
-            """The next epoch's loader, its iterator and its first batch: minipoch 0 is filled
-            now, not at the boundary, and the iterator goes on from there (a ``load(0)`` then
-            ``iter(1)`` built step 1 twice: once ahead of the load, once in the iterator)."""
-            loader = make(epoch)
-            try:
-                iterator = loader.iter(0)
-                try:
-                    _, batch = next(iterator)
-                except BaseException:
-                    iterator.close()
-                    raise
-                return loader, iterator, batch
-            except BaseException:
-                loader.close()
-                raise
+def _run(
+    current: list[Loader | None],
+    split: str,
+    params: FlatTokensParams | MixtureParams,
+    token_batch_params: TokenBatchParams,
+    sharding: Sharding | None,
+    start_epoch: int,
+    start_step: int,
+    epochs: int | None,
+    options: EngineOptions,
+) -> Generator[tuple[int, int, TokenBatch], None, None]:
+    def make(epoch: int) -> Loader:
+        # (ShufflingLoader(...) of a MixtureParams is a MixtureLoader)
+        loader: Loader = ShufflingLoader(
+            split, params, token_batch_params, sharding, options=options, epoch=epoch
+        )
+        return loader
 
-        if epochs is not None and start_epoch >= epochs:
-            return
-        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="asyncflat-next-epoch")
-        loader = self.loader = make(start_epoch)
-        #: the current epoch's iterator and first batch when its loader was built ahead
-        started: tuple[BatchIterator, TokenBatch] | None = None
-        upcoming: concurrent.futures.Future[tuple[Loader, BatchIterator, TokenBatch]] | None = None
-        step = start_step
+    def make_and_start(epoch: int) -> tuple[Loader, BatchIterator, TokenBatch]:
+        """The next epoch's loader, its iterator and its first batch: minipoch 0 is filled
+        now, not at the boundary, and the iterator goes on from there (a ``load(0)`` then
+        ``iter(1)`` built step 1 twice: once ahead of the load, once in the iterator)."""
+        loader = make(epoch)
         try:
-            if step > loader.step_count:
-                raise ConfigError(
-                    f"iter_epochs: start_step {step} is past the epoch's {loader.step_count} steps"
-                )
-            for epoch in itertools.count(start_epoch):
-                if epochs is not None and epoch >= epochs:
-                    return
-                last = epochs is not None and epoch + 1 >= epochs
-                # The next epoch starts building once this one serves its last minipoch.
-                build_from = build_ahead_from(loader)
-                iterator = loader.iter(step) if started is None else started[0]
-                with iterator:
-                    if started is not None:
-                        first, started = started[1], None
-                        yield epoch, 0, first
-                    for step, batch in iterator:
-                        if upcoming is None and not last and step >= build_from:
-                            log.debug("building the loader of epoch %d ahead", epoch + 1)
-                            upcoming = pool.submit(make_and_start, epoch + 1)
-                        yield epoch, step, batch
-                if last:
-                    return
-                if upcoming is None:  # resumed past build_from, or an empty remainder
-                    upcoming = pool.submit(make_and_start, epoch + 1)
-                loader.close()
-                loader, next_iterator, next_first = upcoming.result()
-                started = (next_iterator, next_first)
-                self.loader = loader
-                upcoming = None
-                step = 0
-        finally:
+            iterator = loader.iter(0)
+            try:
+                _, batch = next(iterator)
+            except BaseException:
+                iterator.close()
+                raise
+            return loader, iterator, batch
+        except BaseException:
             loader.close()
-            self.loader = None
-            if started is not None:  # an error before its epoch's iterator was entered
-                started[0].close()
-            if upcoming is not None:
-                try:
-                    next_loader, next_iterator, _ = upcoming.result()
-                    next_iterator.close()
-                    next_loader.close()
-                except Exception:  # its error is not this generator's to raise now
-                    log.debug("the next epoch's loader failed while closing", exc_info=True)
-            pool.shutdown(wait=True)
+            raise
+
+    if epochs is not None and start_epoch >= epochs:
+        return
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="asyncflat-next-epoch")
+    loader = current[0] = make(start_epoch)
+    #: the current epoch's iterator and first batch when its loader was built ahead
+    started: tuple[BatchIterator, TokenBatch] | None = None
+    upcoming: concurrent.futures.Future[tuple[Loader, BatchIterator, TokenBatch]] | None = None
+    step = start_step
+    try:
+        if step > loader.step_count:
+            raise ConfigError(
+                f"iter_epochs: start_step {step} is past the epoch's {loader.step_count} steps"
+            )
+        for epoch in itertools.count(start_epoch):
+            if epochs is not None and epoch >= epochs:
+                return
+            last = epochs is not None and epoch + 1 >= epochs
+            # The next epoch starts building once this one serves its last minipoch.
+            build_from = build_ahead_from(loader)
+            iterator = loader.iter(step) if started is None else started[0]
+            with iterator:
+                if started is not None:
+                    first, started = started[1], None
+                    yield epoch, 0, first
+                    del first  # not kept for the whole epoch
+                for step, batch in iterator:
+                    if upcoming is None and not last and step >= build_from:
+                        log.debug("building the loader of epoch %d ahead", epoch + 1)
+                        upcoming = pool.submit(make_and_start, epoch + 1)
+                    yield epoch, step, batch
+            if last:
+                return
+            if upcoming is None:  # resumed past build_from, or an empty remainder
+                upcoming = pool.submit(make_and_start, epoch + 1)
+            loader.close()
+            loader, next_iterator, next_first = upcoming.result()
+            started = (next_iterator, next_first)
+            del next_iterator, next_first  # ``started`` alone holds them, until served
+            current[0] = loader
+            upcoming = None
+            step = 0
+    finally:
+        loader.close()
+        current[0] = None
+        if started is not None:  # an error before its epoch's iterator was entered
+            started[0].close()
+        if upcoming is not None:
+            try:
+                next_loader, next_iterator, _ = upcoming.result()
+                next_iterator.close()
+                next_loader.close()
+            except Exception:  # its error is not this generator's to raise now
+                log.debug("the next epoch's loader failed while closing", exc_info=True)
+        pool.shutdown(wait=True)
