@@ -353,3 +353,41 @@ def test_the_first_batch_of_an_epoch_is_not_kept_for_the_whole_epoch(dataset: st
                 gc.collect()
                 assert first is not None and first() is None
                 break
+
+
+def test_ctrl_c_during_next_leaves_the_epoch_iterator_where_it_was(
+    dataset: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A KeyboardInterrupt while ``next()`` waits (here: each epoch iterator's third wait) is
+    raised, and the next ``next()`` returns the step it interrupted, as a loader's iterator
+    does; raised through the generator it used to end the iteration silently."""
+    from asyncflat.loader.shared.iterator import BatchIterator
+
+    real = BatchIterator.__next__
+    calls: collections.Counter[int] = collections.Counter()
+
+    def interrupted(self: BatchIterator) -> Any:
+        calls[id(self)] += 1
+        if calls[id(self)] == 3:
+            raise KeyboardInterrupt  # BatchIterator's own promise: nothing consumed
+        return real(self)
+
+    monkeypatch.setattr(BatchIterator, "__next__", interrupted)
+    batch_params = TokenBatchParams(len=SEQ_LEN, batch=BATCH)
+    oracles = {e: _oracle(dataset, e) for e in range(2)}
+    seen, interrupts = [], 0
+    with contextlib.closing(
+        asyncflat.iter_epochs("train", _params(dataset), batch_params, epochs=2)
+    ) as it:
+        while True:
+            try:
+                epoch, step, batch = next(it)
+            except KeyboardInterrupt:
+                interrupts += 1
+                continue
+            except StopIteration:
+                break
+            _assert_batch(batch, oracles[epoch], step)
+            seen.append((epoch, step))
+    assert interrupts == 2  # one in each epoch's iterator
+    assert seen == [(e, s) for e in range(2) for s in range(oracles[0].step_count)]

@@ -130,7 +130,10 @@ class EpochIterator(Iterator[tuple[int, int, TokenBatch]]):
         return self
 
     def __next__(self) -> tuple[int, int, TokenBatch]:
-        return next(self._gen)
+        item = next(self._gen)
+        if isinstance(item, _Interrupted):
+            raise item.exc
+        return item
 
     def close(self) -> None:
         """Stop the loaders (the current one and one being built ahead). Idempotent."""
@@ -157,6 +160,15 @@ class EpochIterator(Iterator[tuple[int, int, TokenBatch]]):
                     pass
 
 
+class _Interrupted:
+    """What the generator yields when Ctrl-C interrupts one of its waits: ``__next__`` raises
+    the ``KeyboardInterrupt`` and the generator stays where it was, so the next ``next()``
+    returns the same step (an exception raised through a generator would end it)."""
+
+    def __init__(self, exc: KeyboardInterrupt) -> None:
+        self.exc = exc
+
+
 def _run(
     current: list[Loader | None],
     split: str,
@@ -167,7 +179,7 @@ def _run(
     start_step: int,
     epochs: int | None,
     options: EngineOptions,
-) -> Generator[tuple[int, int, TokenBatch], None, None]:
+) -> Generator[tuple[int, int, TokenBatch] | _Interrupted, None, None]:
     def make(epoch: int) -> Loader:
         # (ShufflingLoader(...) of a MixtureParams is a MixtureLoader)
         loader: Loader = ShufflingLoader(
@@ -217,7 +229,14 @@ def _run(
                     first, started = started[1], None
                     yield epoch, 0, first
                     del first  # not kept for the whole epoch
-                for step, batch in iterator:
+                while True:
+                    try:
+                        step, batch = next(iterator)
+                    except StopIteration:
+                        break
+                    except KeyboardInterrupt as exc:  # the iterator stays at its step: so do we
+                        yield _Interrupted(exc)
+                        continue
                     if upcoming is None and not last and step >= build_from:
                         log.debug("building the loader of epoch %d ahead", epoch + 1)
                         upcoming = pool.submit(make_and_start, epoch + 1)
@@ -226,6 +245,12 @@ def _run(
                 return
             if upcoming is None:  # resumed past build_from, or an empty remainder
                 upcoming = pool.submit(make_and_start, epoch + 1)
+            while True:
+                try:
+                    upcoming.result()
+                    break
+                except KeyboardInterrupt as exc:
+                    yield _Interrupted(exc)
             loader.close()
             loader, next_iterator, next_first = upcoming.result()
             started = (next_iterator, next_first)
