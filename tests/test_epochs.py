@@ -391,3 +391,34 @@ def test_ctrl_c_during_next_leaves_the_epoch_iterator_where_it_was(
             seen.append((epoch, step))
     assert interrupts == 2  # one in each epoch's iterator
     assert seen == [(e, s) for e in range(2) for s in range(oracles[0].step_count)]
+
+
+def test_closing_from_another_thread_while_next_waits_ends_the_iteration(
+    dataset: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from conftest import wait_until
+    from helpers.resources import library_threads
+
+    from asyncflat.loader.shared.iterator import BatchIterator
+
+    real = BatchIterator.__next__
+    waiting = threading.Event()
+
+    def slow(self: BatchIterator) -> Any:
+        waiting.set()
+        time.sleep(0.3)  # a wait for storage
+        return real(self)
+
+    batch_params = TokenBatchParams(len=SEQ_LEN, batch=BATCH)
+    it = asyncflat.iter_epochs("train", _params(dataset), batch_params, epochs=2)
+    next(it)
+    monkeypatch.setattr(BatchIterator, "__next__", slow)
+    closer = threading.Thread(target=lambda: (waiting.wait(5), it.close()))
+    closer.start()
+    with pytest.raises(asyncflat.LoaderClosedError):
+        next(it)
+    closer.join(5)
+    assert not closer.is_alive()
+    with pytest.raises(StopIteration):
+        next(it)
+    wait_until(lambda: library_threads() == [], "the loaders' threads to end", timeout=5)

@@ -136,8 +136,15 @@ class EpochIterator(Iterator[tuple[int, int, TokenBatch]]):
         return item
 
     def close(self) -> None:
-        """Stop the loaders (the current one and one being built ahead). Idempotent."""
-        self._gen.close()
+        """Stop the loaders (the current one and one being built ahead). Idempotent; from
+        another thread while ``next()`` waits, that ``next()`` raises
+        :class:`~asyncflat.errors.LoaderClosedError` and the iteration ends."""
+        try:
+            self._gen.close()
+        except ValueError:  # "generator already executing": in another thread's next()
+            loader = self._current[0]
+            if loader is not None:
+                loader.close()  # that next() raises, and the generator closes the rest
 
     def __enter__(self) -> EpochIterator:
         return self
