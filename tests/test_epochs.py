@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -422,3 +423,25 @@ def test_closing_from_another_thread_while_next_waits_ends_the_iteration(
     with pytest.raises(StopIteration):
         next(it)
     wait_until(lambda: library_threads() == [], "the loaders' threads to end", timeout=5)
+
+
+def test_iter_epochs_logs_each_sizing_warning_once(
+    dataset: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every epoch's loader has the same sizes: the rows-never-served warning (this layout
+    drops more than 1% of the split) is logged once for the run, not once per epoch."""
+    batch_params = TokenBatchParams(len=SEQ_LEN, batch=BATCH)
+    with caplog.at_level(logging.WARNING, logger="asyncflat"):
+        with contextlib.closing(
+            asyncflat.iter_epochs("train", _params(dataset), batch_params, epochs=3)
+        ) as it:
+            epochs_seen = {epoch for epoch, _, _ in it}
+        warned = [r for r in caplog.records if "never served" in r.getMessage()]
+    assert epochs_seen == {0, 1, 2}
+    assert len(warned) == 1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="asyncflat"):
+        batch_params = TokenBatchParams(len=SEQ_LEN, batch=BATCH)
+        with asyncflat.ShufflingLoader("train", _params(dataset), batch_params):
+            pass  # a loader outside any iter_epochs still says it
+    assert [r for r in caplog.records if "never served" in r.getMessage()]

@@ -21,9 +21,12 @@ last sixteenth of its steps (at least the last step) on.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import itertools
 import logging
+import threading
 from collections.abc import Generator, Iterator
+from typing import Any
 
 from jax.sharding import Sharding
 
@@ -167,6 +170,41 @@ class EpochIterator(Iterator[tuple[int, int, TokenBatch]]):
                     pass
 
 
+class _OncePerCondition(logging.Filter):
+    """Lets each distinct WARNING through once while an :func:`iter_epochs` runs: every
+    epoch's loader is built from the same sizes and weights, and logged the same sizing
+    warnings (rows never served, a mixture source starved) again at each epoch."""
+
+    #: the loggers of those warnings: the plain loader's opening and the mixture's
+    LOGGERS = ("asyncflat.loader.shuffling", "asyncflat.loader.mixture.loader")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()  # epochs are built on a background thread
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.WARNING:
+            return True
+        message = record.getMessage()
+        with self._lock:
+            if message in self._seen:
+                return False
+            self._seen.add(message)
+        return True
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        loggers = [logging.getLogger(name) for name in self.LOGGERS]
+        for logger in loggers:
+            logger.addFilter(self)
+        try:
+            yield
+        finally:
+            for logger in loggers:
+                logger.removeFilter(self)
+
+
 class _Interrupted:
     """What the generator yields when Ctrl-C interrupts one of its waits: ``__next__`` raises
     the ``KeyboardInterrupt`` and the generator stays where it was, so the next ``next()``
@@ -177,6 +215,14 @@ class _Interrupted:
 
 
 def _run(
+    current: list[Loader | None], *args: Any
+) -> Generator[tuple[int, int, TokenBatch] | _Interrupted, None, None]:
+    """The epochs, each sizing warning logged once for all of them."""
+    with _OncePerCondition().installed():
+        yield from _epochs(current, *args)
+
+
+def _epochs(
     current: list[Loader | None],
     split: str,
     params: FlatTokensParams | MixtureParams,
