@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import itertools
 import logging
 import threading
@@ -222,29 +223,29 @@ def _run(
         yield from _epochs(current, *args)
 
 
-def _epochs(
-    current: list[Loader | None],
-    split: str,
-    params: FlatTokensParams | MixtureParams,
-    token_batch_params: TokenBatchParams,
-    sharding: Sharding | None,
-    start_epoch: int,
-    start_step: int,
-    epochs: int | None,
-    options: EngineOptions,
-) -> Generator[tuple[int, int, TokenBatch] | _Interrupted, None, None]:
-    def make(epoch: int) -> Loader:
+@dataclasses.dataclass(frozen=True)
+class _Epochs:
+    """How :func:`iter_epochs` makes the loader of an epoch."""
+
+    split: str
+    params: FlatTokensParams | MixtureParams
+    token_batch_params: TokenBatchParams
+    sharding: Sharding | None
+    options: EngineOptions
+
+    def loader(self, epoch: int) -> Loader:
         # (ShufflingLoader(...) of a MixtureParams is a MixtureLoader)
         loader: Loader = ShufflingLoader(
-            split, params, token_batch_params, sharding, options=options, epoch=epoch
-        )
+            self.split, self.params, self.token_batch_params, self.sharding,
+            options=self.options, epoch=epoch,
+        )  # fmt: skip
         return loader
 
-    def make_and_start(epoch: int) -> tuple[Loader, BatchIterator, TokenBatch]:
-        """The next epoch's loader, its iterator and its first batch: minipoch 0 is filled
-        now, not at the boundary, and the iterator goes on from there (a ``load(0)`` then
-        ``iter(1)`` built step 1 twice: once ahead of the load, once in the iterator)."""
-        loader = make(epoch)
+    def started(self, epoch: int) -> tuple[Loader, BatchIterator, TokenBatch]:
+        """The epoch's loader, its iterator and its first batch: minipoch 0 is filled now, not
+        at the boundary, and the iterator goes on from there (a ``load(0)`` then ``iter(1)``
+        built step 1 twice: once ahead of the load, once in the iterator)."""
+        loader = self.loader(epoch)
         try:
             iterator = loader.iter(0)
             try:
@@ -257,10 +258,44 @@ def _epochs(
             loader.close()
             raise
 
+
+def _next_step(iterator: BatchIterator) -> Generator[_Interrupted, None, Any]:
+    """``next(iterator)`` (None at its end); a Ctrl-C meanwhile is yielded, and the same step
+    asked again (the iterator stays at its step)."""
+    while True:
+        try:
+            return next(iterator)
+        except StopIteration:
+            return None
+        except KeyboardInterrupt as exc:
+            yield _Interrupted(exc)
+
+
+def _result(future: concurrent.futures.Future[Any]) -> Generator[_Interrupted, None, Any]:
+    """``future.result()``; a Ctrl-C meanwhile is yielded, and the wait taken up again."""
+    while True:
+        try:
+            return future.result()
+        except KeyboardInterrupt as exc:
+            yield _Interrupted(exc)
+
+
+def _epochs(
+    current: list[Loader | None],
+    split: str,
+    params: FlatTokensParams | MixtureParams,
+    token_batch_params: TokenBatchParams,
+    sharding: Sharding | None,
+    start_epoch: int,
+    start_step: int,
+    epochs: int | None,
+    options: EngineOptions,
+) -> Generator[tuple[int, int, TokenBatch] | _Interrupted, None, None]:
     if epochs is not None and start_epoch >= epochs:
         return
+    make = _Epochs(split, params, token_batch_params, sharding, options)
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="asyncflat-next-epoch")
-    loader = current[0] = make(start_epoch)
+    loader = current[0] = make.loader(start_epoch)
     #: the current epoch's iterator and first batch when its loader was built ahead
     started: tuple[BatchIterator, TokenBatch] | None = None
     upcoming: concurrent.futures.Future[tuple[Loader, BatchIterator, TokenBatch]] | None = None
@@ -282,33 +317,22 @@ def _epochs(
                     first, started = started[1], None
                     yield epoch, 0, first
                     del first  # not kept for the whole epoch
-                while True:
-                    try:
-                        step, batch = next(iterator)
-                    except StopIteration:
-                        break
-                    except KeyboardInterrupt as exc:  # the iterator stays at its step: so do we
-                        yield _Interrupted(exc)
-                        continue
+                while (item := (yield from _next_step(iterator))) is not None:
+                    step, batch = item
                     if upcoming is None and not last and step >= build_from:
                         log.debug("building the loader of epoch %d ahead", epoch + 1)
-                        upcoming = pool.submit(make_and_start, epoch + 1)
+                        upcoming = pool.submit(make.started, epoch + 1)
                     yield epoch, step, batch
+                    del item, batch
             if last:
                 return
             if upcoming is None:  # resumed past build_from, or an empty remainder
-                upcoming = pool.submit(make_and_start, epoch + 1)
-            while True:
-                try:
-                    upcoming.result()
-                    break
-                except KeyboardInterrupt as exc:
-                    yield _Interrupted(exc)
+                upcoming = pool.submit(make.started, epoch + 1)
+            next_loader, next_iterator, next_first = yield from _result(upcoming)
             loader.close()
-            loader, next_iterator, next_first = upcoming.result()
+            loader = current[0] = next_loader
             started = (next_iterator, next_first)
-            del next_iterator, next_first  # ``started`` alone holds them, until served
-            current[0] = loader
+            del next_loader, next_iterator, next_first  # ``started`` alone holds them
             upcoming = None
             step = 0
     finally:
