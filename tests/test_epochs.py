@@ -445,3 +445,144 @@ def test_iter_epochs_logs_each_sizing_warning_once(
         with asyncflat.ShufflingLoader("train", _params(dataset), batch_params):
             pass  # a loader outside any iter_epochs still says it
     assert [r for r in caplog.records if "never served" in r.getMessage()]
+
+
+def test_closing_from_another_thread_during_the_boundary_wait_ends_the_iteration(
+    dataset: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``close()`` while ``next()`` waits for the next epoch's loader (the current loader is
+    not what it waits on): that ``next()`` raises instead of carrying on into the next epoch."""
+    from conftest import wait_until
+    from helpers.resources import library_threads
+
+    import asyncflat.loader.epochs as epochs_mod
+
+    building = threading.Event()
+
+    class Slow(asyncflat.ShufflingLoader):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            if kwargs.get("epoch"):  # the next epoch's, built in the background
+                building.set()
+                time.sleep(0.6)
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(epochs_mod, "ShufflingLoader", Slow)
+    batch_params = TokenBatchParams(len=SEQ_LEN, batch=BATCH)
+    it = asyncflat.iter_epochs("train", _params(dataset), batch_params, epochs=2)
+    steps = 0
+    while True:  # epoch 0 at full speed: the boundary's next() waits for the slow build
+        epoch, _, _ = next(it)
+        if epoch == 0:
+            steps += 1
+            if steps == _oracle(dataset, 0).step_count:
+                break
+    closer = threading.Timer(0.2, it.close)
+    closer.start()
+    with pytest.raises(asyncflat.LoaderClosedError):
+        next(it)
+    closer.join(5)
+    assert building.is_set()
+    with pytest.raises(StopIteration):
+        next(it)
+    wait_until(lambda: library_threads() == [], "the loaders' threads to end", timeout=5)
+
+
+def test_closing_from_another_thread_between_two_nexts_never_raises_value_error(
+    dataset: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slow ``close()`` on one thread and a ``next()`` on another: the ``next()`` waits for
+    the close and finds the iteration over (it raised 'generator already executing')."""
+    real = asyncflat.ShufflingLoader.close
+
+    def slow_close(self: asyncflat.ShufflingLoader) -> None:
+        time.sleep(0.3)
+        real(self)
+
+    monkeypatch.setattr(asyncflat.ShufflingLoader, "close", slow_close)
+    batch_params = TokenBatchParams(len=SEQ_LEN, batch=BATCH)
+    it = asyncflat.iter_epochs("train", _params(dataset), batch_params, epochs=2)
+    next(it)
+    closer = threading.Thread(target=it.close)
+    closer.start()
+    time.sleep(0.05)
+    with pytest.raises(StopIteration):
+        next(it)
+    closer.join(5)
+
+
+def test_a_ctrl_c_outside_the_waits_says_where_to_resume(
+    dataset: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A KeyboardInterrupt that ends the generator (here: as epoch 1 starts, outside its
+    waits) is raised, and every later ``next()`` says the run ended and where to resume,
+    rather than stop as if it were over; resuming there serves the rest."""
+    import asyncflat.loader.epochs as epochs_mod
+
+    real = epochs_mod.build_ahead_from
+    calls = [0]
+
+    def interrupted(loader: Any) -> int:
+        calls[0] += 1
+        if calls[0] == 2:  # epoch 1's
+            raise KeyboardInterrupt
+        return real(loader)
+
+    monkeypatch.setattr(epochs_mod, "build_ahead_from", interrupted)
+    batch_params = TokenBatchParams(len=SEQ_LEN, batch=BATCH)
+    steps = _oracle(dataset, 0).step_count
+    with contextlib.closing(
+        asyncflat.iter_epochs("train", _params(dataset), batch_params, epochs=2)
+    ) as it:
+        for _ in range(steps):
+            next(it)
+        with pytest.raises(KeyboardInterrupt):
+            next(it)
+        for _ in range(2):
+            with pytest.raises(
+                asyncflat.AsyncflatError, match=f"resume with start_epoch=0, start_step={steps}"
+            ):
+                next(it)
+    with contextlib.closing(
+        asyncflat.iter_epochs(
+            "train", _params(dataset), batch_params, start_epoch=0, start_step=steps, epochs=2
+        )
+    ) as it:
+        assert [(e, s) for e, s, _ in it] == [(1, s) for s in range(steps)]
+
+
+def test_an_iterator_dropped_after_a_caught_ctrl_c_closes_at_once(
+    dataset: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Neither the interrupt nor its traceback keeps the iterator alive in a cycle."""
+    import gc
+
+    from conftest import wait_until
+    from helpers.resources import library_threads
+
+    from asyncflat.loader.shared.iterator import BatchIterator
+
+    real = BatchIterator.__next__
+    calls = [0]
+
+    def interrupted(self: BatchIterator) -> Any:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise KeyboardInterrupt
+        return real(self)
+
+    monkeypatch.setattr(BatchIterator, "__next__", interrupted)
+    batch_params = TokenBatchParams(len=SEQ_LEN, batch=BATCH)
+    gc.disable()
+    try:
+        it = asyncflat.iter_epochs("train", _params(dataset), batch_params, epochs=2)
+        next(it)
+        next(it)
+        try:
+            next(it)
+        except KeyboardInterrupt:
+            pass
+        assert next(it)[:2] == (0, 2)  # the step it was interrupted on
+        del it
+        wait_until(lambda: library_threads() == [], "the loaders' threads to end", timeout=5)
+    finally:
+        gc.enable()

@@ -33,11 +33,12 @@ from jax.sharding import Sharding
 
 from asyncflat._typecheck import checked
 from asyncflat.config import EngineOptions, FlatTokensParams, TokenBatchParams
-from asyncflat.errors import ConfigError
+from asyncflat.errors import AsyncflatError, ConfigError, LoaderClosedError
 from asyncflat.loader.mixture.config import MixtureParams
 from asyncflat.loader.mixture.loader import MixtureLoader
 from asyncflat.loader.shared.batch import TokenBatch
 from asyncflat.loader.shared.iterator import BatchIterator
+from asyncflat.loader.shared.open import sizing_log
 from asyncflat.loader.shuffling import ShufflingLoader
 
 __all__ = ["EpochIterator", "iter_epochs"]
@@ -119,6 +120,11 @@ class EpochIterator(Iterator[tuple[int, int, TokenBatch]]):
         # at once by the thread that drops it (a cycle through ``self`` waited for the cycle
         # collector, whose run on one of the loaders' own threads could deadlock its close).
         self._current: list[Loader | None] = [None]
+        self._lock = threading.Lock()
+        self._closing = False
+        #: the error every next() raises once a KeyboardInterrupt ended the generator
+        self._broken: AsyncflatError | None = None
+        self._delivered: tuple[int, int] | None = None  # the last (epoch, step) returned
         self._gen = _run(
             self._current, split, params, token_batch_params, sharding, start_epoch, start_step,
             epochs, options,
@@ -134,21 +140,49 @@ class EpochIterator(Iterator[tuple[int, int, TokenBatch]]):
         return self
 
     def __next__(self) -> tuple[int, int, TokenBatch]:
-        item = next(self._gen)
-        if isinstance(item, _Interrupted):
-            raise item.exc
-        return item
+        with self._lock:  # one next() at a time; close() from another thread sees it runs
+            if self._broken is not None:
+                raise self._broken
+            try:
+                item = next(self._gen)
+            except KeyboardInterrupt:
+                # Outside the generator's guarded waits (building a loader, closing one): it
+                # ended. Say so from now on rather than stop as if the run were over.
+                resume = self._delivered
+                self._broken = AsyncflatError(
+                    "this iter_epochs was ended by a KeyboardInterrupt outside its waits; "
+                    + ("start a new one" if resume is None else
+                       f"resume with start_epoch={resume[0]}, start_step={resume[1] + 1}")
+                )  # fmt: skip
+                raise
+            if self._closing:  # close() came from another thread meanwhile
+                self._gen.close()
+                raise LoaderClosedError("the epoch iterator was closed")
+            if isinstance(item, _Interrupted):
+                exc = item.exc
+                del item  # nothing here may keep the exception (and its frames) alive
+                try:
+                    raise exc
+                finally:
+                    del exc
+            self._delivered = item[0], item[1]
+            return item
 
     def close(self) -> None:
-        """Stop the loaders (the current one and one being built ahead). Idempotent; from
-        another thread while ``next()`` waits, that ``next()`` raises
-        :class:`~asyncflat.errors.LoaderClosedError` and the iteration ends."""
-        try:
-            self._gen.close()
-        except ValueError:  # "generator already executing": in another thread's next()
-            loader = self._current[0]
-            if loader is not None:
-                loader.close()  # that next() raises, and the generator closes the rest
+        """Stop the loaders (the current one and one being built ahead). Idempotent. From
+        another thread while ``next()`` runs, it closes the current loader and that ``next()``
+        raises :class:`~asyncflat.errors.LoaderClosedError` (as soon as it waits on that
+        loader, else when it would return) and closes the rest."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._gen.close()
+            finally:
+                self._lock.release()
+            return
+        self._closing = True
+        loader = self._current[0]
+        if loader is not None:
+            loader.close()
 
     def __enter__(self) -> EpochIterator:
         return self
@@ -172,12 +206,11 @@ class EpochIterator(Iterator[tuple[int, int, TokenBatch]]):
 
 
 class _OncePerCondition(logging.Filter):
-    """Lets each distinct WARNING through once while an :func:`iter_epochs` runs: every
-    epoch's loader is built from the same sizes and weights, and logged the same sizing
-    warnings (rows never served, a mixture source starved) again at each epoch."""
-
-    #: the loggers of those warnings: the plain loader's opening and the mixture's
-    LOGGERS = ("asyncflat.loader.shuffling", "asyncflat.loader.mixture.loader")
+    """Lets each distinct sizing warning (:data:`~asyncflat.loader.shared.open.SIZING_LOGGER`:
+    rows never served, a mixture source starved) through once while an :func:`iter_epochs`
+    runs: every epoch's loader is built from the same sizes and weights, and logged them again
+    at each epoch. Process-wide while it runs: a loader of the same sizes built meanwhile has
+    had its warning logged."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -196,14 +229,11 @@ class _OncePerCondition(logging.Filter):
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
-        loggers = [logging.getLogger(name) for name in self.LOGGERS]
-        for logger in loggers:
-            logger.addFilter(self)
+        sizing_log.addFilter(self)
         try:
             yield
         finally:
-            for logger in loggers:
-                logger.removeFilter(self)
+            sizing_log.removeFilter(self)
 
 
 class _Interrupted:
@@ -263,21 +293,27 @@ def _next_step(iterator: BatchIterator) -> Generator[_Interrupted, None, Any]:
     """``next(iterator)`` (None at its end); a Ctrl-C meanwhile is yielded, and the same step
     asked again (the iterator stays at its step)."""
     while True:
+        box = []  # the interrupt is not kept in this frame while the generator is suspended
         try:
             return next(iterator)
         except StopIteration:
             return None
         except KeyboardInterrupt as exc:
-            yield _Interrupted(exc)
+            box.append(_Interrupted(exc))
+        yield box.pop()
 
 
 def _result(future: concurrent.futures.Future[Any]) -> Generator[_Interrupted, None, Any]:
     """``future.result()``; a Ctrl-C meanwhile is yielded, and the wait taken up again."""
     while True:
+        box = []  # as in _next_step
         try:
             return future.result()
         except KeyboardInterrupt as exc:
-            yield _Interrupted(exc)
+            if future.done():  # the build itself raised it: not an interrupted wait
+                raise
+            box.append(_Interrupted(exc))
+        yield box.pop()
 
 
 def _epochs(
@@ -329,7 +365,9 @@ def _epochs(
             if upcoming is None:  # resumed past build_from, or an empty remainder
                 upcoming = pool.submit(make.started, epoch + 1)
             next_loader, next_iterator, next_first = yield from _result(upcoming)
-            loader.close()
+            # Closed on the pool (a thread join, up to seconds): a Ctrl-C there would end this
+            # generator, and ``current`` shows the new loader, never a closing one.
+            pool.submit(loader.close)
             loader = current[0] = next_loader
             started = (next_iterator, next_first)
             del next_loader, next_iterator, next_first  # ``started`` alone holds them

@@ -15,7 +15,6 @@ minipoch.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -40,14 +39,12 @@ from asyncflat.loader.mixture.stats import MixtureSourceStats, MixtureStats, mix
 from asyncflat.loader.shared.batch import BatchBuilder, BatchType, TokenBatch, default_sharding
 from asyncflat.loader.shared.iterator import BatchIterator
 from asyncflat.loader.shared.lifecycle import Lifecycle
-from asyncflat.loader.shared.open import open_engine
+from asyncflat.loader.shared.open import open_engine, sizing_log
 from asyncflat.plan.mixture import Assignment, starved_warning
 from asyncflat.plan.shuffle import ShufflePlan
 from asyncflat.source.protocol import StoreWrapper
 
 __all__ = ["MixtureLoader", "MixtureSourceStats", "MixtureStats"]
-
-log = logging.getLogger(__name__)
 
 
 class MixtureLoader:
@@ -115,7 +112,7 @@ class MixtureLoader:
         )
         starved = starved_warning(self.assignment)
         if starved is not None:
-            log.warning(starved)
+            sizing_log.warning("%s", starved)
         self._life: Lifecycle[MixtureRows] = Lifecycle(
             "MixtureLoader",
             builder,

@@ -19,10 +19,14 @@ from asyncflat.source.protocol import StoreWrapper, TokenSource
 from asyncflat.source.zarr_source import ZarrTokenSource
 from asyncflat.storage.local_files import is_url
 
-__all__ = ["fills_on_open", "open_engine"]
+__all__ = ["SIZING_LOGGER", "fills_on_open", "open_engine", "sizing_log"]
 
 # The loader's logger: these records kept their name when this function left asyncflat.loader.shuffling.
 log = logging.getLogger("asyncflat.loader.shuffling")
+#: the logger of the warnings about a loader's sizes (rows never served, a mixture source
+#: starved): the same for every epoch, so ``iter_epochs`` logs each once (a filter on it)
+SIZING_LOGGER = "asyncflat.loader.sizing"
+sizing_log = logging.getLogger(SIZING_LOGGER)
 
 
 async def open_engine(
@@ -79,7 +83,7 @@ async def open_engine(
     where = f"{redact_url(os.fspath(params.filespec))}/{split}"
     warning = dropped_warning(plan, where)
     if warning is not None:
-        log.warning("%s", warning)
+        sizing_log.warning("%s", warning)
     log.info(
         "%s: %d steps, %d minipochs, streams %s on this host; shuffle buffers %s each, "
         "%s on this host (2 per stream), for a split of %s of tokens",
