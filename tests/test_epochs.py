@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -394,11 +394,25 @@ def test_ctrl_c_during_next_leaves_the_epoch_iterator_where_it_was(
     assert seen == [(e, s) for e in range(2) for s in range(oracles[0].step_count)]
 
 
+def _closed_from(closer: threading.Thread, it: Iterator[Any]) -> None:
+    """``closer`` closes ``it`` while this thread's ``next()`` runs: that ``next()`` raises,
+    the iteration is over, and every loader's thread ends."""
+    from conftest import wait_until
+    from helpers.resources import library_threads
+
+    closer.start()
+    with pytest.raises(asyncflat.LoaderClosedError):
+        next(it)
+    closer.join(5)
+    assert not closer.is_alive()
+    with pytest.raises(StopIteration):
+        next(it)
+    wait_until(lambda: library_threads() == [], "the loaders' threads to end", timeout=5)
+
+
 def test_closing_from_another_thread_while_next_waits_ends_the_iteration(
     dataset: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from conftest import wait_until
-    from helpers.resources import library_threads
 
     from asyncflat.loader.shared.iterator import BatchIterator
 
@@ -414,15 +428,7 @@ def test_closing_from_another_thread_while_next_waits_ends_the_iteration(
     it = asyncflat.iter_epochs("train", _params(dataset), batch_params, epochs=2)
     next(it)
     monkeypatch.setattr(BatchIterator, "__next__", slow)
-    closer = threading.Thread(target=lambda: (waiting.wait(5), it.close()))
-    closer.start()
-    with pytest.raises(asyncflat.LoaderClosedError):
-        next(it)
-    closer.join(5)
-    assert not closer.is_alive()
-    with pytest.raises(StopIteration):
-        next(it)
-    wait_until(lambda: library_threads() == [], "the loaders' threads to end", timeout=5)
+    _closed_from(threading.Thread(target=lambda: (waiting.wait(5), it.close())), it)
 
 
 def test_iter_epochs_logs_each_sizing_warning_once(
@@ -452,8 +458,6 @@ def test_closing_from_another_thread_during_the_boundary_wait_ends_the_iteration
 ) -> None:
     """``close()`` while ``next()`` waits for the next epoch's loader (the current loader is
     not what it waits on): that ``next()`` raises instead of carrying on into the next epoch."""
-    from conftest import wait_until
-    from helpers.resources import library_threads
 
     import asyncflat.loader.epochs as epochs_mod
 
@@ -476,15 +480,8 @@ def test_closing_from_another_thread_during_the_boundary_wait_ends_the_iteration
             steps += 1
             if steps == _oracle(dataset, 0).step_count:
                 break
-    closer = threading.Timer(0.2, it.close)
-    closer.start()
-    with pytest.raises(asyncflat.LoaderClosedError):
-        next(it)
-    closer.join(5)
+    _closed_from(threading.Timer(0.2, it.close), it)
     assert building.is_set()
-    with pytest.raises(StopIteration):
-        next(it)
-    wait_until(lambda: library_threads() == [], "the loaders' threads to end", timeout=5)
 
 
 def test_closing_from_another_thread_between_two_nexts_never_raises_value_error(

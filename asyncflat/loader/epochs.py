@@ -125,10 +125,8 @@ class EpochIterator(Iterator[tuple[int, int, TokenBatch]]):
         #: the error every next() raises once a KeyboardInterrupt ended the generator
         self._broken: AsyncflatError | None = None
         self._delivered: tuple[int, int] | None = None  # the last (epoch, step) returned
-        self._gen = _run(
-            self._current, split, params, token_batch_params, sharding, start_epoch, start_step,
-            epochs, options,
-        )  # fmt: skip
+        make = _Epochs(split, params, token_batch_params, sharding, options)
+        self._gen = _run(self._current, make, start_epoch, start_step, epochs)
 
     @property
     def loader(self) -> Loader | None:
@@ -246,11 +244,15 @@ class _Interrupted:
 
 
 def _run(
-    current: list[Loader | None], *args: Any
+    current: list[Loader | None],
+    make: _Epochs,
+    start_epoch: int,
+    start_step: int,
+    epochs: int | None,
 ) -> Generator[tuple[int, int, TokenBatch] | _Interrupted, None, None]:
     """The epochs, each sizing warning logged once for all of them."""
     with _OncePerCondition().installed():
-        yield from _epochs(current, *args)
+        yield from _epochs(current, make, start_epoch, start_step, epochs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,18 +320,13 @@ def _result(future: concurrent.futures.Future[Any]) -> Generator[_Interrupted, N
 
 def _epochs(
     current: list[Loader | None],
-    split: str,
-    params: FlatTokensParams | MixtureParams,
-    token_batch_params: TokenBatchParams,
-    sharding: Sharding | None,
+    make: _Epochs,
     start_epoch: int,
     start_step: int,
     epochs: int | None,
-    options: EngineOptions,
 ) -> Generator[tuple[int, int, TokenBatch] | _Interrupted, None, None]:
     if epochs is not None and start_epoch >= epochs:
         return
-    make = _Epochs(split, params, token_batch_params, sharding, options)
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="asyncflat-next-epoch")
     loader = current[0] = make.loader(start_epoch)
     #: the current epoch's iterator and first batch when its loader was built ahead
