@@ -88,6 +88,12 @@ def _count(b: ir.IRBuilder, start: Any, stop: Any, step: int) -> Iterator[Any]:
     b.position_at_end(after)
 
 
+def _piece_end(b: ir.IRBuilder, start: Any, size: int, n: Any) -> Any:
+    """``min(start + size, n)``: the end of the piece of positions starting at ``start``."""
+    end = b.add(start, _const(size))
+    return b.select(b.icmp_signed("<", end, n), end, n)
+
+
 def _return_if_stopped(b: ir.IRBuilder, stop: Any) -> None:
     """Return from the kernel if the int32 at ``stop`` is non-zero (an atomic load: read again
     each time, never hoisted out of the loop)."""
@@ -158,16 +164,14 @@ def _build_permutation(module: ir.Module) -> None:
     piece = 16 * CHUNK
     with _count(b, _const(0), n, piece) as lo:
         _return_if_stopped(b, stop)
-        hi = b.select(b.icmp_signed("<", b.add(lo, _const(piece)), n), b.add(lo, _const(piece)), n)
+        hi = _piece_end(b, lo, piece, n)
         with _count(b, lo, hi, 1) as i:
             b.store(b.trunc(i, _I32), b.gep(result, [i]))
 
     last_start = b.mul(b.sdiv(b.sub(n, _const(1)), _const(CHUNK)), _const(CHUNK))
     with _count(b, last_start, _const(-1), -CHUNK) as start:
         _return_if_stopped(b, stop)
-        end = b.select(
-            b.icmp_signed("<", b.add(start, _const(CHUNK)), n), b.add(start, _const(CHUNK)), n
-        )
+        end = _piece_end(b, start, CHUNK, n)
         _targets(b, k0, k1, start, end, swaps)
         with _count(b, b.sub(end, _const(1)), b.sub(start, _const(1)), -1) as i:
             # Beyond the caches each swap is a random access: prefetch the entry the swap
@@ -289,9 +293,7 @@ def _build_columns(module: ir.Module) -> None:
     b.store(_const(0), column)
     with _count(b, _const(0), n, CHUNK) as start:
         _return_if_stopped(b, stop)
-        end = b.select(
-            b.icmp_signed("<", b.add(start, _const(CHUNK)), n), b.add(start, _const(CHUNK)), n
-        )
+        end = _piece_end(b, start, CHUNK, n)
         _targets(b, k0, k1, start, end, swaps)
         with _count(b, start, end, 1) as i:
             target = b.load(b.gep(swaps, [b.sub(i, start)]))
