@@ -397,8 +397,7 @@ def _load_kernel() -> _Kernel:
     logger.debug("compiled the permutation kernel in %.3fs", time.perf_counter() - started)
 
     def kernel(k0: np.uint64, k1: np.uint64, result: np.ndarray, stop: Stop) -> None:
-        if result.dtype != np.uint32 or not result.flags.c_contiguous or not result.flags.writeable:
-            raise TypeError("the permutation kernel needs a writeable C-contiguous uint32 array")
+        # (``result`` is permutation()'s own array, or its ``out``, which it checked)
         scratch = np.empty(chunk, np.uint32)
         compiled(
             int(k0), int(k1), result.ctypes.data, result.size, scratch.ctypes.data, stop.address
