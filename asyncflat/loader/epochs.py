@@ -204,7 +204,7 @@ class EpochIterator(Iterator[tuple[int, int, TokenBatch]]):
 
 
 class _OncePerCondition(logging.Filter):
-    """Lets each distinct sizing warning (:data:`~asyncflat.loader.shared.open.SIZING_LOGGER`:
+    """Lets each distinct sizing warning (:data:`~asyncflat.loader.shared.open.sizing_log`:
     rows never served, a mixture source starved) through once while an :func:`iter_epochs`
     runs: every epoch's loader is built from the same sizes and weights, and logged them again
     at each epoch. Process-wide while it runs: a loader of the same sizes built meanwhile has

@@ -19,14 +19,13 @@ from asyncflat.source.protocol import StoreWrapper, TokenSource
 from asyncflat.source.zarr_source import ZarrTokenSource
 from asyncflat.storage.local_files import is_url
 
-__all__ = ["SIZING_LOGGER", "fills_on_open", "open_engine", "sizing_log"]
+__all__ = ["fills_on_open", "open_engine", "sizing_log"]
 
 # The loader's logger: these records kept their name when this function left asyncflat.loader.shuffling.
 log = logging.getLogger("asyncflat.loader.shuffling")
 #: the logger of the warnings about a loader's sizes (rows never served, a mixture source
 #: starved): the same for every epoch, so ``iter_epochs`` logs each once (a filter on it)
-SIZING_LOGGER = "asyncflat.loader.sizing"
-sizing_log = logging.getLogger(SIZING_LOGGER)
+sizing_log = logging.getLogger("asyncflat.loader.sizing")
 
 
 async def open_engine(
