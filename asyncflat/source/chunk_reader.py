@@ -22,6 +22,7 @@ from asyncflat.storage import blosc as _blosc
 from asyncflat.storage import local_files
 from asyncflat.storage.chunks import Frame, split_crc32c
 from asyncflat.storage.counters import IOCounters
+from asyncflat.storage.recycled import RecycledBytes
 from asyncflat.storage.single_flight import SingleFlight
 
 __all__ = [
@@ -89,7 +90,8 @@ class BlockReader:
     """Blosc frames read block range by block range, through their layouts (cached per object).
 
     ``local_root``: the store is a local directory, whose small ranges are read on the loop and
-    larger ones straight into the frame's buffer (no copy in between).
+    larger ones straight into the frame's buffer (no copy in between). ``memory``: where the
+    frames of ranges are read (used again; else each is a new allocation).
     """
 
     def __init__(
@@ -100,8 +102,10 @@ class BlockReader:
         io: IOCounters,
         chunk_nbytes: int,
         local_root: str | None,
+        memory: RecycledBytes | None = None,
     ) -> None:
         self._objects = objects
+        self._memory = memory
         self._name = name
         self._io = io
         self._chunk_nbytes = chunk_nbytes
@@ -161,7 +165,7 @@ class BlockReader:
                 f"the header claims {layout.cbytes} bytes, more than any legal encoding of the "
                 f"chunk ({cap} bytes)"
             )
-        frame, at = layout.range_frame(lo, hi)
+        frame, at = layout.range_frame(lo, hi, self._memory.take if self._memory else None)
         chunk = Frame(frame, 0, key, blosc=True, nbytes=self._chunk_nbytes)
         if self._local_root is None:
             return chunk, at, None
@@ -241,7 +245,8 @@ class ChunkReader:
     (``codec`` "blosc" or "raw"; ``checksum``: each object ends with zarr's crc32c, verified
     once per object read, by the job that read it where a thread reads it (see
     :attr:`ChunkObjects.verifies_crc32c`), else by the job that decodes the chunk, before its
-    first decode) or, when ``codec`` is None, by ``decoded`` (zarr: the whole chunk, copied)."""
+    first decode) or, when ``codec`` is None, by ``decoded`` (zarr: the whole chunk, copied).
+    ``memory``: where a local store's ranges of Blosc blocks are read (see :class:`BlockReader`)."""
 
     def __init__(
         self,
@@ -256,6 +261,7 @@ class ChunkReader:
         remote: bool,
         local_root: str | None,
         decoded: Callable[[int], Awaitable[Frame]] | None = None,
+        memory: RecycledBytes | None = None,
     ) -> None:
         self._objects = objects
         self._name, self._io = name, io
@@ -276,7 +282,12 @@ class ChunkReader:
         self.partial_reads = codec is not None and not self._whole_rows
         self._chunks: SingleFlight[int, Frame] = SingleFlight(_CHUNKS_KEPT)
         self._blocks = BlockReader(
-            objects, name=name, io=io, chunk_nbytes=self._chunk_nbytes, local_root=local_root
+            objects,
+            name=name,
+            io=io,
+            chunk_nbytes=self._chunk_nbytes,
+            local_root=local_root,
+            memory=memory,
         )
 
     async def read_into(self, start: int, stop: int, targets: Targets, writer: UnitWriter) -> None:

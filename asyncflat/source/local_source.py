@@ -37,6 +37,7 @@ from asyncflat.storage.chunks import split_crc32c, without_crc32c
 from asyncflat.storage.counters import IOCounters
 from asyncflat.storage.gate import ChunkRejected
 from asyncflat.storage.local_split import LocalArray, LocalSplit, parse_local_split
+from asyncflat.storage.recycled import RecycledBytes
 
 __all__ = ["LocalTokenSource"]
 
@@ -47,8 +48,9 @@ class _LocalObjects:
     """The chunk objects of a plain local split, read from their files on a thread (a slow or
     hung disk must not stall the loop), checked and counted."""
 
-    def __init__(self, split: LocalSplit, name: str, io: IOCounters) -> None:
+    def __init__(self, split: LocalSplit, name: str, io: IOCounters, memory: RecycledBytes) -> None:
         self._split, self._name, self._io = split, name, io
+        self.memory = memory
         # A whole object's crc32c is checked by the thread that read it, right after the read:
         # its bytes are still in that core's cache, where the decode job (another thread) would
         # find them cold (measured: half the cost of the checksum).
@@ -97,7 +99,9 @@ class _LocalObjects:
     def _read_whole(self, key: str, array: LocalArray) -> np.ndarray:
         gate = array.gate
         root = self._split.root
-        data = local_files.read_object(root, key, name=self._name, max_bytes=gate.max_object_bytes)
+        data = local_files.read_object(
+            root, key, name=self._name, max_bytes=gate.max_object_bytes, allocate=self.memory.take
+        )
         assert data is not None  # missing objects raise
         try:
             gate.check(memoryview(data))  # type: ignore[arg-type]  # numpy buffers
@@ -126,7 +130,10 @@ class LocalTokenSource:
         self.max_token_id = split.max_token_id
         self.token_chunk = tokens.chunk
         self.remote = False
-        self._objects = _LocalObjects(split, self.name, self.io)
+        # What chunk objects and their ranges are read into, used again: a fresh allocation's
+        # page faults were most of a first fill's reads under a sandboxed kernel (see there).
+        self.memory = RecycledBytes(tokens.gate.max_object_bytes)
+        self._objects = _LocalObjects(split, self.name, self.io, self.memory)
         self._reader = ChunkReader(
             self._objects,
             name=self.name,
@@ -137,6 +144,7 @@ class LocalTokenSource:
             checksum=tokens.checksum,
             remote=False,
             local_root=split.root,
+            memory=self.memory,
         )
         self.partial_reads = self._reader.partial_reads
 

@@ -19,6 +19,8 @@
 * :mod:`.blosc`: Blosc frames: header checks, block layouts, partial decoding into buffers.
 * :mod:`.chunks`: chunk objects the reader decodes itself (codec detection, ``Frame``, crc32c).
 * :mod:`.single_flight`: one fetch per key shared by its callers, and a few results kept.
+* :mod:`.recycled`: memory for a local store's object reads, used again once nothing refers to
+  it (fresh memory's page faults were most of a first fill's reads under a sandboxed kernel).
 
 The readers (:mod:`asyncflat.source`) sit on top of these; the engine never sees them.
 

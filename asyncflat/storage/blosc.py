@@ -20,6 +20,7 @@ import importlib.util
 import logging
 import mmap
 import os
+from collections.abc import Callable
 
 import numpy as np
 
@@ -281,7 +282,9 @@ class FrameLayout:
         (:func:`decode_into`), which needs every block."""
         return hi > self.nbytes - self.nbytes % self.typesize
 
-    def range_frame(self, lo: int, hi: int) -> tuple[np.ndarray, int]:
+    def range_frame(
+        self, lo: int, hi: int, allocate: Callable[[int], np.ndarray] | None = None
+    ) -> tuple[np.ndarray, int]:
         """A frame to decode from with only the object's bytes ``[lo, hi)`` (its compressed
         blocks, from :meth:`items_range`), and where in it those bytes go.
 
@@ -294,6 +297,8 @@ class FrameLayout:
         sandboxed kernel (gVisor) stalled the trainer's thread for a millisecond at a time.
 
         An uncompressed frame keeps its items at their own offsets: it gets a sparse frame.
+        ``allocate(nbytes)``: the uint8 array of a compact frame (see
+        :class:`~asyncflat.storage.recycled.RecycledBytes`), else a new one.
         """
         if self.memcpyed or self._offsets is None:
             return self.sparse_frame([]), lo
@@ -301,7 +306,7 @@ class FrameLayout:
         if not table_end <= lo < hi <= self.cbytes:
             raise BloscError(f"bytes {lo}-{hi - 1} are not compressed blocks of this frame")
         size = table_end + hi - lo
-        frame = np.empty(size, np.uint8)
+        frame = allocate(size) if allocate is not None else np.empty(size, np.uint8)
         frame[:_HEADER] = np.frombuffer(self.header, np.uint8)
         frame[12:16] = np.frombuffer(size.to_bytes(4, "little"), np.uint8)
         offsets = self._offsets.astype(np.int64)

@@ -13,6 +13,7 @@ import errno
 import functools
 import os
 import stat
+from collections.abc import Callable
 
 import numpy as np
 
@@ -201,11 +202,13 @@ def read_object(
     name: str,
     max_bytes: int,
     missing_ok: bool = False,
+    allocate: Callable[[int], np.ndarray] | None = None,
 ) -> np.ndarray | None:
     """The whole object ``key`` of the local store at ``root`` (uint8), read with the checks of
     :func:`pread_into`: a regular file inside the store, at most ``max_bytes`` long (else
     refused unread), never empty. ``missing_ok``: an absent object is None instead of a
-    :class:`CorruptChunkError` (metadata probes).
+    :class:`CorruptChunkError` (metadata probes). ``allocate(nbytes)``: the uint8 array to read
+    into (a :class:`~asyncflat.storage.recycled.RecycledBytes`'s), else a new one.
     """
     path = os.path.join(root, key)
     where = f"{path} (whole object; dataset {name})"
@@ -228,7 +231,7 @@ def read_object(
             )
         if st.st_size == 0:
             raise CorruptChunkError(f"{where}: chunk object is truncated: got 0 bytes")
-        out = np.empty(st.st_size, np.uint8)
+        out = allocate(st.st_size) if allocate is not None else np.empty(st.st_size, np.uint8)
         view = memoryview(out)  # type: ignore[arg-type]  # numpy buffers
         done = 0
         while done < len(out):
