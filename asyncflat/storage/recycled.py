@@ -23,11 +23,10 @@ import numpy as np
 
 __all__ = ["RecycledBytes"]
 
-#: Free slabs kept for later reads: this many bytes of them, and at least ``KEPT_MIN`` slabs
-#: (the reads one fill has in flight, plus the reader's cache) of at most ``SLAB_MAX`` bytes.
+#: Free slabs kept for later reads: at most ``KEPT_MAX`` (the reads a fill has in flight, plus
+#: the reader's cache), and at most ``KEPT_BYTES`` of them (none of slabs larger than that).
+KEPT_MAX = 12
 KEPT_BYTES = 64 << 20
-KEPT_MIN = 12
-SLAB_MAX = 32 << 20
 #: Smaller reads come from the heap (glibc maps only larger allocations): no slab for them.
 SMALL = 128 << 10
 
@@ -44,8 +43,8 @@ class RecycledBytes:
         if slab_bytes <= 0:
             raise ValueError(f"slab_bytes must be > 0, got {slab_bytes}")
         self.slab_bytes = slab_bytes
-        #: free slabs kept at most (the rest are freed); none of larger slabs (whole shards)
-        self.keep = max(KEPT_MIN, kept_bytes // slab_bytes) if slab_bytes <= SLAB_MAX else 0
+        #: free slabs kept at most (the rest are freed)
+        self.keep = min(KEPT_MAX, kept_bytes // slab_bytes)
         self._free: collections.deque[np.ndarray] = collections.deque()
         #: arrays handed out from a new slab, and from a slab used before
         self.fresh = 0
