@@ -124,3 +124,23 @@ def test_a_local_loader_reads_into_memory_used_again_and_serves_the_oracle(
             np.testing.assert_array_equal(np.asarray(got.is_seq_start), is_seq_start)
         memory = loader.source.memory
         assert memory.reused > 3 * memory.fresh, (memory.fresh, memory.reused)
+
+
+def test_a_closed_loader_keeps_no_read_memory(tmp_path: Path) -> None:
+    """A closed loader its caller still refers to holds no free slab, nor one that was in use
+    at the close (here: a frame held across the close)."""
+    rng = np.random.default_rng(6)
+    sequences = [rng.integers(0, 50_000, int(n)) for n in rng.integers(200, 3000, 800)]
+    path = tmp_path / "ds.zarr"
+    asyncflat.write_flat_tokens(path, {"train": sequences}, chunk_tokens=1 << 18)
+    params = FlatTokensParams(str(path), 1, 4, 32, seed=1, sequence_packing=True)
+    loader = ShufflingLoader("train", params, TokenBatchParams(len=256, batch=8))
+    for step in range(loader.step_count):
+        loader.load(step)
+    memory = loader.source.memory
+    assert memory.free >= 1  # the reader caches two frames: the third is free
+    held = memory.take(SMALL)
+    loader.close()
+    assert memory.free == 0
+    del held
+    assert memory.free == 0

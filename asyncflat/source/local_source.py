@@ -259,5 +259,7 @@ class LocalTokenSource:
         return values
 
     async def aclose(self) -> None:
-        """Forget cached frames and layouts (no store to close; idempotent)."""
+        """Forget cached frames, layouts and free read memory (no store to close; idempotent):
+        a closed loader its caller still refers to holds none of them."""
         await self._reader.aclose()
+        self.memory.close()

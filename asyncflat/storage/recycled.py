@@ -69,6 +69,12 @@ class RecycledBytes:
         if len(self._free) < self.keep:
             self._free.append(slab)
 
+    def close(self) -> None:
+        """Free the kept slabs, and keep none of those still in use when they return (a
+        closed reader's memory goes back to the allocator; later reads still work)."""
+        self.keep = 0
+        self._free.clear()
+
     @property
     def free(self) -> int:
         """Free slabs kept now."""
