@@ -9,9 +9,11 @@ kind of reference a reader makes (slices, memoryviews, frames) and check the byt
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -126,21 +128,30 @@ def test_a_local_loader_reads_into_memory_used_again_and_serves_the_oracle(
         assert memory.reused > 3 * memory.fresh, (memory.fresh, memory.reused)
 
 
-def test_a_closed_loader_keeps_no_read_memory(tmp_path: Path) -> None:
-    """A closed loader its caller still refers to holds no free slab, nor one that was in use
-    at the close (here: a frame held across the close)."""
+def test_loaders_share_one_pool_which_a_closed_loader_leaves_empty(tmp_path: Path) -> None:
+    """Every loader of a process reads chunks of one size into one pool (its bound holds for
+    the process; an epoch's next loader uses the slabs of the last), a closed loader its caller
+    still refers to leaves no free slab in it, and it is gone with its last user."""
     rng = np.random.default_rng(6)
     sequences = [rng.integers(0, 50_000, int(n)) for n in rng.integers(200, 3000, 800)]
     path = tmp_path / "ds.zarr"
     asyncflat.write_flat_tokens(path, {"train": sequences}, chunk_tokens=1 << 18)
     params = FlatTokensParams(str(path), 1, 4, 32, seed=1, sequence_packing=True)
-    loader = ShufflingLoader("train", params, TokenBatchParams(len=256, batch=8))
-    for step in range(loader.step_count):
-        loader.load(step)
-    memory = loader.source.memory
+    batch = TokenBatchParams(len=256, batch=8)
+    first = ShufflingLoader("train", params, batch)
+    for step in range(first.step_count):
+        first.load(step)
+    memory = first.source.memory
     assert memory.free >= 1  # the reader caches two frames: the third is free
-    held = memory.take(SMALL)
-    loader.close()
+    first.close()
     assert memory.free == 0
-    del held
-    assert memory.free == 0
+    with ShufflingLoader("train", dataclasses.replace(params, seed=2), batch) as second:
+        assert second.source.memory is memory
+        fresh = memory.fresh
+        for step in range(second.step_count):
+            second.load(step)
+        assert memory.fresh - fresh <= 3 and memory.reused > 50
+    pool = weakref.ref(memory)
+    del first, second, memory
+    gc.collect()
+    assert pool() is None

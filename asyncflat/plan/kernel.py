@@ -3,10 +3,11 @@
 
 Each kernel is written directly as LLVM IR with llvmlite (the code generator numba is built on)
 and compiled in-process on first use, on its own (a process that needs one never compiles the
-other): ~0.02 s of CPU for the permutation's, ~0.07 s for the columns' (see :func:`_optimise`),
-most of it in LLVM with the GIL released (importing llvmlite adds ~0.02-0.03 s once), where numba took 1.1-1.5 s per process to compile the same loop (and 0.55-0.63 s even when loaded
-from numba's on-disk cache, which still initialises numba's whole typing and lowering context).
-Nothing is written to disk, so there is no cache to keep safe under concurrent processes or
+other): ~0.03 s for the permutation's (~0.05 s of CPU), ~0.07 s for the columns' (see
+:func:`_optimise`), most of it in LLVM with the GIL released (importing llvmlite adds
+~0.02-0.03 s once), where numba took 1.1-1.5 s per process to compile the same loop (and
+0.55-0.63 s even when loaded from numba's on-disk cache, which still initialises numba's whole
+typing and lowering context). Nothing is written to disk, so there is no cache to keep safe under concurrent processes or
 read-only installs.
 
 It computes exactly what the frozen algorithm of :mod:`asyncflat.plan.permutation` computes:
@@ -332,36 +333,40 @@ def _build_columns(module: ir.Module) -> None:
 def _optimise(module: Any, machine: Any, *, full: bool) -> None:
     """LLVM's -O2 pipeline (``full``), else only SROA, instcombine and simplifycfg.
 
-    The permutation kernel's IR is written as the loop it should be: after -O2 (40-50 ms here,
-    on the way to a large corpus's first batch) 14.3M swaps ran 103-132 ms, after the three
-    passes (~6 ms) 106-123 ms (interleaved fresh processes). The columns kernel needs -O2: 12%
-    slower without it (145 against 128 ms for one column of 1,024 at 14.3M entries), more than
-    the compile time saved at 10^14 tokens.
+    The permutation kernel's IR is written as the loop it should be: the three passes take
+    ~6 ms against 40-50 ms for -O2, on the way to a large corpus's first batch, and the kernel
+    runs as fast at large sizes (14.3M swaps 106-123 against 103-132 ms, interleaved fresh
+    processes) and 5-8% slower in cache (2^20: ~0.2 ms a call). The columns kernel needs -O2:
+    12% slower without it (145 against 128 ms for one column of 1,024 at 14.3M entries), more
+    than the compile time saved at 10^14 tokens.
     """
-    if hasattr(llvm, "create_pass_builder"):  # llvmlite >= 0.44: the new pass manager
+    if full and hasattr(llvm, "create_pass_builder"):  # llvmlite >= 0.44: the new pass manager
         builder = llvm.create_pass_builder(machine, llvm.create_pipeline_tuning_options(2))
-        if full:
-            builder.getModulePassManager().run(module, builder)
-            return
-        manager = llvm.create_new_function_pass_manager()
-        manager.add_sroa_pass()
-        manager.add_instruction_combine_pass()
-        manager.add_simplify_cfg_pass()
+        builder.getModulePassManager().run(module, builder)
+        return
+    # The new pass manager's SROA came in llvmlite 0.45: before it, the legacy one.
+    new = getattr(llvm, "create_new_function_pass_manager", None)
+    functions = new() if new is not None and hasattr(llvm, "create_pass_builder") else None
+    if not full and functions is not None and hasattr(functions, "add_sroa_pass"):
+        builder = llvm.create_pass_builder(machine, llvm.create_pipeline_tuning_options(2))
+        functions.add_sroa_pass()
+        functions.add_instruction_combine_pass()
+        functions.add_simplify_cfg_pass()
         for function in module.functions:
             if not function.is_declaration:
-                manager.run(function, builder)
-    else:  # older llvmlite: the legacy pass manager
-        legacy = llvm.create_module_pass_manager()
-        machine.add_analysis_passes(legacy)
-        if full:
-            options = llvm.create_pass_manager_builder()
-            options.opt_level = 2
-            options.populate(legacy)
-        else:
-            legacy.add_sroa_pass()
-            legacy.add_instruction_combining_pass()
-            legacy.add_cfg_simplification_pass()
-        legacy.run(module)
+                functions.run(function, builder)
+        return
+    legacy = llvm.create_module_pass_manager()
+    machine.add_analysis_passes(legacy)
+    if full:
+        options = llvm.create_pass_manager_builder()
+        options.opt_level = 2
+        options.populate(legacy)
+    else:
+        legacy.add_sroa_pass()
+        legacy.add_instruction_combining_pass()
+        legacy.add_cfg_simplification_pass()
+    legacy.run(module)
 
 
 # The JIT engines own the machine code: they must live as long as the function pointers, which
@@ -370,7 +375,7 @@ _engines: list[Any] = []
 
 
 def compile_kernel() -> Kernel:
-    """Compile the permutation kernel for this CPU and return it (~0.02 s of CPU)."""
+    """Compile the permutation kernel for this CPU and return it (~0.03 s)."""
     address = _compile(columns=False)
     pointer = ctypes.c_void_p
     return ctypes.CFUNCTYPE(

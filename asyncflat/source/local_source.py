@@ -37,7 +37,7 @@ from asyncflat.storage.chunks import split_crc32c, without_crc32c
 from asyncflat.storage.counters import IOCounters
 from asyncflat.storage.gate import ChunkRejected
 from asyncflat.storage.local_split import LocalArray, LocalSplit, parse_local_split
-from asyncflat.storage.recycled import RecycledBytes
+from asyncflat.storage.recycled import RecycledBytes, shared
 
 __all__ = ["LocalTokenSource"]
 
@@ -130,9 +130,10 @@ class LocalTokenSource:
         self.max_token_id = split.max_token_id
         self.token_chunk = tokens.chunk
         self.remote = False
-        # What chunk objects and their ranges are read into, used again: a fresh allocation's
-        # page faults were most of a first fill's reads under a sandboxed kernel (see there).
-        self.memory = RecycledBytes(tokens.gate.max_object_bytes)
+        # What chunk objects and their ranges are read into, used again (by every loader of
+        # the process): a fresh allocation's page faults were most of a first fill's reads
+        # under a sandboxed kernel (see :mod:`asyncflat.storage.recycled`).
+        self.memory = shared(tokens.gate.max_object_bytes)
         self._objects = _LocalObjects(split, self.name, self.io, self.memory)
         self._reader = ChunkReader(
             self._objects,
@@ -259,7 +260,7 @@ class LocalTokenSource:
         return values
 
     async def aclose(self) -> None:
-        """Forget cached frames, layouts and free read memory (no store to close; idempotent):
-        a closed loader its caller still refers to holds none of them."""
+        """Forget cached frames, layouts and the free read memory (no store to close;
+        idempotent): a closed loader its caller still refers to holds none of them."""
         await self._reader.aclose()
-        self.memory.close()
+        self.memory.release()

@@ -291,9 +291,10 @@ class FrameLayout:
         The frame is compact: the header (its compressed size rewritten to the frame's), the
         block table (the offsets of blocks inside the range moved to where they now lie, every
         other block pointing at the first byte after the table, never decoded: c-blosc reads
-        only the blocks that hold the requested items), then the range. Its buffer is ordinary
-        heap memory the size of what was read: a frame-sized anonymous mapping per read (what
-        :meth:`sparse_frame` makes) is a map and an unmap per read block, which under a
+        only the blocks that hold the requested items), then the range. Its buffer is
+        ``allocate``'s (a slab used before, where the reader keeps them), else ordinary heap
+        memory the size of what was read: never a frame-sized anonymous mapping per read (what
+        :meth:`sparse_frame` makes), a map and an unmap per read block, which under a
         sandboxed kernel (gVisor) stalled the trainer's thread for a millisecond at a time.
 
         An uncompressed frame keeps its items at their own offsets: it gets a sparse frame.

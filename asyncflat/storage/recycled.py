@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import threading
 import weakref
 
 import numpy as np
 
-__all__ = ["RecycledBytes"]
+__all__ = ["RecycledBytes", "shared"]
 
 #: Free slabs kept for later reads: at most ``KEPT_MAX`` (the reads a fill has in flight, plus
 #: the reader's cache), and at most ``KEPT_BYTES`` of them (none of slabs larger than that).
@@ -43,6 +44,8 @@ class RecycledBytes:
         if slab_bytes <= 0:
             raise ValueError(f"slab_bytes must be > 0, got {slab_bytes}")
         self.slab_bytes = slab_bytes
+        # one ctypes type for every view (a type per size cost ~10 us of the GIL to make)
+        self._slab_type = ctypes.c_uint8 * slab_bytes
         #: free slabs kept at most (the rest are freed)
         self.keep = min(KEPT_MAX, kept_bytes // slab_bytes)
         self._free: collections.deque[np.ndarray] = collections.deque()
@@ -61,21 +64,39 @@ class RecycledBytes:
         except IndexError:
             slab = np.empty(self.slab_bytes, np.uint8)
             self.fresh += 1
-        view = (ctypes.c_uint8 * nbytes).from_buffer(slab)  # type: ignore[arg-type]  # numpy buffers
+        view = self._slab_type.from_buffer(slab)  # type: ignore[arg-type]  # numpy buffers
         weakref.finalize(view, self._give_back, slab).atexit = False
-        return np.frombuffer(view, np.uint8)  # type: ignore[call-overload]  # ctypes buffers
+        return np.frombuffer(view, np.uint8, count=nbytes)  # type: ignore[call-overload]
 
     def _give_back(self, slab: np.ndarray) -> None:
-        if len(self._free) < self.keep:
-            self._free.append(slab)
+        self._free.append(slab)
+        while len(self._free) > self.keep:  # two threads may both have appended
+            try:
+                self._free.popleft()
+            except IndexError:
+                break
 
-    def close(self) -> None:
-        """Free the kept slabs, and keep none of those still in use when they return (a
-        closed reader's memory goes back to the allocator; later reads still work)."""
-        self.keep = 0
+    def release(self) -> None:
+        """Free the slabs kept now (a closing reader's: those still in use return later)."""
         self._free.clear()
 
     @property
     def free(self) -> int:
         """Free slabs kept now."""
         return len(self._free)
+
+
+_shared: weakref.WeakValueDictionary[int, RecycledBytes] = weakref.WeakValueDictionary()
+_shared_lock = threading.Lock()
+
+
+def shared(slab_bytes: int) -> RecycledBytes:
+    """The process's pool of ``slab_bytes`` slabs, made when none is alive: the readers of
+    every loader with chunks of one size share it, so its bound holds for the process, and a
+    mixture's sources and passes and the epochs of ``iter_epochs`` use one another's slabs. It
+    lives as long as a reader or a slab in use refers to it."""
+    with _shared_lock:
+        pool = _shared.get(slab_bytes)
+        if pool is None:
+            pool = _shared[slab_bytes] = RecycledBytes(slab_bytes)
+        return pool
