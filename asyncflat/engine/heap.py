@@ -1,11 +1,17 @@
-"""Freed heap memory handed back to the system after each fill (glibc's ``malloc_trim``).
+"""Freed memory handed back to the system after each fill: the read slabs kept free, then
+glibc's heap (``malloc_trim``).
 
 A fill's transient allocations (compressed chunk objects read by the store's threads, a few MiB
 each) come from glibc's heap once its adaptive mmap threshold has grown past their size, and the
 heap keeps what they leave free, per arena (one per reading thread): at a 256 MiB buffer ~40 MiB
 of resident memory that no live object holds. ``malloc_trim(0)`` returns those free pages; it is
 called in a worker thread once per finished fill (once per minipoch and stream), so the event
-loop never waits on it. Elsewhere (musl, macOS, Windows) it does nothing.
+loop never waits on it. Elsewhere (musl, macOS, Windows) there is no heap to trim.
+
+The slabs a local store's reads go into (:mod:`asyncflat.storage.recycled`) are kept free during
+a fill, whose reads use them one after another, and freed with the heap at its end: kept across
+fills they added ~10 MiB to the peak RSS of a 64 MiB buffer (2.57x the buffer against 2.41x),
+and a later fill is read while the trainer runs, where their page faults cost it nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import functools
 import logging
 import sys
 from collections.abc import Callable
+
+from asyncflat.storage.recycled import release_all
 
 __all__ = ["available", "trim_count", "trim_later"]
 
@@ -49,17 +57,18 @@ def trim_count() -> int:
     return _trims
 
 
-def _trim(function: Callable[[int], int]) -> None:
+def _trim(function: Callable[[int], int] | None) -> None:
     global _trims
-    function(0)
-    _trims += 1
+    release_all()
+    if function is not None:
+        function(0)
+        _trims += 1
 
 
 def trim_later(loop: asyncio.AbstractEventLoop) -> None:
-    """Hand the heap's free pages back to the system, in ``loop``'s default executor."""
+    """Hand the free read slabs and the heap's free pages back to the system, in ``loop``'s
+    default executor."""
     function = _resolve()
-    if function is None:
-        return
     try:
         future = loop.run_in_executor(None, _trim, function)
     except RuntimeError:

@@ -22,7 +22,8 @@
 * :mod:`.recycled`: memory for a local store's object reads, used again once nothing refers to
   it (fresh memory's page faults were most of a first fill's reads under a sandboxed kernel).
 
-The readers (:mod:`asyncflat.source`) sit on top of these; the engine never sees them.
+The readers (:mod:`asyncflat.source`) sit on top of these; of them the engine sees only
+:mod:`.recycled`, whose kept slabs it frees with the heap after each fill.
 
 May import: ``format``, ``config`` and ``errors``.
 """

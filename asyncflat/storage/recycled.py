@@ -22,7 +22,7 @@ import weakref
 
 import numpy as np
 
-__all__ = ["RecycledBytes", "shared"]
+__all__ = ["RecycledBytes", "release_all", "shared"]
 
 #: Free slabs kept for later reads: at most ``KEPT_MAX`` (the reads a fill has in flight, plus
 #: the reader's cache), and at most ``KEPT_BYTES`` of them (none of slabs larger than that).
@@ -100,3 +100,11 @@ def shared(slab_bytes: int) -> RecycledBytes:
         if pool is None:
             pool = _shared[slab_bytes] = RecycledBytes(slab_bytes)
         return pool
+
+
+def release_all() -> None:
+    """Free the slabs every pool keeps now (the engine calls it after each fill)."""
+    with _shared_lock:
+        pools = list(_shared.values())
+    for pool in pools:
+        pool.release()
