@@ -48,7 +48,8 @@ _trims = 0  # finished trims, for tests and diagnostics (a plain int: += under t
 
 
 def available() -> bool:
-    """Whether this process has glibc's ``malloc_trim`` (else :func:`trim_later` does nothing)."""
+    """Whether this process has glibc's ``malloc_trim`` (else :func:`trim_later` only frees the
+    read slabs kept)."""
     return _resolve() is not None
 
 
@@ -74,11 +75,11 @@ def trim_later(loop: asyncio.AbstractEventLoop) -> None:
     except RuntimeError:
         # The pool is shut down (the loader is closing, or the interpreter exits while a fill
         # finishes): nothing to hand back for, and the fill's unit must not fail over it.
-        log.debug("malloc_trim skipped: the executor is shut down")
+        log.debug("trim skipped: the executor is shut down")
         return
     future.add_done_callback(_quiet)
 
 
 def _quiet(future: asyncio.Future[None]) -> None:
     if not future.cancelled() and future.exception() is not None:
-        log.debug("malloc_trim failed", exc_info=future.exception())
+        log.debug("trim failed", exc_info=future.exception())

@@ -134,6 +134,7 @@ class LocalTokenSource:
         # the process): a fresh allocation's page faults were most of a first fill's reads
         # under a sandboxed kernel (see :mod:`asyncflat.storage.recycled`).
         self.memory = shared(tokens.gate.max_object_bytes)
+        self._left_memory = False
         self._objects = _LocalObjects(split, self.name, self.io, self.memory)
         self._reader = ChunkReader(
             self._objects,
@@ -171,7 +172,11 @@ class LocalTokenSource:
                     first, last = await source._ends()
                 except AsyncflatError as exc:  # zarr's open reports it, with its messages
                     log.debug("%s: opening through zarr: %s", source.name, exc)
+                    source._leave_memory()
                     return None
+                except BaseException:  # a timeout, a cancel: no source, no claim on the memory
+                    source._leave_memory()
+                    raise
         except TimeoutError as exc:
             if not budget.expired():
                 raise
@@ -180,6 +185,7 @@ class LocalTokenSource:
                 f"RetryPolicy.deadline_s={retry.deadline_s:g} s"
             ) from exc
         if first != 0 or last != source.token_count:
+            source._leave_memory()
             return None  # zarr's open names the bad entry
         return source
 
@@ -263,4 +269,9 @@ class LocalTokenSource:
         """Forget cached frames, layouts and the free read memory (no store to close;
         idempotent): a closed loader its caller still refers to holds none of them."""
         await self._reader.aclose()
-        self.memory.release()
+        self._leave_memory()
+
+    def _leave_memory(self) -> None:
+        if not self._left_memory:
+            self._left_memory = True
+            self.memory.leave()

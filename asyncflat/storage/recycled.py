@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import os
 import threading
 import weakref
 
@@ -46,8 +47,10 @@ class RecycledBytes:
         self.slab_bytes = slab_bytes
         # one ctypes type for every view (a type per size cost ~10 us of the GIL to make)
         self._slab_type = ctypes.c_uint8 * slab_bytes
-        #: free slabs kept at most (the rest are freed)
-        self.keep = min(KEPT_MAX, kept_bytes // slab_bytes)
+        self._bound = min(KEPT_MAX, kept_bytes // slab_bytes)
+        #: free slabs kept at most (the rest are freed); none once every reader has left
+        self.keep = self._bound
+        self._readers = 0
         self._free: collections.deque[np.ndarray] = collections.deque()
         #: arrays handed out from a new slab, and from a slab used before
         self.fresh = 0
@@ -77,7 +80,16 @@ class RecycledBytes:
                 break
 
     def release(self) -> None:
-        """Free the slabs kept now (a closing reader's: those still in use return later)."""
+        """Free the slabs kept now (at a fill's end: those still in use return later)."""
+        self._free.clear()
+
+    def leave(self) -> None:
+        """A reader of :func:`shared`'s is closed: when it was the last, keep no slab, nor any
+        still in use when it returns (a closed loader its caller still refers to holds none)."""
+        with _shared_lock:
+            self._readers -= 1
+            if self._readers <= 0:
+                self._readers, self.keep = 0, 0
         self._free.clear()
 
     @property
@@ -91,20 +103,34 @@ _shared_lock = threading.Lock()
 
 
 def shared(slab_bytes: int) -> RecycledBytes:
-    """The process's pool of ``slab_bytes`` slabs, made when none is alive: the readers of
-    every loader with chunks of one size share it, so its bound holds for the process, and a
-    mixture's sources and passes and the epochs of ``iter_epochs`` use one another's slabs. It
-    lives as long as a reader or a slab in use refers to it."""
+    """The process's pool of ``slab_bytes`` slabs for one more reader (which calls
+    :meth:`~RecycledBytes.leave` when it closes), made when none is alive: the readers of every
+    loader with chunks of one size share it, so its bound holds for the process (for each size),
+    and a mixture's sources and passes and the epochs of ``iter_epochs`` use one another's
+    slabs. It lives as long as a reader or a slab in use refers to it."""
     with _shared_lock:
         pool = _shared.get(slab_bytes)
         if pool is None:
             pool = _shared[slab_bytes] = RecycledBytes(slab_bytes)
+        pool._readers += 1
+        pool.keep = pool._bound
         return pool
 
 
 def release_all() -> None:
-    """Free the slabs every pool keeps now (the engine calls it after each fill)."""
+    """Free the slabs every pool keeps now (the engine calls it after each fill: a pool's free
+    slabs go back to the system even where other fills, of this loader or another, read into
+    it; they take fresh slabs for their next reads)."""
     with _shared_lock:
         pools = list(_shared.values())
     for pool in pools:
         pool.release()
+
+
+def _reset_after_fork() -> None:
+    global _shared_lock
+    _shared_lock = threading.Lock()  # a fork while another thread held it must not deadlock
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)
