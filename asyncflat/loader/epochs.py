@@ -27,7 +27,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Generator, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 from jax.sharding import Sharding
 
@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 
 #: what :func:`iter_epochs` serves from
 Loader = ShufflingLoader | MixtureLoader
+_T = TypeVar("_T")
 
 
 def build_ahead_from(loader: Loader) -> int:
@@ -126,7 +127,7 @@ class EpochIterator(Iterator[tuple[int, int, TokenBatch]]):
         self._broken: AsyncflatError | None = None
         self._delivered: tuple[int, int] | None = None  # the last (epoch, step) returned
         make = _Epochs(split, params, token_batch_params, sharding, options)
-        self._gen = _run(self._current, make, start_epoch, start_step, epochs)
+        self._gen = _warning_once(_epochs(self._current, make, start_epoch, start_step, epochs))
 
     @property
     def loader(self) -> Loader | None:
@@ -243,16 +244,10 @@ class _Interrupted:
         self.exc = exc
 
 
-def _run(
-    current: list[Loader | None],
-    make: _Epochs,
-    start_epoch: int,
-    start_step: int,
-    epochs: int | None,
-) -> Generator[tuple[int, int, TokenBatch] | _Interrupted, None, None]:
-    """The epochs, each sizing warning logged once for all of them."""
+def _warning_once(generator: Generator[_T, None, None]) -> Generator[_T, None, None]:
+    """``generator``'s items, each sizing warning logged once for all of them."""
     with _OncePerCondition().installed():
-        yield from _epochs(current, make, start_epoch, start_step, epochs)
+        yield from generator
 
 
 @dataclasses.dataclass(frozen=True)
