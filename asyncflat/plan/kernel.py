@@ -340,22 +340,20 @@ def _optimise(module: Any, machine: Any, *, full: bool) -> None:
     12% slower without it (145 against 128 ms for one column of 1,024 at 14.3M entries), more
     than the compile time saved at 10^14 tokens.
     """
-    if full and hasattr(llvm, "create_pass_builder"):  # llvmlite >= 0.44: the new pass manager
+    if hasattr(llvm, "create_pass_builder"):  # llvmlite >= 0.44: the new pass manager
         builder = llvm.create_pass_builder(machine, llvm.create_pipeline_tuning_options(2))
-        builder.getModulePassManager().run(module, builder)
-        return
-    # The new pass manager's SROA came in llvmlite 0.45: before it, the legacy one.
-    new = getattr(llvm, "create_new_function_pass_manager", None)
-    functions = new() if new is not None and hasattr(llvm, "create_pass_builder") else None
-    if not full and functions is not None and hasattr(functions, "add_sroa_pass"):
-        builder = llvm.create_pass_builder(machine, llvm.create_pipeline_tuning_options(2))
-        functions.add_sroa_pass()
-        functions.add_instruction_combine_pass()
-        functions.add_simplify_cfg_pass()
-        for function in module.functions:
-            if not function.is_declaration:
-                functions.run(function, builder)
-        return
+        if full:
+            builder.getModulePassManager().run(module, builder)
+            return
+        functions = llvm.create_new_function_pass_manager()
+        if hasattr(functions, "add_sroa_pass"):  # from 0.45: before it, the legacy one below
+            functions.add_sroa_pass()
+            functions.add_instruction_combine_pass()
+            functions.add_simplify_cfg_pass()
+            for function in module.functions:
+                if not function.is_declaration:
+                    functions.run(function, builder)
+            return
     legacy = llvm.create_module_pass_manager()
     machine.add_analysis_passes(legacy)
     if full:
