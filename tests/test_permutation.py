@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib
 import io
 import json
 import os
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 from asyncflat.errors import ConfigError
 from asyncflat.plan.kernel import CHUNK
 from asyncflat.plan.permutation import (
+    DRAW_THREAD,
     PYTHON_BELOW,
     YIELD_SLICE,
     Stop,
@@ -32,6 +34,8 @@ from asyncflat.plan.permutation import (
     whole_permutation_size,
 )
 
+# the module (``asyncflat.plan``'s attribute of that name is the function)
+permutation_module = importlib.import_module("asyncflat.plan.permutation")
 GOLDEN = json.loads((Path(__file__).parent / "golden_permutations.json").read_text())
 REPO = Path(__file__).resolve().parent.parent
 
@@ -481,3 +485,118 @@ def test_a_stopped_kernel_does_not_even_write_its_array_first() -> None:
     with pytest.raises(Stopped):
         permutation(2, out.size, method="kernel", stop=stop, out=out)
     assert (out == 0xDEADBEEF).all()
+
+
+def _draw_threads_started(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the helper threads the permutation starts from now on."""
+    names: list[str] = []
+    start = threading.Thread.start
+
+    def recording(thread: threading.Thread) -> None:
+        if thread.name == DRAW_THREAD:
+            names.append(thread.name)
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", recording)
+    return names
+
+
+@pytest.mark.parametrize(
+    ("piece", "n"),
+    [
+        (8 * 1024 + 2, 8 * 1024),  # (rounded down to 8,192) one piece: drawn on this thread
+        (8 * 1024 + 2, 8 * 1024 + 1),
+        (8 * 1024 + 2, 5 * 8 * 1024 + 3),
+        (8 * 1024, 40_001),
+        (6000, 60_001),  # pieces that are not whole kernel chunks
+        (7, 3001),  # (rounded down to 4) hundreds of pieces, each of one Philox block
+    ],
+)
+def test_pieces_drawn_ahead_on_a_helper_thread_give_the_same_permutation(
+    monkeypatch: pytest.MonkeyPatch, piece: int, n: int
+) -> None:
+    """The kernel draws each piece's swap targets on a helper thread while it swaps the piece
+    above: the swaps, their order and so the result are those of the frozen algorithm."""
+    monkeypatch.setattr(permutation_module, "DRAW_PIECE", piece)
+    monkeypatch.setattr(permutation_module, "DRAW_HELPER_MIN_CPUS", 1)
+    helpers = _draw_threads_started(monkeypatch)
+    got = permutation(2**64 - 3, n, method="kernel")
+    np.testing.assert_array_equal(got, slow_reference(2**64 - 3, n))
+    assert len(helpers) == (1 if n > piece - piece % 4 else 0)
+
+
+@pytest.mark.parametrize("case", GOLDEN["sha256"], ids=lambda c: f"seed{c['seed']}-n{c['n']}")
+def test_golden_hashes_with_a_helper_thread(monkeypatch: pytest.MonkeyPatch, case: dict) -> None:
+    monkeypatch.setattr(permutation_module, "DRAW_PIECE", 6000)
+    monkeypatch.setattr(permutation_module, "DRAW_HELPER_MIN_CPUS", 1)
+    assert sha256_u32(permutation(case["seed"], case["n"])) == case["sha256_le_u32"]
+
+
+def test_no_thread_to_be_had_draws_on_the_callers_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(permutation_module, "DRAW_PIECE", 6000)
+    monkeypatch.setattr(permutation_module, "DRAW_HELPER_MIN_CPUS", 1)
+    start = threading.Thread.start
+
+    def refused(thread: threading.Thread) -> None:
+        if thread.name == DRAW_THREAD:
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", refused)
+    case = GOLDEN["sha256"][1]
+    assert sha256_u32(permutation(case["seed"], case["n"])) == case["sha256_le_u32"]
+
+
+def test_an_interrupt_while_joining_the_helper_leaves_it_to_end_by_itself(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ctrl-C while the caller waits for the helper: the interrupt goes up at once, and the
+    helper (told to stop first) ends by itself, on arrays its own arguments keep alive."""
+    monkeypatch.setattr(permutation_module, "DRAW_PIECE", 1 << 22)  # ~15 ms of draws a piece
+    monkeypatch.setattr(permutation_module, "DRAW_HELPER_MIN_CPUS", 1)
+    join = threading.Thread.join
+    helpers: list[threading.Thread] = []
+
+    def interrupted(thread: threading.Thread, timeout: float | None = None) -> None:
+        if thread.name == DRAW_THREAD and not helpers:
+            helpers.append(thread)
+            raise KeyboardInterrupt
+        join(thread, timeout)
+
+    monkeypatch.setattr(threading.Thread, "join", interrupted)
+    stop = Stop()
+    threading.Timer(0.05, stop.set).start()  # the swaps stop mid-way, the helper may be drawing
+    with pytest.raises(KeyboardInterrupt):
+        permutation(4, 1 << 26, method="kernel", stop=stop)
+    (helper,) = helpers
+    helper.join(10)
+    assert not helper.is_alive()
+
+
+def test_a_stopped_permutation_leaves_no_helper_thread_behind(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(permutation_module, "DRAW_HELPER_MIN_CPUS", 1)
+    helpers = _draw_threads_started(monkeypatch)
+    stop = Stop()
+    timer = threading.Timer(0.005, stop.set)
+    timer.start()
+    with pytest.raises(Stopped):
+        permutation(9, 1 << 24, method="kernel", stop=stop)
+    assert helpers == [DRAW_THREAD]
+    assert not [t for t in threading.enumerate() if t.name == DRAW_THREAD]
+
+
+def test_too_few_cpus_draw_on_the_permutations_own_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No helper where it would take a trainer's CPU: the same permutation, each piece drawn
+    before its swaps on the caller's thread."""
+    monkeypatch.setattr(permutation_module, "DRAW_PIECE", 8 * 1024)
+    monkeypatch.setattr(permutation_module, "DRAW_HELPER_MIN_CPUS", 10**6)
+    helpers = _draw_threads_started(monkeypatch)
+    case = GOLDEN["sha256"][0]  # 2**20 positions: 128 pieces
+    assert (
+        sha256_u32(permutation(case["seed"], case["n"], method="kernel")) == case["sha256_le_u32"]
+    )
+    assert helpers == []

@@ -3,9 +3,10 @@
 
 Each kernel is written directly as LLVM IR with llvmlite (the code generator numba is built on)
 and compiled in-process on first use, on its own (a process that needs one never compiles the
-other): ~0.03 s for the permutation's (~0.05 s of CPU), ~0.07 s for the columns' (see
+other): ~0.04 s for the permutation's (~0.06 s of CPU), ~0.07 s for the columns' (see
 :func:`_optimise`), most of it in LLVM with the GIL released (importing llvmlite adds
-~0.02-0.03 s once), where numba took 1.1-1.5 s per process to compile the same loop (and
+~0.02 s once, and whatever garbage collection its objects set off: a full collection of a
+process that imported JAX took ~0.04 s on a 2-core VM), where numba took 1.1-1.5 s per process to compile the same loop (and
 0.55-0.63 s even when loaded from numba's on-disk cache, which still initialises numba's whole
 typing and lowering context). Nothing is written to disk, so there is no cache to keep safe under concurrent processes or
 read-only installs.
@@ -13,9 +14,10 @@ read-only installs.
 It computes exactly what the frozen algorithm of :mod:`asyncflat.plan.permutation` computes:
 Philox4x64-10 on the key of ``np.random.Philox(seed)`` (counter based, so raw draw ``i`` is lane
 ``i % 4`` of block ``i // 4 + 1``), swap targets ``raw % (i + 1)`` and the swaps from the last
-position down, a chunk of ``CHUNK`` positions at a time (first the chunk's targets, then its
-swaps). It is called through ctypes, which releases the GIL for the call. Both kernels read a
-stop flag (an int32 another thread may set) before each chunk and return early when it is set,
+position down. The permutation's draws and swaps are separate functions (:class:`Kernel`), so
+that the caller can draw one piece of targets on another core while it swaps the last. They are
+called through ctypes, which releases the GIL for the call. Every function reads a stop flag
+(an int32 another thread may set) before each chunk and returns early when it is set,
 so that closing a loader does not wait for a block order nobody will read (~1 s at 10^14
 tokens); the caller then discards the result.
 """
@@ -25,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import llvmlite.binding as llvm
 from llvmlite import ir
@@ -47,7 +49,13 @@ PREFETCH_AHEAD = 64
 _I1, _I8, _I32 = ir.IntType(1), ir.IntType(8), ir.IntType(32)
 _I64, _I128 = ir.IntType(64), ir.IntType(128)
 _F64 = ir.DoubleType()
-_NAME = "asyncflat_permutation"
+_IOTA = "asyncflat_permutation_iota"
+_DRAWS = "asyncflat_permutation_draws"
+_SWAPS = "asyncflat_permutation_swaps"
+_DRAW_ALL = "asyncflat_permutation_draw_all"
+_SWAP_ALL = "asyncflat_permutation_swap_all"
+#: microseconds a thread of the permutation's two sleeps while it waits for the other's piece
+_WAIT_US = 20
 _COLUMNS = "asyncflat_permutation_columns"
 _EMPTY = ir.Constant(_I32, 0xFFFFFFFF)
 _GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: Fibonacci hashing
@@ -56,10 +64,26 @@ _GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: Fibonacci hashing
 _M0, _M1 = 0xD2E7470EE14C6C93, 0xCA5A826395121157
 _W0, _W1 = 0x9E3779B97F4A7C15, 0xBB67AE8584CAA73B
 
-#: ``kernel(k0, k1, result_address, n, scratch_address, stop_address)``: fills ``result``
-#: (``n`` uint32) with the permutation; ``scratch`` holds ``CHUNK`` uint32; it returns early
-#: (``result`` unfinished) once the int32 at ``stop`` is non-zero.
-Kernel = Callable[[int, int, int, int, int, int], None]
+
+class Kernel(NamedTuple):
+    """The permutation's functions (arrays by address; ``stop`` the address of an int32: each
+    returns early, its work unfinished, once that is non-zero).
+
+    ``swap_all(k0, k1, result, ring, slots, piece, n, counters, stop, sleep)`` computes the
+    permutation of ``n`` into ``result``, in pieces of ``piece`` positions (a multiple of 4)
+    from the top down: each piece's swap targets drawn (Philox and a modulo), then its swaps
+    done. With ``slots`` 0 it draws each piece itself into ``ring`` (a piece long). Else
+    ``draw_all(k0, k1, ring, slots, piece, n, counters, stop, sleep)`` runs at once on another
+    thread, drawing the pieces into a ring of ``slots`` pieces that ``swap_all`` swaps from:
+    ``counters`` are three int64, zero at the start (pieces drawn, pieces swapped, and abort:
+    either returns once it is non-zero while it waits), and each waits for the other by
+    calling ``sleep`` (the address of a C ``usleep``) with :data:`_WAIT_US`, never for the GIL.
+    """
+
+    swap_all: Callable[[int, int, int, int, int, int, int, int, int, int], None]
+    draw_all: Callable[[int, int, int, int, int, int, int, int, int], None]
+
+
 #: ``columns(k0, k1, n, streams, rank, served, keys, values, bits, out, scratch, stop)``
 #: (addresses for the arrays): some columns of the permutation, see :func:`_build_columns`.
 ColumnsKernel = Callable[[int, int, int, int, int, int, int, int, int, int, int, int], None]
@@ -148,40 +172,55 @@ def _targets(b: ir.IRBuilder, k0: Any, k1: Any, start: Any, end: Any, swaps: Any
 
 
 def _build_permutation(module: ir.Module) -> None:
+    """``iota``, ``draws`` and ``swaps``, the parts :func:`_build_pipeline`'s functions call.
+
+    Apart, so that the draws (~40% of the time: Philox and a modulo per position) can run on
+    another core ahead of the swaps (random accesses, one after the other), which wait for
+    nothing else.
+    """
     ptr = _I32.as_pointer()
-    signature = ir.FunctionType(ir.VoidType(), [_I64, _I64, ptr, _I64, ptr, ptr])
-    function = ir.Function(module, signature, _NAME)
-    k0, k1, result, n, swaps, stop = function.args
+    iota = ir.Function(module, ir.FunctionType(ir.VoidType(), [ptr, _I64, ptr]), _IOTA)
+    result, n, stop = iota.args
+    b = ir.IRBuilder(iota.append_basic_block("entry"))
+    # a stop check every 16 chunks: this pass alone first-writes the whole array when its pages
+    # were not written ahead (0.4-0.7 s at 95M entries), and closing must not wait for it
+    piece = 16 * CHUNK
+    with _count(b, _const(0), n, piece) as lo:
+        _return_if_stopped(b, stop)
+        with _count(b, lo, _piece_end(b, lo, piece, n), 1) as i:
+            b.store(b.trunc(i, _I32), b.gep(result, [i]))
+    b.ret_void()
+
+    signature = ir.FunctionType(ir.VoidType(), [_I64, _I64, ptr, _I64, _I64, ptr])
+    draws = ir.Function(module, signature, _DRAWS)
+    k0, k1, targets, start, end, stop = draws.args
+    b = ir.IRBuilder(draws.append_basic_block("entry"))
+    with _count(b, start, end, CHUNK) as lo:
+        _return_if_stopped(b, stop)
+        _targets(b, k0, k1, lo, _piece_end(b, lo, CHUNK, end), b.gep(targets, [b.sub(lo, start)]))
+    b.ret_void()
+
+    swaps = ir.Function(module, ir.FunctionType(ir.VoidType(), [ptr, ptr, _I64, _I64, ptr]), _SWAPS)
+    result, targets, start, end, stop = swaps.args
     # llvm.prefetch(address, write, locality, data cache)
     prefetch = ir.Function(
         module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]),
         "llvm.prefetch.p0i8",
     )  # fmt: skip
-    b = ir.IRBuilder(function.append_basic_block("entry"))
-
-    # result = arange(n), with a stop check every 16 chunks: this pass alone first-writes the
-    # whole array (0.4-0.7 s at 95M entries), and closing must not wait for it
-    piece = 16 * CHUNK
-    with _count(b, _const(0), n, piece) as lo:
+    b = ir.IRBuilder(swaps.append_basic_block("entry"))
+    with _count(b, b.sub(end, _const(1)), b.sub(start, _const(1)), -CHUNK) as top:
         _return_if_stopped(b, stop)
-        hi = _piece_end(b, lo, piece, n)
-        with _count(b, lo, hi, 1) as i:
-            b.store(b.trunc(i, _I32), b.gep(result, [i]))
-
-    last_start = b.mul(b.sdiv(b.sub(n, _const(1)), _const(CHUNK)), _const(CHUNK))
-    with _count(b, last_start, _const(-1), -CHUNK) as start:
-        _return_if_stopped(b, stop)
-        end = _piece_end(b, start, CHUNK, n)
-        _targets(b, k0, k1, start, end, swaps)
-        with _count(b, b.sub(end, _const(1)), b.sub(start, _const(1)), -1) as i:
+        low = b.sub(top, _const(CHUNK - 1))
+        low = b.select(b.icmp_signed(">", low, start), low, start)
+        with _count(b, top, b.sub(low, _const(1)), -1) as i:
             # Beyond the caches each swap is a random access: prefetch the entry the swap
             # PREFETCH_AHEAD positions down will touch (measured 15% faster at 2**24).
             ahead = b.sub(i, _const(PREFETCH_AHEAD))
             with b.if_then(b.icmp_signed(">=", ahead, start)):
-                later = b.zext(b.load(b.gep(swaps, [b.sub(ahead, start)])), _I64)
+                later = b.zext(b.load(b.gep(targets, [b.sub(ahead, start)])), _I64)
                 address = b.bitcast(b.gep(result, [later]), _I8.as_pointer())
                 b.call(prefetch, [address, *(ir.Constant(_I32, v) for v in (1, 3, 1))])
-            j = b.zext(b.load(b.gep(swaps, [b.sub(i, start)])), _I64)
+            j = b.zext(b.load(b.gep(targets, [b.sub(i, start)])), _I64)
             at_i, at_j = b.gep(result, [i]), b.gep(result, [j])
             value_i, value_j = b.load(at_i), b.load(at_j)
             b.store(value_j, at_i)
@@ -189,9 +228,90 @@ def _build_permutation(module: ir.Module) -> None:
     b.ret_void()
 
 
+def _build_pipeline(module: ir.Module) -> None:
+    """``swap_all`` and ``draw_all`` (see :class:`Kernel`): the whole permutation in one call
+    per thread, with no Python between its pieces (each return to Python waits for the GIL, up
+    to a switch interval while another thread runs Python: seconds at 10^14 tokens). Two
+    threads hand the pieces over through a ring of ``slots`` pieces and two counters."""
+    ptr, counters_type = _I32.as_pointer(), _I64.as_pointer()
+    iota, draws, swaps = (module.get_global(name) for name in (_IOTA, _DRAWS, _SWAPS))
+    sleep_type = ir.FunctionType(_I32, [_I32]).as_pointer()  # usleep's
+    ordered = "acquire", "release"
+
+    def wait(
+        b: ir.IRBuilder, counter: Any, above: Any, counters: Any, stop: Any, sleep: Any
+    ) -> None:
+        """Until ``counter > above``; return from the function on ``stop`` or abort."""
+        head, idle, ready = (b.append_basic_block(name) for name in ("wait", "idle", "ready"))
+        b.branch(head)
+        b.position_at_end(head)
+        b.cbranch(b.icmp_signed(">", b.load_atomic(counter, ordered[0], 8), above), ready, idle)
+        b.position_at_end(idle)
+        _return_if_stopped(b, stop)
+        abort = b.load_atomic(b.gep(counters, [_const(2)]), "monotonic", 8)
+        with b.if_then(b.icmp_signed("!=", abort, _const(0))):
+            b.ret_void()
+        b.call(sleep, [ir.Constant(_I32, _WAIT_US)])
+        b.branch(head)
+        b.position_at_end(ready)
+
+    def pieces(b: ir.IRBuilder, n: Any, piece: Any) -> tuple[Any, Callable[[Any], tuple[Any, Any]]]:
+        """The count of pieces, and ``[start, end)`` of piece ``k`` (counted from the top)."""
+        count = b.sdiv(b.add(n, b.sub(piece, _const(1))), piece)
+
+        def bounds(k: Any) -> tuple[Any, Any]:
+            start = b.mul(b.sub(b.sub(count, _const(1)), k), piece)
+            end = b.add(start, piece)
+            return start, b.select(b.icmp_signed("<", end, n), end, n)
+
+        return count, bounds
+
+    # swap_all(k0, k1, result, ring, slots, piece, n, counters, stop, sleep): slots 0 draws here
+    signature = [_I64, _I64, ptr, ptr, _I64, _I64, _I64, counters_type, ptr, sleep_type]
+    function = ir.Function(module, ir.FunctionType(ir.VoidType(), signature), _SWAP_ALL)
+    k0, k1, result, ring, slots, piece, n, counters, stop, sleep = function.args
+    b = ir.IRBuilder(function.append_basic_block("entry"))
+    b.call(iota, [result, n, stop])  # while a helper draws the first pieces
+    drawn, swapped = b.gep(counters, [_const(0)]), b.gep(counters, [_const(1)])
+    count, bounds = pieces(b, n, piece)
+    here = b.icmp_signed("==", slots, _const(0))
+    with _count(b, _const(0), count, 1) as k:
+        start, end = bounds(k)
+        with b.if_else(here) as (alone, helped):
+            with alone:
+                b.call(draws, [k0, k1, ring, start, end, stop])
+            with helped:
+                wait(b, drawn, k, counters, stop, sleep)
+        targets = b.select(
+            here, ring, b.gep(ring, [b.mul(b.srem(k, b.select(here, _const(1), slots)), piece)])
+        )
+        b.call(swaps, [result, targets, start, end, stop])
+        b.store_atomic(b.add(k, _const(1)), swapped, ordered[1], 8)
+    b.ret_void()
+
+    # draw_all(k0, k1, ring, slots, piece, n, counters, stop, sleep)
+    signature = [_I64, _I64, ptr, _I64, _I64, _I64, counters_type, ptr, sleep_type]
+    function = ir.Function(module, ir.FunctionType(ir.VoidType(), signature), _DRAW_ALL)
+    k0, k1, ring, slots, piece, n, counters, stop, sleep = function.args
+    b = ir.IRBuilder(function.append_basic_block("entry"))
+    drawn, swapped = b.gep(counters, [_const(0)]), b.gep(counters, [_const(1)])
+    count, bounds = pieces(b, n, piece)
+    with _count(b, _const(0), count, 1) as k:
+        wait(b, swapped, b.sub(k, slots), counters, stop, sleep)  # its slot's last piece swapped
+        start, end = bounds(k)
+        b.call(draws, [k0, k1, b.gep(ring, [b.mul(b.srem(k, slots), piece)]), start, end, stop])
+        _return_if_stopped(b, stop)  # an unfinished piece is never handed over
+        b.store_atomic(b.add(k, _const(1)), drawn, ordered[1], 8)
+    b.ret_void()
+
+
 def _build_module(columns: bool) -> ir.Module:
-    module = ir.Module(_COLUMNS if columns else _NAME)
-    (_build_columns if columns else _build_permutation)(module)
+    module = ir.Module(_COLUMNS if columns else "asyncflat_permutation")
+    if columns:
+        _build_columns(module)
+    else:
+        _build_permutation(module)
+        _build_pipeline(module)
     return module
 
 
@@ -373,27 +493,28 @@ _engines: list[Any] = []
 
 
 def compile_kernel() -> Kernel:
-    """Compile the permutation kernel for this CPU and return it (~0.03 s)."""
-    address = _compile(columns=False)
-    pointer = ctypes.c_void_p
-    return ctypes.CFUNCTYPE(
-        None, ctypes.c_uint64, ctypes.c_uint64, pointer, ctypes.c_int64, pointer, pointer
-    )(address)
+    """Compile the permutation kernel for this CPU and return it (~0.04 s)."""
+    swap_all, draw_all = _compile(columns=False)
+    u64, i64, p = ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p
+    return Kernel(
+        ctypes.CFUNCTYPE(None, u64, u64, p, p, i64, i64, i64, p, p, p)(swap_all),
+        ctypes.CFUNCTYPE(None, u64, u64, p, i64, i64, i64, p, p, p)(draw_all),
+    )
 
 
 def compile_columns_kernel() -> ColumnsKernel:
     """Compile the columns kernel for this CPU and return it (~0.07 s of CPU). Apart from the
     permutation's: a process that needs one of them (a host serving every stream, or one of
     many) never compiles the other (compiling both took 0.13 s, on the way to a first batch)."""
-    address = _compile(columns=True)
+    (address,) = _compile(columns=True)
     u64, i64, pointer = ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p
     return ctypes.CFUNCTYPE(
         None, u64, u64, i64, i64, pointer, i64, pointer, pointer, i64, pointer, pointer, pointer
     )(address)
 
 
-def _compile(*, columns: bool) -> int:
-    """Compile one kernel's module; the address of its function."""
+def _compile(*, columns: bool) -> list[int]:
+    """Compile one kernel's module; the addresses of its functions."""
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
     try:
@@ -401,7 +522,9 @@ def _compile(*, columns: bool) -> int:
     except RuntimeError:  # some platforms cannot report features: the generic CPU is correct too
         cpu, features = "", ""
     target = llvm.Target.from_default_triple()
-    machine = target.create_target_machine(cpu=cpu, features=features, opt=3)
+    # The permutation's hand-written loops run as fast from code generated at level 1 (14.3M
+    # positions 119 against 122-128 ms), which takes ~4 ms less to generate than level 3.
+    machine = target.create_target_machine(cpu=cpu, features=features, opt=3 if columns else 1)
     module = _build_module(columns)
     module.triple = target.triple
     parsed = llvm.parse_assembly(str(module))
@@ -409,9 +532,10 @@ def _compile(*, columns: bool) -> int:
     _optimise(parsed, machine, full=columns)
     engine = llvm.create_mcjit_compiler(parsed, machine)
     engine.finalize_object()
-    address = int(engine.get_function_address(_COLUMNS if columns else _NAME))
+    names = [_COLUMNS] if columns else [_SWAP_ALL, _DRAW_ALL]
+    addresses = [int(engine.get_function_address(name)) for name in names]
     # Never disposed: freeing the code at interpreter exit, under a thread still running it,
     # would crash the process. It is a few kilobytes, once per process.
     engine.detach()
     _engines.append(engine)
-    return address
+    return addresses
