@@ -34,9 +34,7 @@ import atexit
 import ctypes
 import functools
 import logging
-import math
 import operator
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -44,6 +42,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from asyncflat.config import available_cpus
 from asyncflat.errors import AsyncflatError, ConfigError
 
 __all__ = [
@@ -435,7 +434,7 @@ def _run_kernel(compiled: Any, k0: int, k1: int, result: np.ndarray, stop: Stop)
     n = result.size
     piece = max(4, DRAW_PIECE - DRAW_PIECE % 4)  # a piece starts on a Philox block (4 draws)
     counters = np.zeros(3, np.int64)  # pieces drawn, pieces swapped, abort
-    sleep = _usleep_address() if n > piece and _cpus() >= DRAW_HELPER_MIN_CPUS else 0
+    sleep = _usleep_address() if n > piece and available_cpus() >= DRAW_HELPER_MIN_CPUS else 0
     helper: threading.Thread | None = None
     try:
         if sleep:
@@ -477,23 +476,6 @@ def _usleep_address() -> int:
         return ctypes.cast(ctypes.CDLL(None).usleep, ctypes.c_void_p).value or 0
     except (OSError, AttributeError, TypeError):
         return 0
-
-
-def _cpus() -> int:
-    """The CPUs this process may use: its affinity, and a cgroup (v2) quota below it (a
-    container given 2 CPUs of a large host)."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on every platform
-        cpus = os.cpu_count() or 1
-    try:
-        with open("/sys/fs/cgroup/cpu.max") as limit:
-            quota, period = limit.read().split()[:2]
-        if quota != "max":
-            cpus = min(cpus, max(1, math.ceil(int(quota) / int(period))))
-    except (OSError, ValueError):
-        pass
-    return cpus
 
 
 def _load_columns_kernel() -> _ColumnsKernel:
