@@ -264,6 +264,12 @@ class Lifecycle(Generic[S]):
         thread. Idempotent, from any thread: from the loop's own thread (a finalizer or
         callback running there) it schedules all that and returns at once; from any other it
         returns when it is done (within about 15 s whatever the storage does)."""
+        if self._pid != os.getpid():
+            # A forked child: the loop, the threads and the buffers are the parent's, and a lock
+            # one of its threads held at the fork (this one, a builder's, the loop's) stays held
+            # here forever. Nothing here is this process's to stop or free: touch none of it.
+            self._closed = True
+            return
         with self._lock:
             if self._closed:
                 return
