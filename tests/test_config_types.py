@@ -286,3 +286,14 @@ def test_decode_threads_default_to_half_the_cpus_this_process_may_use() -> None:
     assert default_decode_threads() == min(8, max(2, (cpus or 2) // 2))
     assert EngineOptions().decode_threads == default_decode_threads()
     assert EngineOptions(decode_threads=5).decode_threads == 5
+
+
+def test_available_cpus_counts_the_affinity() -> None:
+    import os
+
+    from asyncflat.config import available_cpus
+
+    cpus = available_cpus()
+    assert 1 <= cpus <= (os.cpu_count() or cpus)
+    if hasattr(os, "sched_getaffinity"):
+        assert cpus <= len(os.sched_getaffinity(0))

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncflat.errors import ConfigError
+from asyncflat.errors import AsyncflatError, ConfigError
 from asyncflat.plan.kernel import CHUNK
 from asyncflat.plan.permutation import (
     DRAW_THREAD,
@@ -600,3 +600,41 @@ def test_too_few_cpus_draw_on_the_permutations_own_thread(
         sha256_u32(permutation(case["seed"], case["n"], method="kernel")) == case["sha256_le_u32"]
     )
     assert helpers == []
+
+
+def test_an_interrupt_while_starting_the_helper_goes_up_as_itself(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ctrl-C while ``Thread.start`` waits for the helper to run: the KeyboardInterrupt, not a
+    RuntimeError from joining a thread that never started."""
+    monkeypatch.setattr(permutation_module, "DRAW_HELPER_MIN_CPUS", 1)
+    start = threading.Thread.start
+
+    def interrupted(thread: threading.Thread) -> None:
+        if thread.name == DRAW_THREAD:
+            raise KeyboardInterrupt
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        permutation(1, 1 << 20, method="kernel")
+
+
+def test_a_helper_that_fails_fails_the_permutation_instead_of_hanging(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The helper raising before it draws a piece: the swaps waiting for that piece return,
+    and the call raises."""
+    monkeypatch.setattr(permutation_module, "DRAW_HELPER_MIN_CPUS", 1)
+
+    class FailsOnTheHelper(Stop):
+        @property
+        def address(self) -> int:
+            if threading.current_thread().name == DRAW_THREAD:
+                raise MemoryError("no memory on the helper's thread")
+            return super().address
+
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)  # (the helper's failure)
+    with pytest.raises(AsyncflatError, match="swap targets failed"):
+        permutation(1, 1 << 20, method="kernel", stop=FailsOnTheHelper())
+    assert not [t for t in threading.enumerate() if t.name == DRAW_THREAD]

@@ -70,7 +70,7 @@ def block_order_off_loop(
                 ensure_kernel()  # while the pages are written
                 out, written = pages
                 written.wait()  # set by the last page write, or by closing (PageWriter.stop)
-                if stop.is_set():  # the kernel would write the whole array before looking
+                if stop.is_set():  # closed while the pages were written: compute nothing
                     raise Stopped("closed while the block order's pages were written")
             del pages
             result = plan.compute_block_order(stop, out)

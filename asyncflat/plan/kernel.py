@@ -77,7 +77,7 @@ class Kernel(NamedTuple):
     thread, drawing the pieces into a ring of ``slots`` pieces that ``swap_all`` swaps from:
     ``counters`` are three int64, zero at the start (pieces drawn, pieces swapped, and abort:
     either returns once it is non-zero while it waits), and each waits for the other by
-    calling ``sleep`` (the address of a C ``usleep``) with :data:`_WAIT_US`, never for the GIL.
+    calling ``sleep`` (the address of a C ``usleep``) for 20 us at a time, never for the GIL.
     """
 
     swap_all: Callable[[int, int, int, int, int, int, int, int, int, int], None]
@@ -232,7 +232,7 @@ def _build_pipeline(module: ir.Module) -> None:
     """``swap_all`` and ``draw_all`` (see :class:`Kernel`): the whole permutation in one call
     per thread, with no Python between its pieces (each return to Python waits for the GIL, up
     to a switch interval while another thread runs Python: seconds at 10^14 tokens). Two
-    threads hand the pieces over through a ring of ``slots`` pieces and two counters."""
+    threads hand the pieces over through a ring of ``slots`` pieces and counters."""
     ptr, counters_type = _I32.as_pointer(), _I64.as_pointer()
     iota, draws, swaps = (module.get_global(name) for name in (_IOTA, _DRAWS, _SWAPS))
     sleep_type = ir.FunctionType(_I32, [_I32]).as_pointer()  # usleep's

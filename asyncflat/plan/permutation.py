@@ -102,7 +102,9 @@ PYTHON_BELOW = 2048
 #: restart's first batch never waits for it. Larger sizes need the kernel.
 NO_COMPILE_MAX = 1 << 16
 #: Positions per piece of the kernel's swap targets (1 MiB of them), drawn on a helper thread
-#: ahead of the swaps when a permutation has more than one piece (rounded down to a multiple of 4)
+#: ahead of the swaps (more than one piece, :data:`DRAW_HELPER_MIN_CPUS`, a C ``usleep``);
+#: rounded down to a multiple of 4. Each handover between the threads may sleep ~40 us: pieces
+#: under ~2^12 positions make them cost more than the draws they move.
 DRAW_PIECE = 1 << 18
 #: CPUs from which a permutation of more than one piece draws on a helper thread. On two, the
 #: helper took a trainer's Python thread's CPU: beside one, 14.3M positions took 182 against
@@ -436,6 +438,7 @@ def _run_kernel(compiled: Any, k0: int, k1: int, result: np.ndarray, stop: Stop)
     counters = np.zeros(3, np.int64)  # pieces drawn, pieces swapped, abort
     sleep = _usleep_address() if n > piece and available_cpus() >= DRAW_HELPER_MIN_CPUS else 0
     helper: threading.Thread | None = None
+    started = False
     try:
         if sleep:
             ring = np.empty(_DRAWN_AHEAD * piece, np.uint32)
@@ -444,6 +447,7 @@ def _run_kernel(compiled: Any, k0: int, k1: int, result: np.ndarray, stop: Stop)
             helper = threading.Thread(target=_draw_all, args=args, name=DRAW_THREAD, daemon=True)
             try:
                 helper.start()
+                started = True
             except RuntimeError:  # no thread to be had (a limit, an interpreter shutting down)
                 helper = None
         if helper is None:
@@ -453,9 +457,14 @@ def _run_kernel(compiled: Any, k0: int, k1: int, result: np.ndarray, stop: Stop)
             k0, k1, result.ctypes.data, ring.ctypes.data, slots, piece, n,
             counters.ctypes.data, stop.address, sleep,
         )  # fmt: skip
+        if counters[1] < -(-n // piece) and not stop.is_set():  # the helper gave up (abort)
+            raise AsyncflatError("drawing the permutation's swap targets failed on its thread")
     finally:
-        if helper is not None:
-            counters[2] = 1  # a helper waiting for a slot returns (this thread is done)
+        # A helper waiting for a slot returns: this thread is done. Interrupted in start(), it
+        # may run yet: it draws at most the ring's pieces and returns by itself.
+        counters[2] = 1
+        if started:
+            assert helper is not None
             helper.join()
 
 
@@ -463,10 +472,14 @@ def _draw_all(
     compiled: Any, k0: int, k1: int, ring: np.ndarray, piece: int, n: int,
     counters: np.ndarray, stop: Stop, sleep: int,
 ) -> None:  # fmt: skip
-    compiled.draw_all(
-        k0, k1, ring.ctypes.data, _DRAWN_AHEAD, piece, n, counters.ctypes.data, stop.address,
-        sleep,
-    )  # fmt: skip
+    try:
+        compiled.draw_all(
+            k0, k1, ring.ctypes.data, _DRAWN_AHEAD, piece, n, counters.ctypes.data,
+            stop.address, sleep,
+        )  # fmt: skip
+    except BaseException:
+        counters[2] = 1  # the swaps waiting for a piece return, and the caller raises
+        raise
 
 
 @functools.cache
