@@ -487,20 +487,32 @@ def test_a_stopped_kernel_does_not_even_write_its_array_first() -> None:
     assert (out == 0xDEADBEEF).all()
 
 
-def _draw_threads_started(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The names of the helper threads the permutation starts from now on."""
+def _draw_threads_started(
+    monkeypatch: pytest.MonkeyPatch, failure: BaseException | None = None
+) -> list[str]:
+    """The names of the helper threads the permutation starts from now on; with ``failure``,
+    starting one raises it instead."""
     names: list[str] = []
     start = threading.Thread.start
 
     def recording(thread: threading.Thread) -> None:
         if thread.name == DRAW_THREAD:
             names.append(thread.name)
+            if failure is not None:
+                raise failure
         start(thread)
 
     monkeypatch.setattr(threading.Thread, "start", recording)
     return names
 
 
+@pytest.fixture
+def helper_on_any_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A helper thread draws whatever the CPUs (CI has two)."""
+    monkeypatch.setattr(permutation_module, "DRAW_HELPER_MIN_CPUS", 1)
+
+
+@pytest.mark.usefixtures("helper_on_any_machine")
 @pytest.mark.parametrize(
     ("piece", "n"),
     [
@@ -518,42 +530,34 @@ def test_pieces_drawn_ahead_on_a_helper_thread_give_the_same_permutation(
     """The kernel draws each piece's swap targets on a helper thread while it swaps the piece
     above: the swaps, their order and so the result are those of the frozen algorithm."""
     monkeypatch.setattr(permutation_module, "DRAW_PIECE", piece)
-    monkeypatch.setattr(permutation_module, "DRAW_HELPER_MIN_CPUS", 1)
     helpers = _draw_threads_started(monkeypatch)
     got = permutation(2**64 - 3, n, method="kernel")
     np.testing.assert_array_equal(got, slow_reference(2**64 - 3, n))
     assert len(helpers) == (1 if n > piece - piece % 4 else 0)
 
 
+@pytest.mark.usefixtures("helper_on_any_machine")
 @pytest.mark.parametrize("case", GOLDEN["sha256"], ids=lambda c: f"seed{c['seed']}-n{c['n']}")
 def test_golden_hashes_with_a_helper_thread(monkeypatch: pytest.MonkeyPatch, case: dict) -> None:
     monkeypatch.setattr(permutation_module, "DRAW_PIECE", 6000)
-    monkeypatch.setattr(permutation_module, "DRAW_HELPER_MIN_CPUS", 1)
     assert sha256_u32(permutation(case["seed"], case["n"])) == case["sha256_le_u32"]
 
 
+@pytest.mark.usefixtures("helper_on_any_machine")
 def test_no_thread_to_be_had_draws_on_the_callers_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(permutation_module, "DRAW_PIECE", 6000)
-    monkeypatch.setattr(permutation_module, "DRAW_HELPER_MIN_CPUS", 1)
-    start = threading.Thread.start
-
-    def refused(thread: threading.Thread) -> None:
-        if thread.name == DRAW_THREAD:
-            raise RuntimeError("can't start new thread")
-        start(thread)
-
-    monkeypatch.setattr(threading.Thread, "start", refused)
+    _draw_threads_started(monkeypatch, RuntimeError("can't start new thread"))
     case = GOLDEN["sha256"][1]
     assert sha256_u32(permutation(case["seed"], case["n"])) == case["sha256_le_u32"]
 
 
+@pytest.mark.usefixtures("helper_on_any_machine")
 def test_an_interrupt_while_joining_the_helper_leaves_it_to_end_by_itself(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Ctrl-C while the caller waits for the helper: the interrupt goes up at once, and the
     helper (told to stop first) ends by itself, on arrays its own arguments keep alive."""
     monkeypatch.setattr(permutation_module, "DRAW_PIECE", 1 << 22)  # ~15 ms of draws a piece
-    monkeypatch.setattr(permutation_module, "DRAW_HELPER_MIN_CPUS", 1)
     join = threading.Thread.join
     helpers: list[threading.Thread] = []
 
@@ -573,10 +577,10 @@ def test_an_interrupt_while_joining_the_helper_leaves_it_to_end_by_itself(
     assert not helper.is_alive()
 
 
+@pytest.mark.usefixtures("helper_on_any_machine")
 def test_a_stopped_permutation_leaves_no_helper_thread_behind(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(permutation_module, "DRAW_HELPER_MIN_CPUS", 1)
     helpers = _draw_threads_started(monkeypatch)
     stop = Stop()
     timer = threading.Timer(0.005, stop.set)
@@ -602,30 +606,23 @@ def test_too_few_cpus_draw_on_the_permutations_own_thread(
     assert helpers == []
 
 
+@pytest.mark.usefixtures("helper_on_any_machine")
 def test_an_interrupt_while_starting_the_helper_goes_up_as_itself(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Ctrl-C while ``Thread.start`` waits for the helper to run: the KeyboardInterrupt, not a
     RuntimeError from joining a thread that never started."""
-    monkeypatch.setattr(permutation_module, "DRAW_HELPER_MIN_CPUS", 1)
-    start = threading.Thread.start
-
-    def interrupted(thread: threading.Thread) -> None:
-        if thread.name == DRAW_THREAD:
-            raise KeyboardInterrupt
-        start(thread)
-
-    monkeypatch.setattr(threading.Thread, "start", interrupted)
+    _draw_threads_started(monkeypatch, KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
         permutation(1, 1 << 20, method="kernel")
 
 
+@pytest.mark.usefixtures("helper_on_any_machine")
 def test_a_helper_that_fails_fails_the_permutation_instead_of_hanging(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The helper raising before it draws a piece: the swaps waiting for that piece return,
     and the call raises."""
-    monkeypatch.setattr(permutation_module, "DRAW_HELPER_MIN_CPUS", 1)
 
     class FailsOnTheHelper(Stop):
         @property

@@ -6,10 +6,10 @@ and compiled in-process on first use, on its own (a process that needs one never
 other): ~0.04 s for the permutation's (~0.06 s of CPU), ~0.07 s for the columns' (see
 :func:`_optimise`), most of it in LLVM with the GIL released (importing llvmlite adds
 ~0.02 s once, and whatever garbage collection its objects set off: a full collection of a
-process that imported JAX took ~0.04 s on a 2-core VM), where numba took 1.1-1.5 s per process to compile the same loop (and
-0.55-0.63 s even when loaded from numba's on-disk cache, which still initialises numba's whole
-typing and lowering context). Nothing is written to disk, so there is no cache to keep safe under concurrent processes or
-read-only installs.
+process that imported JAX took ~0.04 s on a 2-core VM), where numba took 1.1-1.5 s per process
+to compile the same loop (and 0.55-0.63 s even when loaded from numba's on-disk cache, which
+still initialises numba's whole typing and lowering context). Nothing is written to disk, so
+there is no cache to keep safe under concurrent processes or read-only installs.
 
 It computes exactly what the frozen algorithm of :mod:`asyncflat.plan.permutation` computes:
 Philox4x64-10 on the key of ``np.random.Philox(seed)`` (counter based, so raw draw ``i`` is lane
@@ -171,7 +171,7 @@ def _targets(b: ir.IRBuilder, k0: Any, k1: Any, start: Any, end: Any, swaps: Any
                 b.store(target, b.gep(swaps, [b.sub(i, start)]))
 
 
-def _build_permutation(module: ir.Module) -> None:
+def _build_permutation(module: ir.Module) -> tuple[ir.Function, ir.Function, ir.Function]:
     """``iota``, ``draws`` and ``swaps``, the parts :func:`_build_pipeline`'s functions call.
 
     Apart, so that the draws (~40% of the time: Philox and a modulo per position) can run on
@@ -226,17 +226,18 @@ def _build_permutation(module: ir.Module) -> None:
             b.store(value_j, at_i)
             b.store(value_i, at_j)
     b.ret_void()
+    return iota, draws, swaps
 
 
-def _build_pipeline(module: ir.Module) -> None:
+def _build_pipeline(
+    module: ir.Module, iota: ir.Function, draws: ir.Function, swaps: ir.Function
+) -> None:
     """``swap_all`` and ``draw_all`` (see :class:`Kernel`): the whole permutation in one call
     per thread, with no Python between its pieces (each return to Python waits for the GIL, up
     to a switch interval while another thread runs Python: seconds at 10^14 tokens). Two
     threads hand the pieces over through a ring of ``slots`` pieces and counters."""
     ptr, counters_type = _I32.as_pointer(), _I64.as_pointer()
-    iota, draws, swaps = (module.get_global(name) for name in (_IOTA, _DRAWS, _SWAPS))
     sleep_type = ir.FunctionType(_I32, [_I32]).as_pointer()  # usleep's
-    ordered = "acquire", "release"
 
     def wait(
         b: ir.IRBuilder, counter: Any, above: Any, counters: Any, stop: Any, sleep: Any
@@ -245,7 +246,7 @@ def _build_pipeline(module: ir.Module) -> None:
         head, idle, ready = (b.append_basic_block(name) for name in ("wait", "idle", "ready"))
         b.branch(head)
         b.position_at_end(head)
-        b.cbranch(b.icmp_signed(">", b.load_atomic(counter, ordered[0], 8), above), ready, idle)
+        b.cbranch(b.icmp_signed(">", b.load_atomic(counter, "acquire", 8), above), ready, idle)
         b.position_at_end(idle)
         _return_if_stopped(b, stop)
         abort = b.load_atomic(b.gep(counters, [_const(2)]), "monotonic", 8)
@@ -282,11 +283,10 @@ def _build_pipeline(module: ir.Module) -> None:
                 b.call(draws, [k0, k1, ring, start, end, stop])
             with helped:
                 wait(b, drawn, k, counters, stop, sleep)
-        targets = b.select(
-            here, ring, b.gep(ring, [b.mul(b.srem(k, b.select(here, _const(1), slots)), piece)])
-        )
+        divisor = b.select(here, _const(1), slots)  # (alone: slot 0, the ring itself)
+        targets = b.gep(ring, [b.mul(b.srem(k, divisor), piece)])
         b.call(swaps, [result, targets, start, end, stop])
-        b.store_atomic(b.add(k, _const(1)), swapped, ordered[1], 8)
+        b.store_atomic(b.add(k, _const(1)), swapped, "release", 8)
     b.ret_void()
 
     # draw_all(k0, k1, ring, slots, piece, n, counters, stop, sleep)
@@ -301,7 +301,7 @@ def _build_pipeline(module: ir.Module) -> None:
         start, end = bounds(k)
         b.call(draws, [k0, k1, b.gep(ring, [b.mul(b.srem(k, slots), piece)]), start, end, stop])
         _return_if_stopped(b, stop)  # an unfinished piece is never handed over
-        b.store_atomic(b.add(k, _const(1)), drawn, ordered[1], 8)
+        b.store_atomic(b.add(k, _const(1)), drawn, "release", 8)
     b.ret_void()
 
 
@@ -310,8 +310,7 @@ def _build_module(columns: bool) -> ir.Module:
     if columns:
         _build_columns(module)
     else:
-        _build_permutation(module)
-        _build_pipeline(module)
+        _build_pipeline(module, *_build_permutation(module))
     return module
 
 

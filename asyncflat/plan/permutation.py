@@ -31,6 +31,7 @@ and ~64 MiB of resident library code).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import functools
 import logging
@@ -437,19 +438,16 @@ def _run_kernel(compiled: Any, k0: int, k1: int, result: np.ndarray, stop: Stop)
     piece = max(4, DRAW_PIECE - DRAW_PIECE % 4)  # a piece starts on a Philox block (4 draws)
     counters = np.zeros(3, np.int64)  # pieces drawn, pieces swapped, abort
     sleep = _usleep_address() if n > piece and available_cpus() >= DRAW_HELPER_MIN_CPUS else 0
-    helper: threading.Thread | None = None
-    started = False
+    helper: threading.Thread | None = None  # once started
     try:
         if sleep:
             ring = np.empty(_DRAWN_AHEAD * piece, np.uint32)
             # its arguments keep the arrays it writes alive until it returns, joined or not
             args = (compiled, k0, k1, ring, piece, n, counters, stop, sleep)
-            helper = threading.Thread(target=_draw_all, args=args, name=DRAW_THREAD, daemon=True)
-            try:
-                helper.start()
-                started = True
-            except RuntimeError:  # no thread to be had (a limit, an interpreter shutting down)
-                helper = None
+            thread = threading.Thread(target=_draw_all, args=args, name=DRAW_THREAD, daemon=True)
+            with contextlib.suppress(RuntimeError):  # no thread to be had (a limit, a shutdown)
+                thread.start()
+                helper = thread
         if helper is None:
             ring = np.empty(min(n, piece), np.uint32)
         slots = 0 if helper is None else _DRAWN_AHEAD
@@ -463,8 +461,7 @@ def _run_kernel(compiled: Any, k0: int, k1: int, result: np.ndarray, stop: Stop)
         # A helper waiting for a slot returns: this thread is done. Interrupted in start(), it
         # may run yet: it draws at most the ring's pieces and returns by itself.
         counters[2] = 1
-        if started:
-            assert helper is not None
+        if helper is not None:
             helper.join()
 
 
