@@ -10,10 +10,11 @@
   not read;
 * ``fill_on_open="never"`` (or ``prefetch=False``) starts nothing before the first load;
 * a loader closed before any load cancels the fill and leaves no thread behind;
-* step 0's buffers are faulted in on the CPU pool meanwhile: the fills write into them only
-  once every page is written (slow page writes never land on decoded rows, a resume's
-  included), a mixture refused by its budget writes none, a bucket's only where it fills on
-  opening, and closing stops them.
+* step 0's buffers, and the first prefetch's, are faulted in on the CPU pool meanwhile: the
+  fills write into them only once every page is written (slow page writes never land on
+  decoded rows, a resume's included), a mixture refused by its budget writes none, a bucket's
+  only where it fills on opening, and closing stops them; a split of one minipoch (no
+  prefetch to come) has only step 0's written.
 """
 
 from __future__ import annotations
@@ -336,16 +337,36 @@ class SlowPages:
         monkeypatch.setattr(asyncflat.engine.fill, "PAGES_PIECE_BYTES", 64)
 
 
-def test_step_0s_buffers_are_written_before_the_fills_write_into_them(
+def test_the_buffers_are_written_before_the_fills_write_into_them(
     dataset: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pages = SlowPages(monkeypatch, 0.3)
     # more pool threads than pieces: every piece sleeps at once while the fills read and decode
-    options = EngineOptions(decode_threads=32)
+    options = EngineOptions(decode_threads=64)
     with ShufflingLoader("train", params(dataset), BATCH, SINGLE, options=options) as loader:
-        for step in range(loader.plan.first_step(1)):  # every row of step 0's buffers
+        assert loader.plan.minipoch_count > 2
+        # every row of step 0's buffers and of the first prefetch's (minipoch 1), which start
+        # while the page writes sleep
+        for step in range(loader.plan.first_step(2)):
             check(dataset, loader.load(step), step)
-        assert pages.calls == 2 * 12  # both streams' step-0 buffers, every piece once
+        # both streams' two buffers, every piece once: written on opening, reused ever after
+        assert pages.calls == 2 * 2 * 12
+
+
+def test_a_split_of_one_minipoch_has_only_step_0s_buffers_written(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = random_store(tmp_path_factory, "fill-on-open-one", 5, 12, validation=4, chunk_tokens=256)
+    one = FlatTokensParams(path, 1, 16, 4, 7, True)  # every block in one buffer
+    pages = SlowPages(monkeypatch, 0.0)
+    with ShufflingLoader("train", one, BATCH, SINGLE) as loader:
+        assert loader.plan.minipoch_count == 1
+        pieces = loader.plan.buffer_bytes // 64
+        wait_until(lambda: pages.calls == pieces, "step 0's buffer's pages to be written")
+        time.sleep(0.2)
+        check_one = oracle(path, one, BATCH).batch(0)
+        np.testing.assert_array_equal(np.asarray(loader.load(0).targets), np.asarray(check_one[0]))
+    assert pages.calls == pieces  # no second buffer: no prefetch will ever take one
 
 
 def test_a_resume_while_step_0s_pages_are_written_is_served_right(
@@ -382,13 +403,13 @@ def test_no_page_is_written_ahead_when_nothing_is_filled_on_opening(
 
 
 def test_closing_stops_writing_pages(dataset: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    pages = SlowPages(monkeypatch, 0.2)  # 2 x 12 pieces on two threads: 2.4 s if not stopped
+    pages = SlowPages(monkeypatch, 0.2)  # 4 x 12 pieces on two threads: 4.8 s if not stopped
     loader = ShufflingLoader("train", params(dataset), BATCH, SINGLE)
     start = time.perf_counter()
     loader.close()
     assert time.perf_counter() - start < 1.5
     wait_until(lambda: library_threads() == [], "the loader's threads to end")
-    assert pages.calls < 2 * 12
+    assert pages.calls < 4 * 12
 
 
 @pytest.mark.parametrize("mode", ["local", "always"])
@@ -400,7 +421,7 @@ def test_a_remote_stores_buffers_are_written_on_opening_only_where_they_fill(
     url = memory_dataset(f"pages-{mode}")
     pages = SlowPages(monkeypatch, 0.0)
     options = EngineOptions(fill_on_open=mode)
-    written = 2 * 12 if mode == "always" else 0
+    written = 2 * 2 * 12 if mode == "always" else 0  # two streams' two buffers
     with ShufflingLoader("train", params(url), BATCH, SINGLE, options=options) as loader:
         wait_until(lambda: pages.calls == written, "step 0's buffers' pages to be written")
         time.sleep(0.2)
@@ -416,8 +437,8 @@ def test_a_mixture_writes_its_sources_buffers_when_it_fills_them_on_opening(
 
     pages = SlowPages(monkeypatch, 0.0)
     with MixtureLoader("train", mixture(dataset, second), BATCH, SINGLE) as loader:
-        # each source's first pass: two streams, one step-0 buffer each
-        wait_until(lambda: pages.calls == 2 * 2 * 12, "the sources' buffers' pages")
+        # each source's first pass: two streams, step 0's buffer and the first prefetch's each
+        wait_until(lambda: pages.calls == 2 * 2 * 2 * 12, "the sources' buffers' pages")
         for step in range(4):
             loader.load(step)
 

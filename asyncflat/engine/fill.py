@@ -270,7 +270,8 @@ class PageWriter:
     def __init__(
         self, buffer: np.ndarray, done: asyncio.Event, piece_bytes: int | None = None
     ) -> None:
-        self._buffer, self._done = buffer, done
+        self._buffer = buffer
+        self._done: asyncio.Event | None = done  # None once set: an opening keeps its writers
         self._piece_bytes = PAGES_PIECE_BYTES if piece_bytes is None else piece_bytes
         self.finished = threading.Event()
         self._stopped = False
@@ -284,7 +285,7 @@ class PageWriter:
         pieces = range(0, self._buffer.nbytes, self._piece_bytes)
         self._left = len(pieces)
         if not pieces:
-            self._done.set()
+            self._set_done()
             self.finished.set()
         for lo in pieces:
             loop.run_in_executor(None, self._piece, lo)
@@ -294,7 +295,7 @@ class PageWriter:
         more: the engine cancels every fill right after, before the loop runs anything else, so
         none writes after this."""
         self._stopped = True
-        self._done.set()
+        self._set_done()
         self.finished.set()
 
     def _piece(self, lo: int) -> None:
@@ -309,7 +310,13 @@ class PageWriter:
             self.finished.set()
         if last and self._loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                self._loop.call_soon_threadsafe(self._done.set)
+                self._loop.call_soon_threadsafe(self._set_done)
+
+    def _set_done(self) -> None:
+        """Set ``done`` (on the loop) and let go of it: the fill that waits on it holds it."""
+        done, self._done = self._done, None
+        if done is not None:
+            done.set()
 
 
 def forget(fill: Fill) -> None:

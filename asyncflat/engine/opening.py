@@ -3,17 +3,22 @@
 Two things a first load would otherwise wait for start here, off the trainer's thread: the
 plan's block order of this host's streams (computed on a thread of its own: ~10 ns a read
 block of the whole split) and, with ``EngineOptions.fill_on_open``, step 0's fills, whose
-buffers are faulted in on the CPU pool meanwhile (:class:`~.fill.PageWriter`). The
-trainer's own set-up between constructing a loader and its first load (a model's
-initialisation, its compile: seconds) then hides them. A first load of step 0 takes those
-fills over, one later in minipoch 0 takes them over re-planned from its step; a first load
-anywhere else (a resume) cancels what is not done of them before its own fills are queued,
-so that they never compete with its reads (only reads already in flight finish).
+buffers are faulted in on the CPU pool meanwhile (:class:`~.fill.PageWriter`), and then the
+buffers the first prefetches will take: left to the prefetch, their first writes (a page
+fault each) land in the trainer's first steps, where on a 2-core VM a thread slows 15-60x
+while another core first-writes fresh memory (``bench/noise.py``): 9 runs in 46 of a 256 MiB
+buffer had a 20-55 ms load, none in 46 with it written ahead. The trainer's own set-up
+between constructing a loader and its first load (a model's initialisation, its compile:
+seconds) then hides them. A first load of step 0 takes those fills over, one later in
+minipoch 0 takes them over re-planned from its step; a first load anywhere else (a resume)
+cancels what is not done of them before its own fills are queued, so that they never compete
+with its reads (only reads already in flight finish).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 from collections.abc import Callable
@@ -113,11 +118,13 @@ class Opening:
         if not fill or self._task is not None or self._opened is not None or self._closed():
             return
         self._task = asyncio.get_running_loop().create_task(self._fill())
-        for stream in self._streams:
+        # Step 0's buffers first, then the first prefetch's (see the module's docstring).
+        buffers = range(2 if self._plan.minipoch_count > 1 else 1)
+        for index, stream in itertools.product(buffers, self._streams):
             try:
-                fresh = self._fills.fault_in(stream)  # None once allocated
+                fresh = self._fills.fault_in(stream, index)  # None once allocated
             except MemoryError:  # the fill that needs it allocates it again, and fails there
-                log.debug("stream %d: no memory to fault step 0's buffer in ahead", stream)
+                log.debug("stream %d: no memory to fault buffer %d in ahead", stream, index)
                 continue
             if fresh is not None:
                 writer = PageWriter(*fresh)

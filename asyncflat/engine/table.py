@@ -79,10 +79,11 @@ class FillTable:
     def serves(self, stream: int) -> bool:
         return stream in self._fills
 
-    def fault_in(self, stream: int) -> tuple[np.ndarray, asyncio.Event] | None:
-        """The buffer ``stream``'s first fill will take, allocated now to be faulted in ahead
-        (see :meth:`BufferPair.fault_in`); None if already allocated."""
-        return self._buffers[stream].fault_in(0)
+    def fault_in(self, stream: int, index: int) -> tuple[np.ndarray, asyncio.Event] | None:
+        """Buffer ``index`` of ``stream`` (0: its first fill's, 1: its first prefetch's),
+        allocated now to be faulted in ahead (see :meth:`BufferPair.fault_in`); None if
+        already allocated."""
+        return self._buffers[stream].fault_in(index)
 
     def __iter__(self) -> Iterator[Fill]:
         for fills in self._fills.values():
