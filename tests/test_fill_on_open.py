@@ -13,8 +13,8 @@
 * step 0's buffers, and the first prefetch's, are faulted in on the CPU pool meanwhile: the
   fills write into them only once every page is written (slow page writes never land on
   decoded rows, a resume's included), a mixture refused by its budget writes none, a bucket's
-  only where it fills on opening, and closing stops them; a split of one minipoch (no
-  prefetch to come) has only step 0's written.
+  only where it fills on opening, and closing stops them; a split of one minipoch, or whose
+  minipoch 1 serves no row (no prefetch to come), has only step 0's written.
 """
 
 from __future__ import annotations
@@ -345,12 +345,58 @@ def test_the_buffers_are_written_before_the_fills_write_into_them(
     options = EngineOptions(decode_threads=64)
     with ShufflingLoader("train", params(dataset), BATCH, SINGLE, options=options) as loader:
         assert loader.plan.minipoch_count > 2
-        # every row of step 0's buffers and of the first prefetch's (minipoch 1), which start
-        # while the page writes sleep
+        # every row of step 0's buffers and of the first prefetch's (minipoch 1)
         for step in range(loader.plan.first_step(2)):
             check(dataset, loader.load(step), step)
         # both streams' two buffers, every piece once: written on opening, reused ever after
         assert pages.calls == 2 * 2 * 12
+
+
+def test_the_first_prefetchs_slow_page_writes_never_land_on_its_rows(
+    dataset: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Step 0's buffers are written at once, the first prefetch's slowly: minipoch 0 is served
+    while they are still written, and the prefetch decodes into its buffer only after them."""
+    calls, lock = [0], threading.Lock()
+    real = ctypes.memset
+
+    def memset(address: int, value: int, size: int) -> Any:
+        with lock:
+            calls[0] += 1
+            late = calls[0] > 2 * 12  # queued after both streams' step-0 buffers
+        time.sleep(1.0 if late else 0.02)
+        return real(address, value, size)
+
+    monkeypatch.setattr(ctypes, "memset", memset)
+    monkeypatch.setattr(asyncflat.engine.fill, "PAGES_PIECE_BYTES", 64)  # 12 pieces a buffer
+    options = EngineOptions(decode_threads=64, load_ahead=False)
+    with ShufflingLoader("train", params(dataset), BATCH, SINGLE, options=options) as loader:
+        plan = loader.plan
+        for step in range(plan.first_step(1)):
+            check(dataset, loader.load(step), step)
+        time.sleep(1.5)  # the prefetch has had its time; the slow writes have all landed
+        for step in range(plan.first_step(1), plan.first_step(2)):
+            check(dataset, loader.load(step), step)
+    assert calls[0] == 2 * 2 * 12
+
+
+def test_a_minipoch_1_that_serves_no_row_has_no_buffer_written(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = str(tmp_path_factory.mktemp("fill-on-open-unserved") / "u.zarr")
+    seqs = [np.arange(1 + 10 * i, 11 + 10 * i, dtype=np.uint32) for i in range(35)]
+    asyncflat.write_flat_tokens(path, {"train": seqs})
+    unserved = FlatTokensParams(path, 1, 4, 4, 7, True)
+    batch = TokenBatchParams(len=16, batch=16)  # one step: minipoch 1's rows are never read
+    pages = SlowPages(monkeypatch, 0.0)
+    with ShufflingLoader("train", unserved, batch, SINGLE) as loader:
+        plan = loader.plan
+        assert plan.minipoch_count == 2 and plan.served_rows(1) == 0
+        pieces = plan.buffer_bytes // 64
+        wait_until(lambda: pages.calls == pieces, "step 0's buffer's pages to be written")
+        time.sleep(0.2)
+        loader.load(0)
+    assert pages.calls == pieces  # no prefetch will ever take a second buffer
 
 
 def test_a_split_of_one_minipoch_has_only_step_0s_buffers_written(
@@ -423,7 +469,7 @@ def test_a_remote_stores_buffers_are_written_on_opening_only_where_they_fill(
     options = EngineOptions(fill_on_open=mode)
     written = 2 * 2 * 12 if mode == "always" else 0  # two streams' two buffers
     with ShufflingLoader("train", params(url), BATCH, SINGLE, options=options) as loader:
-        wait_until(lambda: pages.calls == written, "step 0's buffers' pages to be written")
+        wait_until(lambda: pages.calls == written, "the buffers' pages to be written")
         time.sleep(0.2)
         for step in range(4):
             check(url, loader.load(step), step)

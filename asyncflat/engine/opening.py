@@ -12,7 +12,9 @@ between constructing a loader and its first load (a model's initialisation, its 
 seconds) then hides them. A first load of step 0 takes those fills over, one later in
 minipoch 0 takes them over re-planned from its step; a first load anywhere else (a resume)
 cancels what is not done of them before its own fills are queued, so that they never compete
-with its reads (only reads already in flight finish).
+with its reads (only reads already in flight finish; page writes are never cut short, and its
+decodes wait for those queued before them: a resume into the last minipoch has the first
+prefetch's buffer written for nothing).
 """
 
 from __future__ import annotations
@@ -113,13 +115,15 @@ class Opening:
         """Start computing the block order (``write_pages``: see :meth:`start_planning`) and,
         with ``fill``, step 0's fills of every stream once it is known, unless a load came
         first (idempotent); meanwhile the pages of the buffers those fills will take are
-        written (:class:`~.fill.PageWriter`)."""
+        written (:class:`~.fill.PageWriter`), then those of the first prefetches'."""
         self.start_planning(write_pages=write_pages)
         if not fill or self._task is not None or self._opened is not None or self._closed():
             return
         self._task = asyncio.get_running_loop().create_task(self._fill())
-        # Step 0's buffers first, then the first prefetch's (see the module's docstring).
-        buffers = range(2 if self._plan.minipoch_count > 1 else 1)
+        # Step 0's buffers first, then the first prefetch's (see the module's docstring), where
+        # there is one: as FillTable.prefetches_due decides, a minipoch 1 that serves rows.
+        plan = self._plan
+        buffers = range(2 if plan.minipoch_count > 1 and plan.served_rows(1) > 0 else 1)
         for index, stream in itertools.product(buffers, self._streams):
             try:
                 fresh = self._fills.fault_in(stream, index)  # None once allocated
