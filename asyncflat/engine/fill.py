@@ -7,13 +7,13 @@ fetched once per fill even when several blocks share it); without packing a unit
 writes and the first step that needs it (its priority).
 
 Every stream has two buffers, allocated once and reused for every minipoch (first-touching
-fresh memory is expensive on these machines; re-touching is cheap). The buffers a loader's first
-fill and first prefetch will take can be faulted in ahead (:meth:`BufferPair.fault_in`,
-:class:`PageWriter`): their pages written once on the CPU pool when the loader opens, rather than
-by the fills' decodes, one page fault at a time (the prefetch's inside the trainer's steps). A fill that leaves its
-buffer (dropped, failed) may still have decodes writing into it; :class:`BufferPair` hands the
-buffer to the next fill with an event to wait for first, so those writes never land in rows
-the next fill has written (:class:`FillWriter` waits for it).
+fresh memory is expensive on these machines; re-touching is cheap). The buffers a loader's
+first fill and first prefetch will take can be faulted in ahead (:meth:`BufferPair.fault_in`,
+:class:`PageWriter`): their pages written once on the CPU pool when the loader opens, rather
+than by the fills' decodes, one page fault at a time (the prefetch's inside the trainer's
+steps). A fill that leaves its buffer (dropped, failed) may still have decodes writing into
+it; :class:`BufferPair` hands the buffer to the next fill with an event to wait for first, so
+those writes never land in rows the next fill has written (:class:`FillWriter` waits for it).
 """
 
 from __future__ import annotations
