@@ -319,15 +319,27 @@ def test_a_load_while_iterating_starts_no_second_builder(dataset: str) -> None:
 
 
 class SlowPages:
-    """``ctypes.memset`` (what a PageWriter writes pages with), each call ``delay_s`` late."""
+    """``ctypes.memset`` (what a PageWriter writes pages with), each call ``delay_s`` late, or
+    ``late_s`` from call ``late_from`` on."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, delay_s: float) -> None:
-        self.calls = 0
+    def __init__(
+        self,
+        monkeypatch: pytest.MonkeyPatch,
+        delay_s: float,
+        late_from: int | None = None,
+        late_s: float = 0.0,
+    ) -> None:
+        self.calls = 0  # finished
+        self._started = 0
         self._lock = threading.Lock()
         real = ctypes.memset
 
         def memset(address: int, value: int, size: int) -> Any:
-            time.sleep(delay_s)
+            with self._lock:
+                self._started += 1
+                started = self._started
+            late = late_from is not None and started >= late_from
+            time.sleep(late_s if late else delay_s)
             with self._lock:
                 self.calls += 1
             return real(address, value, size)
@@ -357,18 +369,8 @@ def test_the_first_prefetchs_slow_page_writes_never_land_on_its_rows(
 ) -> None:
     """Step 0's buffers are written at once, the first prefetch's slowly: minipoch 0 is served
     while they are still written, and the prefetch decodes into its buffer only after them."""
-    calls, lock = [0], threading.Lock()
-    real = ctypes.memset
-
-    def memset(address: int, value: int, size: int) -> Any:
-        with lock:
-            calls[0] += 1
-            late = calls[0] > 2 * 12  # queued after both streams' step-0 buffers
-        time.sleep(1.0 if late else 0.02)
-        return real(address, value, size)
-
-    monkeypatch.setattr(ctypes, "memset", memset)
-    monkeypatch.setattr(asyncflat.engine.fill, "PAGES_PIECE_BYTES", 64)  # 12 pieces a buffer
+    # the pieces queued after both streams' step-0 buffers (12 each) take 1 s
+    pages = SlowPages(monkeypatch, 0.02, late_from=2 * 12 + 1, late_s=1.0)
     options = EngineOptions(decode_threads=64, load_ahead=False)
     with ShufflingLoader("train", params(dataset), BATCH, SINGLE, options=options) as loader:
         plan = loader.plan
@@ -377,7 +379,7 @@ def test_the_first_prefetchs_slow_page_writes_never_land_on_its_rows(
         time.sleep(1.5)  # the prefetch has had its time; the slow writes have all landed
         for step in range(plan.first_step(1), plan.first_step(2)):
             check(dataset, loader.load(step), step)
-    assert calls[0] == 2 * 2 * 12
+    assert pages.calls == 2 * 2 * 12
 
 
 def test_a_minipoch_1_that_serves_no_row_has_no_buffer_written(

@@ -120,10 +120,9 @@ class Opening:
         if not fill or self._task is not None or self._opened is not None or self._closed():
             return
         self._task = asyncio.get_running_loop().create_task(self._fill())
-        # Step 0's buffers first, then the first prefetch's (see the module's docstring), where
-        # there is one: as FillTable.prefetches_due decides, a minipoch 1 that serves rows.
-        plan = self._plan
-        buffers = range(2 if plan.minipoch_count > 1 and plan.served_rows(1) > 0 else 1)
+        # Step 0's buffers first, then the first prefetch's where there is one (see the
+        # module's docstring).
+        buffers = range(2 if self._fills.prefetched(1) else 1)
         for index, stream in itertools.product(buffers, self._streams):
             try:
                 fresh = self._fills.fault_in(stream, index)  # None once allocated

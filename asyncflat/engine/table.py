@@ -201,6 +201,10 @@ class FillTable:
         elif fill.error is not None:
             self._ended(fill, failed=True)
 
+    def prefetched(self, minipoch: int) -> bool:
+        """Whether ``minipoch`` is ever prefetched: it exists and some step serves its rows."""
+        return minipoch < self.plan.minipoch_count and self.plan.served_rows(minipoch) > 0
+
     def prefetches_due(self, groups: Groups) -> list[tuple[int, int, set[int]]]:
         """(stream, next minipoch, minipochs this step reads) for each prefetch not started yet."""
         due = []
@@ -208,10 +212,7 @@ class FillTable:
             needed = {m for s, m in groups if s == stream}
             nxt = max(needed) + 1
             if (
-                nxt < self.plan.minipoch_count
-                and self.plan.served_rows(nxt) > 0
-                and nxt not in self._fills[stream]
-                and len(needed) < 2
+                self.prefetched(nxt) and nxt not in self._fills[stream] and len(needed) < 2
             ):  # a step reading two minipochs occupies both buffers
                 due.append((stream, nxt, needed))
         return due
