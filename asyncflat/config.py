@@ -301,8 +301,9 @@ class EngineOptions:
       competing with the resume's (and a checkpoint's restore may share that bucket): hence
       ``"local"``. Where step 0's buffers fill on opening, they are also faulted in then
       (their pages written once on the CPU pool), and so are the buffers the first
-      prefetches take (where a minipoch 1 serves rows), whose first writes would otherwise
-      land in the trainer's first steps. Only with ``prefetch``.
+      prefetches take (where a minipoch 1 serves rows; on the loop's one background thread,
+      beside step 0's fills), whose first writes would otherwise land in the trainer's
+      first steps. Only with ``prefetch``.
     * ``engine_niceness``: how much lower than the trainer's the scheduling priority of the
       engine's threads is (Linux ``nice``; 0 keeps it equal). Fills then take only the CPU the
       trainer leaves, and a load that waits for data leaves the trainer idle anyway.

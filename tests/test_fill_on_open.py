@@ -10,11 +10,12 @@
   not read;
 * ``fill_on_open="never"`` (or ``prefetch=False``) starts nothing before the first load;
 * a loader closed before any load cancels the fill and leaves no thread behind;
-* step 0's buffers, and the first prefetch's, are faulted in on the CPU pool meanwhile: the
-  fills write into them only once every page is written (slow page writes never land on
-  decoded rows, a resume's included), a mixture refused by its budget writes none, a bucket's
-  only where it fills on opening, and closing stops them; a split of one minipoch, or whose
-  minipoch 1 serves no row (no prefetch to come), has only step 0's written.
+* step 0's buffers are faulted in on the CPU pool meanwhile, and the first prefetch's on the
+  loop's background thread, never delaying step 0's fill: the fills write into them only once
+  every page is written (slow page writes never land on decoded rows, a resume's included), a
+  mixture refused by its budget writes none, a bucket's only where it fills on opening, and
+  closing stops them; a split of one minipoch, or whose minipoch 1 serves no row (no prefetch
+  to come), has only step 0's written.
 """
 
 from __future__ import annotations
@@ -319,29 +320,31 @@ def test_a_load_while_iterating_starts_no_second_builder(dataset: str) -> None:
 
 
 class SlowPages:
-    """``ctypes.memset`` (what a PageWriter writes pages with), each call ``delay_s`` late, or
-    ``late_s`` from call ``late_from`` on."""
+    """``ctypes.memset`` (what a PageWriter writes pages with), each call ``delay_s`` late; on
+    the loop's background thread (the first prefetch's buffers) ``background_s`` late instead,
+    after ``gate`` is set where one is given."""
 
     def __init__(
         self,
         monkeypatch: pytest.MonkeyPatch,
         delay_s: float,
-        late_from: int | None = None,
-        late_s: float = 0.0,
+        background_s: float | None = None,
+        gate: threading.Event | None = None,
     ) -> None:
         self.calls = 0  # finished
-        self._started = 0
+        self.background_calls = 0  # of them, on the background thread
         self._lock = threading.Lock()
         real = ctypes.memset
 
         def memset(address: int, value: int, size: int) -> Any:
-            with self._lock:
-                self._started += 1
-                started = self._started
-            late = late_from is not None and started >= late_from
-            time.sleep(late_s if late else delay_s)
+            background = "-background" in threading.current_thread().name
+            if background and gate is not None:
+                gate.wait()
+            late = background and background_s is not None
+            time.sleep(background_s if late and background_s is not None else delay_s)
             with self._lock:
                 self.calls += 1
+                self.background_calls += background
             return real(address, value, size)
 
         monkeypatch.setattr(ctypes, "memset", memset)
@@ -352,8 +355,9 @@ class SlowPages:
 def test_the_buffers_are_written_before_the_fills_write_into_them(
     dataset: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pages = SlowPages(monkeypatch, 0.3)
-    # more pool threads than pieces: every piece sleeps at once while the fills read and decode
+    # more pool threads than pieces: step 0's pieces sleep at once while the fills read and
+    # decode; the first prefetch's, one after another on the background thread
+    pages = SlowPages(monkeypatch, 0.3, background_s=0.05)
     options = EngineOptions(decode_threads=64)
     with ShufflingLoader("train", params(dataset), BATCH, SINGLE, options=options) as loader:
         assert loader.plan.minipoch_count > 2
@@ -361,7 +365,7 @@ def test_the_buffers_are_written_before_the_fills_write_into_them(
         for step in range(loader.plan.first_step(2)):
             check(dataset, loader.load(step), step)
         # both streams' two buffers, every piece once: written on opening, reused ever after
-        assert pages.calls == 2 * 2 * 12
+        assert (pages.calls, pages.background_calls) == (2 * 2 * 12, 2 * 12)
 
 
 def test_the_first_prefetchs_slow_page_writes_never_land_on_its_rows(
@@ -369,17 +373,47 @@ def test_the_first_prefetchs_slow_page_writes_never_land_on_its_rows(
 ) -> None:
     """Step 0's buffers are written at once, the first prefetch's slowly: minipoch 0 is served
     while they are still written, and the prefetch decodes into its buffer only after them."""
-    # the pieces queued after both streams' step-0 buffers (12 each) take 1 s
-    pages = SlowPages(monkeypatch, 0.02, late_from=2 * 12 + 1, late_s=1.0)
+    pages = SlowPages(monkeypatch, 0.0, background_s=0.1)  # 24 pieces, one after another
     options = EngineOptions(decode_threads=64, load_ahead=False)
     with ShufflingLoader("train", params(dataset), BATCH, SINGLE, options=options) as loader:
         plan = loader.plan
         for step in range(plan.first_step(1)):
             check(dataset, loader.load(step), step)
-        time.sleep(1.5)  # the prefetch has had its time; the slow writes have all landed
+        assert pages.background_calls < 2 * 12  # minipoch 1's buffers are still being written
         for step in range(plan.first_step(1), plan.first_step(2)):
             check(dataset, loader.load(step), step)
     assert pages.calls == 2 * 2 * 12
+
+
+def test_the_first_prefetchs_page_writes_never_delay_step_0s_fill(
+    dataset: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """They run on the loop's background thread, not the CPU pool: held up, they leave a
+    one-thread pool to minipoch 0's reads and decodes; once they land, minipoch 1 is right."""
+    gate = threading.Event()
+    pages = SlowPages(monkeypatch, 0.0, gate=gate)
+    options = EngineOptions(decode_threads=1, load_ahead=False)
+    served: list[int] = []
+    try:
+        with ShufflingLoader("train", params(dataset), BATCH, SINGLE, options=options) as loader:
+            plan = loader.plan
+
+            def minipoch_0() -> None:
+                for step in range(plan.first_step(1)):
+                    check(dataset, loader.load(step), step)
+                    served.append(step)
+
+            thread = threading.Thread(target=minipoch_0)
+            thread.start()
+            thread.join(30)
+            assert served == list(range(plan.first_step(1))), "minipoch 0 waited for the pages"
+            assert pages.background_calls == 0  # nothing of the prefetch's buffers written yet
+            gate.set()
+            for step in range(plan.first_step(1), plan.first_step(2)):
+                check(dataset, loader.load(step), step)
+        assert (pages.calls, pages.background_calls) == (2 * 2 * 12, 2 * 12)
+    finally:
+        gate.set()  # a thread stuck above ends
 
 
 def test_a_minipoch_1_that_serves_no_row_has_no_buffer_written(
@@ -420,7 +454,7 @@ def test_a_split_of_one_minipoch_has_only_step_0s_buffers_written(
 def test_a_resume_while_step_0s_pages_are_written_is_served_right(
     dataset: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    SlowPages(monkeypatch, 0.3)
+    SlowPages(monkeypatch, 0.3, background_s=0.02)
     # no step built ahead: every load below reads the buffer when it is asked
     options = EngineOptions(decode_threads=32, load_ahead=False)
     with ShufflingLoader("train", params(dataset), BATCH, SINGLE, options=options) as loader:
@@ -451,7 +485,9 @@ def test_no_page_is_written_ahead_when_nothing_is_filled_on_opening(
 
 
 def test_closing_stops_writing_pages(dataset: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    pages = SlowPages(monkeypatch, 0.2)  # 4 x 12 pieces on two threads: 4.8 s if not stopped
+    # 2 x 12 pieces on the pool's two threads and 2 x 12 on the background thread: 4.8 s if
+    # not stopped
+    pages = SlowPages(monkeypatch, 0.2)
     loader = ShufflingLoader("train", params(dataset), BATCH, SINGLE)
     start = time.perf_counter()
     loader.close()

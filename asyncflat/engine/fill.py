@@ -9,8 +9,8 @@ writes and the first step that needs it (its priority).
 Every stream has two buffers, allocated once and reused for every minipoch (first-touching
 fresh memory is expensive on these machines; re-touching is cheap). The buffers a loader's
 first fill and first prefetch will take can be faulted in ahead (:meth:`BufferPair.fault_in`,
-:class:`PageWriter`): their pages written once on the CPU pool when the loader opens, rather
-than by the fills' decodes, one page fault at a time (the prefetch's inside the trainer's
+:class:`PageWriter`): their pages written once when the loader opens (step 0's on the CPU
+pool, the prefetch's on the loop's background thread), rather than by the fills' decodes, one page fault at a time (the prefetch's inside the trainer's
 steps). A fill that leaves its buffer (dropped, failed) may still have decodes writing into
 it; :class:`BufferPair` hands the buffer to the next fill with an event to wait for first, so
 those writes never land in rows the next fill has written (:class:`FillWriter` waits for it).
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import ctypes
 import dataclasses
@@ -264,15 +265,22 @@ class PageWriter:
     GIL. Dedicated threads beside the pool measured no better there than the pool itself.
 
     ``finished`` is ``done`` for a thread off the loop (the block order's, whose array is
-    written the same way).
+    written the same way). ``executor`` runs the jobs instead of the CPU pool: a buffer no
+    load waits for yet (the first prefetch's) is written beside the first fill, not ahead of it.
     """
 
     def __init__(
-        self, buffer: np.ndarray, done: asyncio.Event, piece_bytes: int | None = None
+        self,
+        buffer: np.ndarray,
+        done: asyncio.Event,
+        piece_bytes: int | None = None,
+        *,
+        executor: concurrent.futures.Executor | None = None,
     ) -> None:
         self._buffer = buffer
         self._done: asyncio.Event | None = done  # None once set: an opening keeps its writers
         self._piece_bytes = PAGES_PIECE_BYTES if piece_bytes is None else piece_bytes
+        self._executor = executor
         self.finished = threading.Event()
         self._stopped = False
         self._left = 0
@@ -288,7 +296,7 @@ class PageWriter:
             self._set_done()
             self.finished.set()
         for lo in pieces:
-            loop.run_in_executor(None, self._piece, lo)
+            loop.run_in_executor(self._executor, self._piece, lo)
 
     def stop(self) -> None:
         """Closing (on the loop): no job writes any more once it starts, and no fill waits any

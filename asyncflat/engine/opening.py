@@ -3,8 +3,10 @@
 Two things a first load would otherwise wait for start here, off the trainer's thread: the
 plan's block order of this host's streams (computed on a thread of its own: ~10 ns a read
 block of the whole split) and, with ``EngineOptions.fill_on_open``, step 0's fills, whose
-buffers are faulted in on the CPU pool meanwhile (:class:`~.fill.PageWriter`), and then the
-buffers the first prefetches will take: left to the prefetch, their first writes (a page
+buffers are faulted in on the CPU pool meanwhile (:class:`~.fill.PageWriter`), and the
+buffers the first prefetches will take, beside them on the loop's one background thread (no
+load waits for those yet: on the pool they delayed step 0's decodes, a first load of 256 MiB
+161-171 -> 212-218 ms on a 13-core TPU host). Left to the prefetch, their first writes (a page
 fault each) land in the trainer's first steps, where on a 2-core VM a thread slows 15-60x
 while another core first-writes fresh memory (``bench/noise.py``): 9 runs in 46 of a 256 MiB
 buffer had a 20-55 ms load, none in 46 with it written ahead. The trainer's own set-up
@@ -13,8 +15,8 @@ seconds) then hides them. A first load of step 0 takes those fills over, one lat
 minipoch 0 takes them over re-planned from its step; a first load anywhere else (a resume)
 cancels what is not done of them before its own fills are queued, so that they never compete
 with its reads (only reads already in flight finish; page writes are never cut short, and its
-decodes wait for those queued before them: a resume into the last minipoch has the first
-prefetch's buffer written for nothing).
+decodes wait for those of step 0's buffers queued before them; a resume into the last minipoch
+has the first prefetch's buffer written for nothing, off the pool).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import numpy as np
 
 from asyncflat.engine.fill import Fill, PageWriter, Unit, first_need
 from asyncflat.engine.lock import OwnedLock
+from asyncflat.engine.loop import background_executor
 from asyncflat.engine.permutations import block_order_off_loop
 from asyncflat.engine.table import FillTable
 from asyncflat.plan.permutation import Stop, whole_permutation_size
@@ -115,13 +118,13 @@ class Opening:
         """Start computing the block order (``write_pages``: see :meth:`start_planning`) and,
         with ``fill``, step 0's fills of every stream once it is known, unless a load came
         first (idempotent); meanwhile the pages of the buffers those fills will take are
-        written (:class:`~.fill.PageWriter`), then those of the first prefetches'."""
+        written (:class:`~.fill.PageWriter`), and those of the first prefetches' beside them."""
         self.start_planning(write_pages=write_pages)
         if not fill or self._task is not None or self._opened is not None or self._closed():
             return
         self._task = asyncio.get_running_loop().create_task(self._fill())
-        # Step 0's buffers first, then the first prefetch's where there is one (see the
-        # module's docstring).
+        # Step 0's buffers on the pool, the first prefetch's where there is one on the
+        # background thread (see the module's docstring).
         buffers = range(2 if self._fills.prefetched(1) else 1)
         for index, stream in itertools.product(buffers, self._streams):
             try:
@@ -130,7 +133,7 @@ class Opening:
                 log.debug("stream %d: no memory to fault buffer %d in ahead", stream, index)
                 continue
             if fresh is not None:
-                writer = PageWriter(*fresh)
+                writer = PageWriter(*fresh, executor=background_executor() if index else None)
                 writer.start()
                 self._page_writers.append(writer)
 
