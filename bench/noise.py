@@ -17,12 +17,13 @@ processes run at ``nice`` 10, as the engine's fill threads do
 On the 2-core VM this project is developed on (a nested guest), the work never took more than
 ~0.9 ms of its own CPU time alone or beside the computing processes, and up to 14-31 ms beside
 the first-touching ones (12-20 ms in 4 KiB pages only, against 17-29 ms with huge pages in the
-same runs): whatever the host does for the other cores' first writes stalls this one too, and the guest counts the stall as the thread's own CPU time, not as steal. The rare
-20-55 ms load of ``bench/peers.py --size large --layout seqax --phases steps --rbpsb 64`` there
-was the same: the first prefetch first-writing its fresh 256 MiB buffer during the trainer's
-first steps (9 such loads in 46 runs; none in 46 with that buffer written before the steps),
-which is why a loader now writes that buffer's pages when it opens. Linux only
-(``thread_time``'s resolution and ``nice`` elsewhere do not allow the measurement).
+same runs): whatever the host does for the other cores' first writes stalls this one too, and
+the guest counts the stall as the thread's own CPU time, not as steal. The rare 20-55 ms load
+of ``bench/peers.py --size large --layout seqax --phases steps --rbpsb 64`` there was the same:
+the first prefetch first-writing its fresh 256 MiB buffer during the trainer's first steps (9
+such loads in 46 runs; none in 46 with that buffer written before the steps), which is why a
+loader now writes that buffer's pages when it opens. Linux only (``thread_time``'s resolution
+and ``nice`` elsewhere do not allow the measurement).
 
 One JSON line: per case, iterations, the CPU time's median, p99.9 and max (ms), the wall
 time's max, and how many iterations took over 10x the median CPU time.

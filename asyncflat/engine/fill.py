@@ -10,10 +10,11 @@ Every stream has two buffers, allocated once and reused for every minipoch (firs
 fresh memory is expensive on these machines; re-touching is cheap). The buffers a loader's
 first fill and first prefetch will take can be faulted in ahead (:meth:`BufferPair.fault_in`,
 :class:`PageWriter`): their pages written once when the loader opens (step 0's on the CPU
-pool, the prefetch's on the loop's background thread), rather than by the fills' decodes, one page fault at a time (the prefetch's inside the trainer's
-steps). A fill that leaves its buffer (dropped, failed) may still have decodes writing into
-it; :class:`BufferPair` hands the buffer to the next fill with an event to wait for first, so
-those writes never land in rows the next fill has written (:class:`FillWriter` waits for it).
+pool, the prefetch's on the loop's background thread), rather than by the fills' decodes, one
+page fault at a time (the prefetch's inside the trainer's steps). A fill that leaves its buffer
+(dropped, failed) may still have decodes writing into it; :class:`BufferPair` hands the buffer
+to the next fill with an event to wait for first, so those writes never land in rows the next
+fill has written (:class:`FillWriter` waits for it).
 """
 
 from __future__ import annotations
@@ -252,9 +253,9 @@ PAGES_PIECE_BYTES = 4 << 20
 
 class PageWriter:
     """Writes every page of a fresh buffer once, in jobs of ``piece_bytes`` (default
-    :data:`PAGES_PIECE_BYTES`) queued on the loop's CPU pool, and sets ``done`` when the last
-    has finished: the buffer's first fill writes after that, so a page write never lands on
-    rows a decode wrote.
+    :data:`PAGES_PIECE_BYTES`) queued on the loop's CPU pool (or on ``executor``), and sets
+    ``done`` when the last has finished: the buffer's first fill writes after that, so a page
+    write never lands on rows a decode wrote.
 
     A fresh buffer's pages are mapped at their first write. Left to the first fill, that is one
     fault per 4 KiB page inside its decodes, interleaved with its reads and checksums; written
@@ -265,8 +266,10 @@ class PageWriter:
     GIL. Dedicated threads beside the pool measured no better there than the pool itself.
 
     ``finished`` is ``done`` for a thread off the loop (the block order's, whose array is
-    written the same way). ``executor`` runs the jobs instead of the CPU pool: a buffer no
-    load waits for yet (the first prefetch's) is written beside the first fill, not ahead of it.
+    written the same way). ``executor`` runs the jobs instead of the CPU pool, one at a time,
+    each queueing the next, so that its other jobs wait for one piece at most: the loop's
+    background thread writes the first prefetch's buffer beside the first fill, not ahead of
+    it, and the next minipochs' permutations computed there are not held up by it.
     """
 
     def __init__(
@@ -295,8 +298,11 @@ class PageWriter:
         if not pieces:
             self._set_done()
             self.finished.set()
-        for lo in pieces:
-            loop.run_in_executor(self._executor, self._piece, lo)
+        elif self._executor is not None:
+            self._executor.submit(self._piece, 0)  # each piece queues the next (_piece)
+        else:
+            for lo in pieces:
+                loop.run_in_executor(None, self._piece, lo)
 
     def stop(self) -> None:
         """Closing (on the loop): no job writes any more once it starts, and no fill waits any
@@ -316,6 +322,9 @@ class PageWriter:
         if last:  # no job writes any more: let go of the array (a block order's may be copied)
             self._buffer = np.empty(0, np.uint32)
             self.finished.set()
+        elif self._executor is not None and not self._stopped:
+            with contextlib.suppress(RuntimeError):  # shut down: the loop is closing
+                self._executor.submit(self._piece, lo + self._piece_bytes)
         if last and self._loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                 self._loop.call_soon_threadsafe(self._set_done)

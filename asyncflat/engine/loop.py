@@ -45,17 +45,20 @@ _JOIN_TIMEOUT_S = 10.0
 _LAST_WORDS_S = 5.0
 _ids = itertools.count()
 _live: weakref.WeakSet[LoopThread] = weakref.WeakSet()
-#: each running loop's one-thread pool for work nobody waits on (see background_executor)
+#: each running loop's one-thread pool for work done ahead (see background_executor)
 _background: weakref.WeakKeyDictionary[Any, concurrent.futures.Executor] = (
     weakref.WeakKeyDictionary()
 )
 
 
 def background_executor() -> concurrent.futures.Executor | None:
-    """The running loop's one-thread pool for work computed ahead that no load waits on (a
-    next minipoch's permutation), or None on a loop this module did not start (then use the
-    default executor). Kept apart from the CPU pool, whose threads a waiting load's decodes
-    need: 8 streams' permutations queued there delayed a first load by ~300 ms."""
+    """The running loop's one-thread pool for work done ahead of the loads that need it (a
+    next minipoch's permutation, the pages of the first prefetch's buffer), or None on a loop
+    this module did not start (then use the default executor). Kept apart from the CPU pool,
+    whose threads a waiting load's decodes need: 8 streams' permutations queued there delayed
+    a first load by ~300 ms. A long job goes there in pieces, each queueing the next
+    (:class:`~asyncflat.engine.fill.PageWriter`), so that it holds up the others for one piece
+    at most."""
     try:
         return _background.get(asyncio.get_running_loop())
     except (RuntimeError, TypeError):  # no running loop; a loop type that cannot be weakly held

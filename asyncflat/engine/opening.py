@@ -1,22 +1,22 @@
 """What an engine does between its construction and its first load: :class:`Opening`.
 
 Two things a first load would otherwise wait for start here, off the trainer's thread: the
-plan's block order of this host's streams (computed on a thread of its own: ~10 ns a read
-block of the whole split) and, with ``EngineOptions.fill_on_open``, step 0's fills, whose
-buffers are faulted in on the CPU pool meanwhile (:class:`~.fill.PageWriter`), and the
-buffers the first prefetches will take, beside them on the loop's one background thread (no
-load waits for those yet: on the pool they delayed step 0's decodes, a first load of 256 MiB
-161-171 -> 212-218 ms on a 13-core TPU host). Left to the prefetch, their first writes (a page
-fault each) land in the trainer's first steps, where on a 2-core VM a thread slows 15-60x
-while another core first-writes fresh memory (``bench/noise.py``): 9 runs in 46 of a 256 MiB
-buffer had a 20-55 ms load, none in 46 with it written ahead. The trainer's own set-up
-between constructing a loader and its first load (a model's initialisation, its compile:
-seconds) then hides them. A first load of step 0 takes those fills over, one later in
-minipoch 0 takes them over re-planned from its step; a first load anywhere else (a resume)
-cancels what is not done of them before its own fills are queued, so that they never compete
-with its reads (only reads already in flight finish; page writes are never cut short, and its
-decodes wait for those of step 0's buffers queued before them; a resume into the last minipoch
-has the first prefetch's buffer written for nothing, off the pool).
+plan's block order of this host's streams (computed on a thread of its own: ~10 ns a read block
+of the whole split) and, with ``EngineOptions.fill_on_open``, step 0's fills, whose buffers are
+faulted in on the CPU pool meanwhile (:class:`~.fill.PageWriter`), and the buffers the first
+prefetches will take, beside them on the loop's one background thread (the first steps' loads
+do not need those: on the pool they delayed step 0's decodes, a first load of 256 MiB 161-171
+-> 212-218 ms on a 13-core TPU host). Left to the prefetch, their first writes (a page fault
+each) land in the trainer's first steps, where on a 2-core VM a thread slows 15-60x while
+another core first-writes fresh memory (``bench/noise.py``): 9 runs in 46 of a 256 MiB buffer
+had a 20-55 ms load, none in 46 with it written ahead. The trainer's own set-up between
+constructing a loader and its first load (a model's initialisation, its compile: seconds) then
+hides them. A first load of step 0 takes those fills over, one later in minipoch 0 takes them
+over re-planned from its step; a first load anywhere else (a resume) cancels what is not done
+of them before its own fills are queued, so that they never compete with its reads (only reads
+already in flight finish; page writes are never cut short, and its decodes wait for those of
+step 0's buffers queued before them; a resume into the last minipoch has the first prefetch's
+buffer written for nothing, off the pool).
 """
 
 from __future__ import annotations

@@ -135,7 +135,8 @@ class RowPermutations:
         return not self.prepare(stream, minipoch)
 
     def prepare(self, stream: int, minipoch: int) -> bool:
-        """Start computing (stream, minipoch)'s permutation on the CPU pool; whether it started
+        """Start computing (stream, minipoch)'s permutation on the loop's background thread
+        (:func:`~asyncflat.engine.loop.background_executor`); whether it started
         (or is already under way or done)."""
         key = (stream, minipoch)
         if key in self._ready or key in self._pending:
