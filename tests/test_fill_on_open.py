@@ -349,8 +349,7 @@ class SlowPages:
             background = "-background" in threading.current_thread().name
             if gate is not None and any(a <= address < a + n for a, n in prefetch_buffers):
                 gate.wait()
-            late = background and background_s is not None
-            time.sleep(background_s if late and background_s is not None else delay_s)
+            time.sleep(background_s if background and background_s is not None else delay_s)
             with self._lock:
                 self.calls += 1
                 self.background_calls += background
