@@ -34,6 +34,7 @@ from helpers.resources import library_threads, open_fds, wait_until
 from reference_impl import ReferenceLoader, load_split_arrays
 
 from asyncflat import (
+    ConfigError,
     EngineOptions,
     FlatTokensParams,
     LoaderClosedError,
@@ -153,6 +154,58 @@ def test_close_wakes_a_load_blocked_in_another_thread(dataset: str) -> None:
     for call in (lambda: loader.load(0), lambda: loader.iter(), loader.stats):
         with pytest.raises(LoaderClosedError, match="closed"):
             call()
+
+
+def test_close_right_after_dropping_an_iterator_whose_builder_waits_on_the_loop(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A dropped iterator's builder is stopped on the loop's thread (its finalizer queues the
+    release there). When ``close()`` has begun before the loop runs that release, the release
+    must still know it runs on the loop's thread and not wait for the builder, which waits for
+    that loop: close() took 30 s and left the loop's threads alive (3 runs in 3)."""
+    path = random_store(tmp_path_factory, "dropped", 2, 1500, validation=50, chunk_tokens=2000)
+    for attempt in range(3):
+        loader = ShufflingLoader(
+            "train",
+            FlatTokensParams(path, 2, 3, 16, seed=5, sequence_packing=True),
+            TokenBatchParams(len=64, batch=16),
+            SINGLE,
+            options=EngineOptions(prefetch_to_device=2, fill_on_open="never"),
+            store_wrapper=lambda store: FaultyStore(
+                store, latency_s=0.5, fault_keys="train/encoded_tokens/c/*"
+            ),
+        )
+        iterator = loader.iter(20)
+        time.sleep(0.05)  # its builder is inside build(20), waiting on the loop for the fill
+        del iterator  # the finalizer queues the builder's release on the loop
+        t0 = time.monotonic()
+        loader.close()  # at once: before the loop has run that release
+        assert time.monotonic() - t0 < 10, f"attempt {attempt}"
+        assert wait_until(lambda: not library_threads(), 5), library_threads()
+
+
+def test_a_construction_refused_after_its_store_opened_closes_that_store(dataset: str) -> None:
+    """The store is open before the plan and the buffers' size are checked: a loader refused
+    there (``max_buffer_bytes``) closes it again, with its sessions and read memory, rather
+    than leave them behind for every refused attempt."""
+    closed: list[str] = []
+
+    class Tracked(FaultyStore):
+        def close(self) -> None:
+            closed.append("closed")
+            super().close()
+
+    with pytest.raises(ConfigError, match="max_buffer_bytes"):
+        ShufflingLoader(
+            "train",
+            params(dataset),
+            BATCH,
+            SINGLE,
+            options=EngineOptions(max_buffer_bytes=1),
+            store_wrapper=Tracked,
+        )
+    assert closed == ["closed"]
+    assert wait_until(lambda: not library_threads(), 5), library_threads()
 
 
 # -- process exit, Ctrl-C, fork -------------------------------------------------------------------

@@ -105,6 +105,9 @@ class LoopThread:
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        #: the thread that runs (or ran) the loop: unlike ``_thread``, not forgotten by close(),
+        #: so that a callback the loop runs after close() began still knows its own thread
+        self._runs_on: threading.Thread | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pid = os.getpid()
         self._closed = False
@@ -181,7 +184,7 @@ class LoopThread:
                 asyncio.set_event_loop(None)
                 roots.clear()
 
-        self._thread = threading.Thread(target=main, name=self._name, daemon=True)
+        self._thread = self._runs_on = threading.Thread(target=main, name=self._name, daemon=True)
         self._thread.start()
         started.wait()
         self._loop = loop
@@ -202,7 +205,10 @@ class LoopThread:
         return True
 
     def in_loop_thread(self) -> bool:
-        return self._thread is not None and threading.current_thread() is self._thread
+        """Whether the caller runs on the loop's thread, also once close() has begun: a
+        callback queued before it (a collected iterator's release) still runs there, and must
+        not wait for a thread that waits for this loop."""
+        return self._runs_on is not None and threading.current_thread() is self._runs_on
 
     def close(self, last: Coroutine[Any, Any, Any] | None = None) -> None:
         """Run ``last`` (bounded), cancel pending tasks, stop the loop. Idempotent.

@@ -43,7 +43,9 @@ async def open_engine(
     """Open ``params``' split (unless ``source`` is given), plan epoch ``epoch`` and build the
     engine of the streams ``host_rows`` belong to (on the running loop, which then owns it).
     ``fill_on_open`` False leaves step 0's fills to the caller (``Engine.fill_on_open``),
-    whatever ``options`` say."""
+    whatever ``options`` say. A source it opened itself it closes again when anything after
+    fails (a refused plan or size): its store, sessions and read memory are not left behind."""
+    opened_here = source is None
     if source is None and store_wrapper is None and not params.storage_options:
         source = await _open_plain_local(os.fspath(params.filespec), split, options)
     if source is None:
@@ -55,6 +57,29 @@ async def open_engine(
             retry=options.retry,
             store_wrapper=store_wrapper,
         )
+    try:
+        engine = _engine(split, params, token_batch_params, host_rows, options, source, epoch)
+    except BaseException:
+        if opened_here:
+            await source.aclose()
+        raise
+    # A mixture's passes (no fills on opening) open while others serve: no page writes on the
+    # pool there, where the serving passes' decodes would queue behind them.
+    engine.open(fill=fill_on_open and fills_on_open(options, source), write_pages=fill_on_open)
+    return engine
+
+
+def _engine(
+    split: str,
+    params: FlatTokensParams,
+    token_batch_params: TokenBatchParams,
+    host_rows: np.ndarray,
+    options: EngineOptions,
+    source: TokenSource,
+    epoch: int,
+) -> Engine:
+    """The plan of ``epoch``, its sizes checked and logged, and the engine of the host's
+    streams (not opened yet)."""
     # The plan keeps the block order of this host's streams alone (4 bytes a block of them).
     rows_per_stream = max(1, token_batch_params.batch // params.streams)
     streams = np.unique(host_rows // rows_per_stream).tolist()
@@ -94,11 +119,7 @@ async def open_engine(
         format_bytes(needed),
         format_bytes(plan.token_count * 4),
     )
-    engine = Engine(plan, source, streams, options)
-    # A mixture's passes (no fills on opening) open while others serve: no page writes on the
-    # pool there, where the serving passes' decodes would queue behind them.
-    engine.open(fill=fill_on_open and fills_on_open(options, source), write_pages=fill_on_open)
-    return engine
+    return Engine(plan, source, streams, options)
 
 
 def fills_on_open(options: EngineOptions, source: TokenSource) -> bool:
