@@ -22,6 +22,8 @@ from asyncflat import (
     TokenBatchParams,
 )
 from asyncflat.engine import Engine
+from asyncflat.engine.fill import Fill
+from asyncflat.engine.table import FillTable
 from asyncflat.engine.waiting import (
     MAX_ROWS_AHEAD_STEPS,
     ROWS_AHEAD_STEPS,
@@ -671,3 +673,35 @@ def test_closing_stops_computing_the_block_order() -> None:
     assert stopped_in < 0.25, stopped_in
     assert isinstance(error, LoaderClosedError)
     assert "served_block_order" not in vars(plan)  # nothing half-computed is kept
+
+
+def test_a_load_whose_fills_cannot_all_start_holds_none_of_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A load owns each fill it reads while it reads it (never dropped nor cancelled meanwhile).
+    When one of its fills cannot start (no memory for a buffer), the fills it already owned are
+    let go: held forever, they could never be evicted for another minipoch."""
+    source = FakeSource(*make_data(rows=2048), chunk=SEQ_LEN * 8)
+    engine = make(source, streams=2, rbpsb=2, spb=8, batch=8)
+    tables: list[FillTable] = []
+    real = FillTable.ensure
+
+    def ensure(self: FillTable, stream: int, minipoch: int, *args: Any, **kwargs: Any) -> Fill:
+        tables.append(self)
+        if stream == 1:
+            raise MemoryError("no memory for a shuffle buffer")
+        return real(self, stream, minipoch, *args, **kwargs)
+
+    async def main() -> None:
+        with monkeypatch.context() as patch:
+            patch.setattr(FillTable, "ensure", ensure)
+            with pytest.raises(MemoryError):
+                await engine.gather(0, ALL)
+        fill = tables[0].get(0, 0)
+        assert fill is not None and fill.owners == 0
+        np.testing.assert_array_equal(
+            await engine.gather(0, ALL), oracle_for(engine, source).encoded_batch(0)
+        )
+        await engine.aclose()
+
+    run(main)

@@ -148,13 +148,18 @@ class Engine:
             with self._lock:
                 self._apply_unpins()
                 self.opening.claim(step)
-                for stream, minipoch in groups:
-                    keep = {m for s, m in groups if s == stream}
-                    fill = self._fills.ensure(stream, minipoch, step, keep=keep)
-                    fill.owners += 1  # never dropped nor cancelled while this load reads it
-                    fills.append(fill)
-                if self.options.prefetch:
-                    self._fills.prefetch_after(groups)
+                try:
+                    for stream, minipoch in groups:
+                        keep = {m for s, m in groups if s == stream}
+                        fill = self._fills.ensure(stream, minipoch, step, keep=keep)
+                        fill.owners += 1  # never dropped nor cancelled while this load reads it
+                        fills.append(fill)
+                    if self.options.prefetch:
+                        self._fills.prefetch_after(groups)
+                except BaseException:  # (no memory for a buffer): held, they were never evicted
+                    for fill in fills:
+                        fill.owners -= 1
+                    raise
             self._units.waiting_step = step
             try:
                 out = np.empty((len(loc.batch_index), self.plan.seq_len), np.uint32)

@@ -48,8 +48,10 @@ class BatchIterator(Iterator[tuple[int, Any]]):
     """``(step, batch)`` pairs of a loader, built ahead when prefetching.
 
     A ``KeyboardInterrupt`` while ``next()`` waits leaves the iterator where it was: the next
-    ``next()`` returns the same step. Any other error ends the iteration; a loader closed
-    meanwhile (from any thread) ends it with :class:`~asyncflat.errors.LoaderClosedError`.
+    ``next()`` returns the same step. With device prefetch (``depth`` > 0) any other error ends
+    the iteration (its builder thread has stopped); without it, ``next()`` is a ``load()`` and an
+    error leaves the iterator where it was too (the next ``next()`` loads that step again). A
+    loader closed meanwhile (from any thread) raises :class:`~asyncflat.errors.LoaderClosedError`.
     """
 
     def __init__(self, owner: IteratorOwner, start: int, depth: int) -> None:
