@@ -184,16 +184,22 @@ def test_close_right_after_dropping_an_iterator_whose_builder_waits_on_the_loop(
         assert wait_until(lambda: not library_threads(), 5), library_threads()
 
 
-def test_a_construction_refused_after_its_store_opened_closes_that_store(dataset: str) -> None:
+@pytest.mark.parametrize("close_fails", [False, True])
+def test_a_construction_refused_after_its_store_opened_closes_that_store(
+    dataset: str, close_fails: bool
+) -> None:
     """The store is open before the plan and the buffers' size are checked: a loader refused
     there (``max_buffer_bytes``) closes it again, with its sessions and read memory, rather
-    than leave them behind for every refused attempt."""
+    than leave them behind for every refused attempt; a close that fails does not hide the
+    refusal."""
     closed: list[str] = []
 
     class Tracked(FaultyStore):
         def close(self) -> None:
             closed.append("closed")
             super().close()
+            if close_fails:
+                raise RuntimeError("the store failed to close")
 
     with pytest.raises(ConfigError, match="max_buffer_bytes"):
         ShufflingLoader(

@@ -43,8 +43,9 @@ async def open_engine(
     """Open ``params``' split (unless ``source`` is given), plan epoch ``epoch`` and build the
     engine of the streams ``host_rows`` belong to (on the running loop, which then owns it).
     ``fill_on_open`` False leaves step 0's fills to the caller (``Engine.fill_on_open``),
-    whatever ``options`` say. A source it opened itself it closes again when anything after
-    fails (a refused plan or size): its store, sessions and read memory are not left behind."""
+    whatever ``options`` say. A source it opened itself it closes again when the plan or the
+    buffers' size is refused: its store, sessions and read memory are not left behind (and a
+    close that fails there is logged, never raised over the refusal)."""
     opened_here = source is None
     if source is None and store_wrapper is None and not params.storage_options:
         source = await _open_plain_local(os.fspath(params.filespec), split, options)
@@ -61,7 +62,11 @@ async def open_engine(
         engine = _engine(split, params, token_batch_params, host_rows, options, source, epoch)
     except BaseException:
         if opened_here:
-            await source.aclose()
+            try:
+                await source.aclose()
+            except Exception:  # the refusal is what the caller must see
+                where = f"{redact_url(os.fspath(params.filespec))}/{split}"
+                log.warning("closing %s after its open was refused failed", where, exc_info=True)
         raise
     # A mixture's passes (no fills on opening) open while others serve: no page writes on the
     # pool there, where the serving passes' decodes would queue behind them.
