@@ -156,7 +156,8 @@ class Engine:
                         fills.append(fill)
                     if self.options.prefetch:
                         self._fills.prefetch_after(groups)
-                except BaseException:  # (no memory for a buffer): held, they were never evicted
+                except BaseException:  # one could not start (no memory for a buffer): let go of
+                    # the others, which while owned are never evicted
                     for fill in fills:
                         fill.owners -= 1
                     raise

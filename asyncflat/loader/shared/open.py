@@ -66,7 +66,7 @@ async def open_engine(
                 await source.aclose()
             except Exception:  # the refusal is what the caller must see
                 where = f"{redact_url(os.fspath(params.filespec))}/{split}"
-                log.warning("closing %s after its open was refused failed", where, exc_info=True)
+                log.warning("could not close %s after its open was refused", where, exc_info=True)
         raise
     # A mixture's passes (no fills on opening) open while others serve: no page writes on the
     # pool there, where the serving passes' decodes would queue behind them.
