@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from asyncflat.config import EngineOptions
-from asyncflat.engine.fill import Fill, Unit
+from asyncflat.engine.fill import Unit
 from asyncflat.engine.lock import OwnedLock
 from asyncflat.engine.opening import Opening
 from asyncflat.engine.recorder import Recorder
@@ -144,23 +144,10 @@ class Engine:
             self._check_open()  # closed while this gather queued behind another
             loc = self.plan.locate(step, batch_indices)
             groups = self._groups(loc)
-            fills: list[Fill] = []
             with self._lock:
                 self._apply_unpins()
                 self.opening.claim(step)
-                try:
-                    for stream, minipoch in groups:
-                        keep = {m for s, m in groups if s == stream}
-                        fill = self._fills.ensure(stream, minipoch, step, keep=keep)
-                        fill.owners += 1  # never dropped nor cancelled while this load reads it
-                        fills.append(fill)
-                    if self.options.prefetch:
-                        self._fills.prefetch_after(groups)
-                except BaseException:  # one could not start (no memory for a buffer): let go of
-                    # the others, which while owned are never evicted
-                    for fill in fills:
-                        fill.owners -= 1
-                    raise
+                fills = self._fills.own(groups, step)  # never dropped while this load reads
             self._units.waiting_step = step
             try:
                 out = np.empty((len(loc.batch_index), self.plan.seq_len), np.uint32)
@@ -171,8 +158,7 @@ class Engine:
                 self._units.waiting_step = None
                 self._scheduler.poke()  # background units held while it waited may start
                 with self._lock:
-                    for fill in fills:
-                        fill.owners -= 1
+                    self._fills.disown(fills)
         self.record_step(step, time.perf_counter() - t0)
         return out
 

@@ -109,6 +109,31 @@ class FillTable:
         assert index is not None
         return self._put(stream, minipoch, index, from_step, reason)
 
+    def own(self, groups: Groups, step: int) -> list[Fill]:
+        """The fills a load of ``step`` reads (``groups``), started where needed, each owned
+        until :meth:`disown`: never dropped nor cancelled meanwhile. If one cannot start (no
+        memory for a buffer), those already owned are let go before the error is raised:
+        owned, they could never be evicted."""
+        fills: list[Fill] = []
+        try:
+            for stream, minipoch in groups:
+                keep = {m for s, m in groups if s == stream}
+                fill = self.ensure(stream, minipoch, step, keep=keep)
+                fill.owners += 1
+                fills.append(fill)
+            if self._prefetch:
+                self.prefetch_after(groups)
+        except BaseException:
+            self.disown(fills)
+            raise
+        return fills
+
+    @staticmethod
+    def disown(fills: list[Fill]) -> None:
+        """Let go of fills :meth:`own` gave."""
+        for fill in fills:
+            fill.owners -= 1
+
     def try_prefetch(self, stream: int, minipoch: int, keep: set[int]) -> Fill | None:
         """Start the prefetch of (stream, minipoch) if a buffer is free or held by a fill nobody
         needs; else None (a prefetch never evicts a fill in use, nor grows the buffers)."""
