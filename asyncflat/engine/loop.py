@@ -104,10 +104,9 @@ class LoopThread:
         self._nice = nice
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
+        #: the thread that runs (or ran) the loop, kept after close(): a callback the loop runs
+        #: after close() began still knows its own thread (:meth:`in_loop_thread`)
         self._thread: threading.Thread | None = None
-        #: the thread that runs (or ran) the loop: unlike ``_thread``, not forgotten by close(),
-        #: so that a callback the loop runs after close() began still knows its own thread
-        self._runs_on: threading.Thread | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pid = os.getpid()
         self._closed = False
@@ -184,7 +183,7 @@ class LoopThread:
                 asyncio.set_event_loop(None)
                 roots.clear()
 
-        self._thread = self._runs_on = threading.Thread(target=main, name=self._name, daemon=True)
+        self._thread = threading.Thread(target=main, name=self._name, daemon=True)
         self._thread.start()
         started.wait()
         self._loop = loop
@@ -208,7 +207,7 @@ class LoopThread:
         """Whether the caller runs on the loop's thread, also once close() has begun: a
         callback queued before it (a collected iterator's release) still runs there, and must
         not wait for a thread that waits for this loop."""
-        return self._runs_on is not None and threading.current_thread() is self._runs_on
+        return self._thread is not None and threading.current_thread() is self._thread
 
     def close(self, last: Coroutine[Any, Any, Any] | None = None) -> None:
         """Run ``last`` (bounded), cancel pending tasks, stop the loop. Idempotent.
@@ -224,7 +223,7 @@ class LoopThread:
                 return
             self._closed = True
             loop, thread = self._loop, self._thread
-            self._loop = self._thread = self._executor = None
+            self._loop = self._executor = None
             same_process = self._pid == os.getpid()
         if loop is None or not same_process or loop.is_closed():
             if last is not None:
