@@ -47,6 +47,7 @@ async def open_engine(
     buffers' size is refused: its store, sessions and read memory are not left behind (and a
     close that fails there is logged, never raised over the refusal)."""
     opened_here = source is None
+    where = f"{redact_url(os.fspath(params.filespec))}/{split}"  # as logs and errors name it
     if source is None and store_wrapper is None and not params.storage_options:
         source = await _open_plain_local(os.fspath(params.filespec), split, options)
     if source is None:
@@ -59,13 +60,12 @@ async def open_engine(
             store_wrapper=store_wrapper,
         )
     try:
-        engine = _engine(split, params, token_batch_params, host_rows, options, source, epoch)
+        engine = _engine(where, params, token_batch_params, host_rows, options, source, epoch)
     except BaseException:
         if opened_here:
             try:
                 await source.aclose()
             except Exception:  # the refusal is what the caller must see
-                where = f"{redact_url(os.fspath(params.filespec))}/{split}"
                 log.warning("could not close %s after its open was refused", where, exc_info=True)
         raise
     # A mixture's passes (no fills on opening) open while others serve: no page writes on the
@@ -75,7 +75,7 @@ async def open_engine(
 
 
 def _engine(
-    split: str,
+    where: str,
     params: FlatTokensParams,
     token_batch_params: TokenBatchParams,
     host_rows: np.ndarray,
@@ -83,8 +83,8 @@ def _engine(
     source: TokenSource,
     epoch: int,
 ) -> Engine:
-    """The plan of ``epoch``, its sizes checked and logged, and the engine of the host's
-    streams (not opened yet)."""
+    """The plan of ``epoch``, its sizes checked and logged (the split named ``where``), and the
+    engine of the host's streams (not opened yet)."""
     # The plan keeps the block order of this host's streams alone (4 bytes a block of them).
     rows_per_stream = max(1, token_batch_params.batch // params.streams)
     streams = np.unique(host_rows // rows_per_stream).tolist()
@@ -109,7 +109,6 @@ def _engine(
             f"{options.max_buffer_bytes:,}; lower read_blocks_per_shuffle_buffer or "
             "sequences_per_read_block"
         )
-    where = f"{redact_url(os.fspath(params.filespec))}/{split}"
     warning = dropped_warning(plan, where)
     if warning is not None:
         sizing_log.warning("%s", warning)
