@@ -185,14 +185,27 @@ def test_close_right_after_dropping_an_iterator_whose_builder_waits_on_the_loop(
 
 
 @pytest.mark.parametrize("close_fails", [False, True])
+@pytest.mark.parametrize("refused", ["size", "start"])
 def test_a_construction_refused_after_its_store_opened_closes_that_store(
-    dataset: str, close_fails: bool
+    dataset: str, close_fails: bool, refused: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The store is open before the plan and the buffers' size are checked: a loader refused
-    there (``max_buffer_bytes``) closes it again, with its sessions and read memory, rather
-    than leave them behind for every refused attempt; a close that fails does not hide the
+    """The store is open before the plan and the buffers' size are checked and before the
+    engine starts: a loader refused there (``max_buffer_bytes``), or whose engine cannot start
+    (here: once it has started its block order and step 0's fills, a thread that will not
+    start), closes what it opened, with its sessions, threads and read memory, rather than
+    leave them behind for every refused attempt; a close that fails does not hide the
     refusal."""
+    from asyncflat.engine import Engine
+
     closed: list[str] = []
+    if refused == "start":
+        start = Engine.open
+
+        def open_then_fail(self: Engine, **kwargs: Any) -> None:
+            start(self, **kwargs)
+            raise RuntimeError("can't start new thread")
+
+        monkeypatch.setattr(Engine, "open", open_then_fail)
 
     class Tracked(FaultyStore):
         def close(self) -> None:
@@ -201,13 +214,16 @@ def test_a_construction_refused_after_its_store_opened_closes_that_store(
             if close_fails:
                 raise RuntimeError("the store failed to close")
 
-    with pytest.raises(ConfigError, match="max_buffer_bytes"):
+    error, match = (
+        (ConfigError, "max_buffer_bytes") if refused == "size" else (RuntimeError, "new thread")
+    )
+    with pytest.raises(error, match=match):
         ShufflingLoader(
             "train",
             params(dataset),
             BATCH,
             SINGLE,
-            options=EngineOptions(max_buffer_bytes=1),
+            options=EngineOptions(max_buffer_bytes=1 if refused == "size" else None),
             store_wrapper=Tracked,
         )
     assert closed == ["closed"]
@@ -726,3 +742,33 @@ def test_a_close_failing_at_interpreter_shutdown_prints_nothing(dataset: str) ->
     assert result.returncode == 0 and result.stdout.strip() == "bye", result.stderr
     for noise in ("AttributeError", "Exception ignored", "Traceback"):
         assert noise not in result.stderr, result.stderr
+
+
+def test_a_builder_its_dropped_iterator_stopped_on_the_loop_is_joined_by_close(
+    dataset: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dropped iterator's builder is stopped on the loop's thread, which must not wait for it
+    (its build may wait on that loop). ``close()`` joins it later: when close returns, no
+    thread of the loader is left, not even a builder still inside a slow batch build."""
+    from asyncflat.loader.shared.batch import BatchBuilder
+
+    build = BatchBuilder.build
+    building = threading.Event()
+
+    def slow_build(self: BatchBuilder, rows: np.ndarray) -> Any:
+        if threading.current_thread().name.startswith("asyncflat-device-prefetch"):
+            building.set()
+            time.sleep(0.5)  # a slow host-to-device copy
+        return build(self, rows)
+
+    monkeypatch.setattr(BatchBuilder, "build", slow_build)
+    loader = ShufflingLoader(
+        "train", params(dataset), BATCH, SINGLE, options=EngineOptions(prefetch_to_device=1)
+    )
+    iterator = loader.iter(0)
+    assert building.wait(10)
+    del iterator  # the finalizer queues the builder's release on the loop
+    time.sleep(0.05)  # the loop has run it: the builder is told to stop, not joined
+    assert any(name.startswith("asyncflat-device-prefetch") for name in library_threads())
+    loader.close()
+    assert library_threads() == []

@@ -576,3 +576,46 @@ def test_a_source_whose_share_of_a_block_rounds_to_zero_is_warned_about_once(
     args = ["inspect", str(config), "--mixture", "--len", "16", "--batch", "8", "--no-progress"]
     assert main(args) == 0
     assert ("warning: mixture: source 1 (weight 0.25)" in capsys.readouterr().out) is warned
+
+
+def test_a_pass_filling_ahead_that_a_jump_closes_warns_of_nothing(
+    stores: list[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Serving its last minipoch, a source opens and fills its next pass in the background. A
+    load that jumps two passes further closes that pass while its fill still waits for the
+    store: nothing failed (nobody needs that pass any more), so nothing is logged as failed,
+    and the jump's batch is the one a fresh loader serves. The rows every pass of the small
+    source never serves are warned of once, not at each pass's open."""
+    from conftest import wait_until
+
+    from asyncflat.testing.faults import FaultyStore
+
+    opened: list[FaultyStore] = []
+
+    def slow_after_the_first_pass(store: Any) -> Any:
+        # each pass opens its own store: the passes after the first answer in 0.3 s
+        wrapped = FaultyStore(store, latency_s=0.3 if opened else 0.0, fault_keys="*/c/*")
+        opened.append(wrapped)
+        return wrapped
+
+    small = flat(stores[1], seed=8)
+    mixture = MixtureParams(
+        (MixtureSource(flat(stores[0]), 1), MixtureSource(small, 1)), block_rows=8, steps=200
+    )
+    caplog.set_level(logging.WARNING)
+    with asyncflat.ShufflingLoader(
+        "train", mixture, BATCH, options=OPTIONS, store_wrapper=(None, slow_after_the_first_pass)
+    ) as loader:
+        steps = range(loader.step_count)
+        pass_1 = next(s for s in steps if any(g.epoch == 1 for g in loader.groups(s)))
+        pass_3 = next(s for s in steps if any(g.epoch == 3 for g in loader.groups(s)))
+        for step in range(pass_1):  # ends in pass 0's last minipoch: pass 1 opens ahead
+            loader.load(step)
+        wait_until(lambda: len(opened) == 2, "the next pass to open")
+        wait_until(lambda: opened[1].counts.requests > 0, "the next pass to read")
+        jumped = encoded(loader.load(pass_3))  # opens pass 3, closes pass 1 mid-fill
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    # the one warning is of the small source's rows never served, once for its four passes
+    assert len(warnings) == 1 and "source1.zarr/train: 65 of 1,217 tokens" in warnings[0]
+    with asyncflat.ShufflingLoader("train", mixture, BATCH, options=OPTIONS) as fresh:
+        np.testing.assert_array_equal(jumped, encoded(fresh.load(pass_3)))

@@ -205,9 +205,9 @@ class Engine:
         with self._lock:
             self._recorder.step(step, wait)
 
-    async def aclose(self) -> None:
+    async def aclose(self, *, close_source: bool = True) -> None:
         """Cancel every fill and worker, free the buffers now (not at the next garbage
-        collection). Idempotent."""
+        collection) and close the source (unless ``close_source`` is False). Idempotent."""
         if self._aclosed:
             return
         self._aclosed = self._closed = True
@@ -219,7 +219,8 @@ class Engine:
         finally:
             self.release()
         try:
-            await self.source.aclose()
+            if close_source:
+                await self.source.aclose()
         finally:
             await self.opening.aclose()
 

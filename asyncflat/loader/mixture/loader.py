@@ -165,6 +165,7 @@ class MixtureLoader:
             epoch=epoch,
             store_wrapper=self._store_wrappers[index],
             fill_on_open=False,  # the first passes' once the budget is checked (see _open)
+            warn_sizes=epoch == 0,  # every pass drops the same rows: said once, at the first
         )
         self._life.keep(engine)  # its tasks never die with a dropped loader's cycle
         return engine

@@ -219,7 +219,12 @@ class Passes:
     async def _start_next_pass(self, index: int, epoch: int) -> None:
         """Open pass ``epoch`` of a source and fill its first minipoch (in the background)."""
         engine = await self.engine(index, epoch)
-        await engine.gather(0, self._first_rows)
+        try:
+            await engine.gather(0, self._first_rows)
+        except LoaderClosedError:
+            if self.sources[index].engines.get(epoch) is engine:
+                raise
+            # A load two passes further closed this pass while it filled: nobody needs it now.
 
     def next_pass_due(self, group: RowGroup) -> bool:
         source = self.sources[group.source]

@@ -313,12 +313,15 @@ class Prefetchers(Generic[T]):
         return builder
 
     def stop(self, builder: BackgroundBuilder[T], *, join: bool) -> None:
-        """Stop ``builder``; ``join`` waits for its thread (not from a thread it may wait on)."""
+        """Stop ``builder``; ``join`` waits for its thread (not from a thread it may wait on:
+        then it is retired, see :meth:`retire`)."""
+        if not join:
+            self.retire(builder)
+            return
         builder.signal_stop()
         with self._lock:
             self._live.discard(builder)
-        if join:
-            builder.stop()
+        builder.stop()
 
     def retire(self, builder: BackgroundBuilder[T]) -> None:
         """Stop ``builder`` without waiting (from a thread that must not wait for its build in

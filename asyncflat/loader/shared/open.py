@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Awaitable
 
 import numpy as np
 
@@ -39,13 +40,17 @@ async def open_engine(
     store_wrapper: StoreWrapper | None = None,
     source: TokenSource | None = None,
     fill_on_open: bool = True,
+    warn_sizes: bool = True,
 ) -> Engine:
     """Open ``params``' split (unless ``source`` is given), plan epoch ``epoch`` and build the
     engine of the streams ``host_rows`` belong to (on the running loop, which then owns it).
     ``fill_on_open`` False leaves step 0's fills to the caller (``Engine.fill_on_open``),
-    whatever ``options`` say. A source it opened itself it closes again when the plan or the
-    buffers' size is refused: its store, sessions and read memory are not left behind (and a
-    close that fails there is logged, never raised over the refusal)."""
+    whatever ``options`` say; ``warn_sizes`` False skips the warning of rows never served (a
+    later pass of a split whose first pass warned of the same rows). When the plan or the
+    buffers' size is refused, or the engine cannot start, what was opened here is closed again
+    (the engine, and the source unless the caller gave it): no store, session, thread or read
+    memory is left behind, and a close that fails there is logged, never raised over the
+    refusal."""
     opened_here = source is None
     where = f"{redact_url(os.fspath(params.filespec))}/{split}"  # as logs and errors name it
     if source is None and store_wrapper is None and not params.storage_options:
@@ -60,18 +65,30 @@ async def open_engine(
             store_wrapper=store_wrapper,
         )
     try:
-        engine = _engine(where, params, token_batch_params, host_rows, options, source, epoch)
+        engine = _engine(
+            where, params, token_batch_params, host_rows, options, source, epoch, warn_sizes
+        )
     except BaseException:
         if opened_here:
-            try:
-                await source.aclose()
-            except Exception:  # the refusal is what the caller must see
-                log.warning("could not close %s after its open was refused", where, exc_info=True)
+            await _close_refused(source.aclose(), where)
         raise
-    # A mixture's passes (no fills on opening) open while others serve: no page writes on the
-    # pool there, where the serving passes' decodes would queue behind them.
-    engine.open(fill=fill_on_open and fills_on_open(options, source), write_pages=fill_on_open)
+    try:
+        # A mixture's passes (no fills on opening) open while others serve: no page writes on
+        # the pool there, where the serving passes' decodes would queue behind them.
+        engine.open(fill=fill_on_open and fills_on_open(options, source), write_pages=fill_on_open)
+    except BaseException:
+        await _close_refused(engine.aclose(close_source=opened_here), where)
+        raise
     return engine
+
+
+async def _close_refused(closing: Awaitable[None], where: str) -> None:
+    """Await ``closing`` (of what an open refused or failed had opened): a failure is logged,
+    since the refusal is what the caller must see."""
+    try:
+        await closing
+    except Exception:
+        log.warning("could not close %s after its open was refused", where, exc_info=True)
 
 
 def _engine(
@@ -82,6 +99,7 @@ def _engine(
     options: EngineOptions,
     source: TokenSource,
     epoch: int,
+    warn_sizes: bool,
 ) -> Engine:
     """The plan of ``epoch``, its sizes checked and logged (the split named ``where``), and the
     engine of the host's streams (not opened yet)."""
@@ -109,7 +127,7 @@ def _engine(
             f"{options.max_buffer_bytes:,}; lower read_blocks_per_shuffle_buffer or "
             "sequences_per_read_block"
         )
-    warning = dropped_warning(plan, where)
+    warning = dropped_warning(plan, where) if warn_sizes else None
     if warning is not None:
         sizing_log.warning("%s", warning)
     log.info(
