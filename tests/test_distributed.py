@@ -899,3 +899,56 @@ def test_a_piece_lost_before_the_write_pass_is_named(
         if where == "memory":
             fs.rm(root, recursive=True)
     assert not (tmp_path / "o.zarr").exists()
+
+
+def test_a_pieces_folder_of_the_users_in_work_dir_is_refused_and_never_emptied(
+    corpus: Path, tmp_path: Path
+) -> None:
+    """The pieces go to ``<work_dir>/pieces`` and are removed after the commit. A work_dir of
+    the user's that already has a ``pieces/`` folder of their own is refused before any work
+    (removing the pieces would have emptied it, recursively); once the run owns the folder,
+    removing the pieces leaves anything else there."""
+    work = tmp_path / "project"
+    (work / "pieces").mkdir(parents=True)
+    (work / "pieces" / "my_notes.txt").write_text("precious")
+    run: dict[str, Any] = dict(runner="local", options=ConvertOptions(**SPLIT), unit_bytes=3000)
+    with pytest.raises(ConfigError, match=r"pieces/ folder holding files no conversion writes"):
+        convert_distributed([corpus], tmp_path / "out.zarr", work_dir=str(work), **run)
+    assert sorted(p.name for p in (work / "pieces").iterdir()) == ["my_notes.txt"]
+    assert not (tmp_path / "out.zarr").exists()
+    (work / "pieces" / "my_notes.txt").unlink()
+    killed = work / "pieces" / "00000000.tokens.tmp-0123abcd"  # a killed task's local write
+    killed.write_bytes(b"\0" * 8)
+    (work / "mine.txt").write_text("a file of the user's")
+    report = convert_distributed([corpus], tmp_path / "out.zarr", work_dir=str(work), **run)
+    assert report.units > 3
+    assert sorted(p.name for p in work.iterdir()) == ["mine.txt"]  # pieces/ and plan.json gone
+
+
+def test_a_runner_that_cannot_start_leaves_the_output_as_it_was(
+    corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cluster that cannot be reached fails the run before any work: nothing is staged
+    beside a local output, and a dataset at an object-store URL that ``overwrite`` would
+    replace is still there."""
+    import fsspec
+
+    from asyncflat.writer.flat_tokens import write_flat_tokens
+    from asyncflat.writer.distributed import driver
+
+    class Unreachable:
+        def __init__(self, address: str | None) -> None:
+            raise ConnectionError(f"could not connect to the Ray cluster at {address}")
+
+    monkeypatch.setattr(driver, "RayRunner", Unreachable)
+    run: dict[str, Any] = dict(runner="ray", ray_address="127.0.0.1:1")
+    with pytest.raises(ConnectionError, match="127.0.0.1:1"):
+        convert_distributed([corpus], tmp_path / "out.zarr", options=ConvertOptions(**SPLIT), **run)
+    assert not list(tmp_path.glob("out.zarr*"))
+    url = "memory://kept-by-a-failed-start"
+    write_flat_tokens(url, {"train": [np.arange(1, 9)], "validation": [np.arange(1, 5)]})
+    before = fsspec.filesystem("memory").find(url)
+    replacing = ConvertOptions(overwrite=True, **SPLIT)
+    with pytest.raises(ConnectionError):
+        convert_distributed([corpus], url, options=replacing, **run)
+    assert before and fsspec.filesystem("memory").find(url) == before

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import zarr.storage._local as zarr_local
 
-from asyncflat.errors import AsyncflatError, ConfigError, StorageError
+from asyncflat.errors import AsyncflatError, ConfigError, LoaderClosedError, StorageError
 from asyncflat.writer.flat_tokens import FlatTokensWriter, write_flat_tokens
 
 REPO = str(Path(__file__).resolve().parents[1])
@@ -61,6 +61,36 @@ def test_disk_full_is_a_storage_error_and_in_flight_writes_end_before_cleanup(
     assert list(tmp_path.iterdir()) == []
     time.sleep(0.5)  # nothing still running may bring the staging directory back
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_append_that_failed_part_written_leaves_nothing_to_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An append whose second chunk write fails (the disk full for a moment) has written its
+    first chunk already: what it wrote cannot be taken back, so the writer is aborted. Were it
+    kept open, a caller that retries the append once space is freed would commit tokens and
+    ``seq_starts`` that disagree, a dataset that opens as valid with a sequence read wrong."""
+    real_put = zarr_local._put
+    failed: list[str] = []
+
+    def put(path: Path, value: Any, exclusive: bool = False) -> int:
+        if path.parent.name == "c" and path.name == "1" and not failed:
+            failed.append(path.name)
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_put(path, value, exclusive)
+
+    monkeypatch.setattr(zarr_local, "_put", put)
+    first, second = np.arange(1, 11), np.arange(100, 200)  # 10 tokens held, then 100
+    writer = FlatTokensWriter(tmp_path / "d", chunk_tokens=16)
+    writer.append("train", [first])
+    with pytest.raises(StorageError, match="No space left on device"):
+        writer.append("train", [second])  # chunk 0 written, chunk 1 fails
+    assert failed
+    with pytest.raises(LoaderClosedError, match="an append failed"):
+        writer.append("train", [second])  # space freed: the same append again
+    with pytest.raises(LoaderClosedError, match="an append failed"):
+        writer.close()
+    assert list(tmp_path.iterdir()) == []  # nothing committed, nothing left staged
 
 
 TINY_DISK_SCRIPT = """

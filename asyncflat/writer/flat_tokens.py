@@ -308,6 +308,7 @@ class FlatTokensWriter:
         self.path = self._output.display
         self.overwrite = overwrite
         self._closed = False
+        self._failed: str | None = None  # why an append aborted the writer
         try:
             root = zarr.open_group(
                 self._output.store, mode="w", zarr_format=2 if zarr_format == 2 else 3
@@ -336,10 +337,20 @@ class FlatTokensWriter:
         if writer is None:
             raise ConfigError(f"split must be one of {SPLITS}, got {split!r}")
         encoded, lengths = encode_sequences(_as_arrays(sequences))
-        writer.append(encoded, lengths)
+        try:
+            writer.append(encoded, lengths)
+        except BaseException as exc:
+            # Some of its chunks may be written, which cannot be taken back: were the writer
+            # kept, tokens and seq_starts would disagree in what it commits.
+            self._failed = f"an append failed ({type(exc).__name__}: {exc})"
+            self.abort()
+            raise
 
     def close(self) -> None:
-        """Flush every split and commit the dataset at ``path`` atomically (idempotent)."""
+        """Flush every split and commit the dataset at ``path`` atomically (idempotent).
+        Raises :class:`~asyncflat.errors.LoaderClosedError` once an append failed."""
+        if self._failed is not None:
+            self._check_open()
         if self._closed:
             return
         try:
@@ -383,6 +394,10 @@ class FlatTokensWriter:
             self.abort()
 
     def _check_open(self) -> None:
+        if self._failed is not None:
+            raise LoaderClosedError(
+                f"FlatTokensWriter for {self.path} was aborted, nothing committed: {self._failed}"
+            )
         if self._closed:
             raise LoaderClosedError(f"FlatTokensWriter for {self.path} is closed")
 

@@ -20,8 +20,10 @@ from asyncflat.text.tokenizer import check_tokenizer, load_tokenizer
 from asyncflat.writer.convert import ConvertOptions, ConvertReport, options_or_default
 from asyncflat.writer.distributed.layout import SplitLayout, StatsJob, plan_writes, split_stats
 from asyncflat.writer.distributed.pieces import (
+    PIECES,
     PieceInfo,
     TokenizeJob,
+    is_piece_file,
     read_manifests,
     tokenize_unit,
 )
@@ -107,16 +109,17 @@ def convert_distributed(
     )
     root = Location(os.fspath(output), options.storage_dict).root
     work = Location(work_dir or f"{root}.pieces", options.storage_dict)
-    # The single-machine writer's checks and staging; the root metadata held back until the
-    # commit, the array metadata written for the tasks to open.
-    out = open_output(
-        output,
-        overwrite=options.overwrite,
-        storage_options=options.storage_dict,
-        hold_back="root",
-        staging_tag=plan.digest[:12],
-    )
     with _task_runner(runner, ray_address) as run:
+        # Once the runner is up (a cluster that cannot be reached leaves the output as it
+        # was): the single-machine writer's checks and staging, the root metadata held back
+        # until the commit, the array metadata written for the tasks to open.
+        out = open_output(
+            output,
+            overwrite=options.overwrite,
+            storage_options=options.storage_dict,
+            hold_back="root",
+            staging_tag=plan.digest[:12],
+        )
         try:
             _claim_work_dir(work, plan)
             pieces, resumed = _tokenize_pass(run, plan, work, read, options.progress)
@@ -127,8 +130,9 @@ def convert_distributed(
             raise
         parallelism = run.parallelism
     log.info("committed %s (%d write tasks)", root, tasks)
-    if not keep_pieces:
-        work.remove("pieces", "plan.json")
+    if not keep_pieces:  # only what a conversion writes there: the folder may hold more
+        ours = [f"{PIECES}/{name}" for name in work.names(PIECES) if is_piece_file(name)]
+        work.remove(*ours, "plan.json")
     report = dataclasses.replace(
         _report(root, spec, plan, pieces, layouts, time.perf_counter() - t0),
         units_resumed=resumed,
@@ -237,7 +241,14 @@ class _ReadOptions:
 def _claim_work_dir(work: Location, plan: Plan) -> None:
     """Record the plan in ``work``; refuse a work dir that holds another conversion's pieces."""
     raw = work.get("plan.json")
-    if raw is not None:
+    if raw is None:
+        theirs = [name for name in work.names(PIECES) if not is_piece_file(name)]
+        if theirs:  # a folder of the user's, which removing the pieces would empty
+            raise ConfigError(
+                f"work directory {work.root} has a {PIECES}/ folder holding files no conversion "
+                f"writes ({', '.join(theirs[:3])}); pass another work_dir"
+            )
+    else:
         previous = json.loads(raw)
         if previous.get("digest") != plan.digest:
             old = previous.get("fingerprint", {})

@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 import json
 import os
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,11 +31,29 @@ from asyncflat.writer.convert import DOCS_PER_BATCH
 from asyncflat.writer.distributed.plan import Unit
 from asyncflat.writer.distributed.storage import Location
 
-__all__ = ["PieceInfo", "TokenizeJob", "piece_name", "read_manifests", "tokenize_unit"]
+__all__ = [
+    "PIECES",
+    "PieceInfo",
+    "TokenizeJob",
+    "is_piece_file",
+    "piece_name",
+    "read_manifests",
+    "tokenize_unit",
+]
+
+#: the folder of ``work_dir`` that holds the pieces
+PIECES = "pieces"
+#: a piece's object, or a local write of one that a killed task left (``Location.put``)
+_PIECE_FILE = re.compile(r"\d{8}\.(tokens|lengths|json)(\.tmp-[0-9a-f]{8})?")
 
 
 def piece_name(index: int, what: str) -> str:
-    return f"pieces/{index:08d}.{what}"
+    return f"{PIECES}/{index:08d}.{what}"
+
+
+def is_piece_file(name: str) -> bool:
+    """Whether ``name`` (an entry of the pieces folder) is one a conversion writes."""
+    return _PIECE_FILE.fullmatch(name) is not None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -92,18 +92,26 @@ class Location:
     def exists(self, name: str = "") -> bool:
         return bool(self.fs.exists(self.path(name) if name else self.root))
 
-    def remove_all(self) -> None:
-        if self.fs.exists(self.root):
-            self.fs.rm(self.root, recursive=True)
+    def names(self, folder: str) -> list[str]:
+        """The names of the entries in ``folder`` (none when it does not exist)."""
+        try:
+            return sorted(
+                os.path.basename(p.rstrip("/"))
+                for p in self.fs.ls(self.path(folder), detail=False)
+            )
+        except FileNotFoundError:
+            return []
 
     def remove(self, *names: str) -> None:
-        """Remove these entries (directories recursively), then the root if it is left empty:
-        never anything else a user keeps there."""
+        """Remove these objects, then on a local disk their folders and the root, each if it
+        is left empty: never anything else a user keeps there."""
         for name in names:
             if self.fs.exists(self.path(name)):
-                self.fs.rm(self.path(name), recursive=True)
+                self.fs.rm_file(self.path(name))
         if self.local:
-            try:
-                os.rmdir(self.root)
-            except OSError:
-                pass  # not empty: it holds something of the user's
+            folders = sorted({os.path.dirname(n) for n in names if "/" in n}, reverse=True)
+            for folder in [*folders, ""]:
+                try:
+                    os.rmdir(self.path(folder) if folder else self.root)
+                except OSError:
+                    pass  # not empty: it holds something of the user's
