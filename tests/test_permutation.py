@@ -385,6 +385,31 @@ def test_a_yielding_permutation_lets_other_threads_run_meanwhile() -> None:
     assert plain < yielding // 4, (yielding, plain, slices)
 
 
+@pytest.mark.parametrize(
+    ("n", "pauses"),
+    [
+        (1, 0),
+        (YIELD_SLICE, 0),
+        (YIELD_SLICE + 1, 1),
+        (3 * YIELD_SLICE, 2),
+        (32 * YIELD_SLICE + 1, 33),
+    ],
+)
+def test_a_yielding_permutation_pauses_only_between_its_slices(
+    n: int, pauses: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each pause costs the computing thread a wait for the GIL (up to a switch interval when
+    another thread runs Python): a permutation of one slice (a small buffer's rows, computed
+    at every jump) takes none, and a longer one pauses between its slices only (its swaps,
+    then its copy out in pieces of 32 slices), not after the last."""
+    sleeps: list[float] = []
+    sleep = time.sleep
+    monkeypatch.setattr(time, "sleep", lambda s: (sleeps.append(s), sleep(s))[1])
+    got = permutation(5, n, yield_gil=True, method="python")
+    np.testing.assert_array_equal(got, permutation(5, n, method="python"))
+    assert len(sleeps) == pauses, sleeps
+
+
 # -- stopping ----------------------------------------------------------------------------------
 
 

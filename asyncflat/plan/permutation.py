@@ -365,7 +365,9 @@ def _python_permutation(
 ) -> np.ndarray:
     """The literal Fisher-Yates in Python; with ``yield_gil``, cut into slices of
     ``YIELD_SLICE`` swaps with the GIL released between them (the same result), ``stop``
-    read between them."""
+    read between them. Only between them: each pause costs this thread a wait for the GIL
+    (up to a switch interval when another thread runs Python), so a permutation of one slice
+    takes none."""
     bounds = np.arange(1, n + 1, dtype=np.uint64)
     swaps = bit_generator.random_raw(n) % bounds  # numpy: short, and not worth slicing
     result = list(range(n))
@@ -377,15 +379,17 @@ def _python_permutation(
             result[i], result[j] = result[j], result[i]
         if yield_gil:
             _raise_if_stopped(stop)
-            time.sleep(YIELD_PAUSE_S)
+            if lo:
+                time.sleep(YIELD_PAUSE_S)
     _raise_if_stopped(stop)
     if not yield_gil:
         return np.array(result, dtype=np.uint32)
     out = np.empty(n, np.uint32)
     step = YIELD_SLICE * 32  # list -> array in pieces too (one piece of 2**16 holds ~2 ms)
     for lo in range(0, n, step):
+        if lo:
+            time.sleep(YIELD_PAUSE_S)
         out[lo : lo + step] = result[lo : lo + step]
-        time.sleep(YIELD_PAUSE_S)
     return out
 
 
