@@ -103,15 +103,26 @@ class Location:
             return []
 
     def remove(self, *names: str) -> None:
-        """Remove these objects, then on a local disk their folders and the root, each if it
-        is left empty: never anything else a user keeps there."""
-        for name in names:
-            if self.fs.exists(self.path(name)):
-                self.fs.rm_file(self.path(name))
-        if self.local:
-            folders = sorted({os.path.dirname(n) for n in names if "/" in n}, reverse=True)
-            for folder in [*folders, ""]:
-                try:
-                    os.rmdir(self.path(folder) if folder else self.root)
-                except OSError:
-                    pass  # not empty: it holds something of the user's
+        """Remove these objects (those that exist; in bulk requests on an object store), then
+        on a local disk their folders and the root, each if it is left empty: never anything
+        else a user keeps there."""
+        paths = [self.path(name) for name in names]
+        if not self.local:
+            try:
+                self.fs.rm(paths)
+            except FileNotFoundError:  # one went meanwhile: the others, one by one
+                for path in paths:
+                    if self.fs.exists(path):
+                        self.fs.rm_file(path)
+            return
+        for path in paths:
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+        folders = sorted({os.path.dirname(n) for n in names if "/" in n}, reverse=True)
+        for folder in [*folders, ""]:
+            try:
+                os.rmdir(self.path(folder) if folder else self.root)
+            except OSError:
+                pass  # not empty: it holds something of the user's
