@@ -298,10 +298,11 @@ class LocalOutput(Output):
         _check_replaceable(self.path, top, below)
 
     def commit(self) -> None:
+        old = None
+        committed = False
         try:
             _fsync_tree(self.staging)
             self._check_target()
-            old = None
             if os.path.lexists(self.path):
                 old = f"{self.path}.old-{secrets.token_hex(6)}"
                 os.rename(self.path, old)
@@ -311,14 +312,18 @@ class LocalOutput(Output):
                 if old is not None:
                     os.rename(old, self.path)  # put the previous dataset back
                 raise
+            # Committed from here on, whatever interrupts the rest (a Ctrl-C in the fsync):
+            # the staging directory is the dataset now, and the previous one goes.
+            committed = True
+            self._cleanup.detach()
             _fsync_dir(os.path.dirname(self.path))
         except OSError as exc:
             if isinstance(exc, StorageError):
                 raise
             raise _storage_error(exc, f"cannot commit {self.path}") from exc
-        self._cleanup.detach()
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        finally:
+            if committed and old is not None:
+                shutil.rmtree(old, ignore_errors=True)
 
     def abort(self) -> None:
         self.store.stop()
