@@ -38,6 +38,8 @@ from asyncflat import (
     EngineOptions,
     FlatTokensParams,
     LoaderClosedError,
+    MixtureParams,
+    MixtureSource,
     ShufflingLoader,
     TokenBatchParams,
 )
@@ -772,3 +774,52 @@ def test_a_builder_its_dropped_iterator_stopped_on_the_loop_is_joined_by_close(
     assert any(name.startswith("asyncflat-device-prefetch") for name in library_threads())
     loader.close()
     assert library_threads() == []
+
+
+@pytest.mark.parametrize("kind", ["plain", "mixture"])
+def test_a_loader_closed_on_one_of_its_own_pool_threads_does_not_wait_for_itself(
+    tmp_path_factory: pytest.TempPathFactory, kind: str
+) -> None:
+    """A loader dropped in a reference cycle is closed by the garbage collector, on whatever
+    thread allocates: one of its own loop's pool threads too (a decode job). Its loop's thread
+    waits for the pool's jobs as it ends, so close() there must not wait for the loop's thread:
+    it did, and both waited 15 s for each other. Here the collection runs as a store read's
+    job on the loader's own CPU pool (``asyncio.to_thread``)."""
+    path = random_store(tmp_path_factory, "pool-close", 3, 600, validation=30, chunk_tokens=500)
+    dropped = threading.Event()
+    collected: list[float] = []
+
+    def timed_collect() -> None:
+        t0 = time.monotonic()
+        gc.collect()
+        collected.append(time.monotonic() - t0)
+
+    class CollectingStore(FaultyStore):
+        async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
+            await asyncio.sleep(0.2)
+            if dropped.is_set() and not collected:
+                await asyncio.to_thread(timed_collect)
+            return await super().get(key, prototype, byte_range)
+
+    flat = FlatTokensParams(path, 1, 2, 8, seed=1, sequence_packing=True)
+    params: Any = flat if kind == "plain" else MixtureParams((MixtureSource(flat, 1.0),), steps=20)
+    gc.disable()  # the collection below is the one that finds the dropped loader
+    try:
+        loader = ShufflingLoader(
+            "train",
+            params,
+            TokenBatchParams(len=16, batch=8),
+            SINGLE,
+            options=EngineOptions(prefetch_to_device=0),
+            store_wrapper=CollectingStore if kind == "plain" else (CollectingStore,),
+        )
+        loader.load(0)  # its next minipoch then fills in the background, through the wrapper
+        cycle: list[Any] = [loader]
+        cycle.append(cycle)  # a reference cycle: dropped, it waits for the collector
+        del loader, cycle
+        dropped.set()
+        assert wait_until(lambda: bool(collected), 20), "no read ran after the drop"
+    finally:
+        gc.enable()
+    assert collected[0] < 5, collected
+    assert wait_until(lambda: not library_threads(), 10), library_threads()

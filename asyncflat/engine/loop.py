@@ -72,6 +72,13 @@ def _niceness_target(nice: int) -> int | None:
     return min(19, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + nice)
 
 
+def _pool_thread(threads: set[threading.Thread], target: int | None) -> None:
+    """A pool thread's initializer: note the thread among its loop's own (``threads``), and
+    lower its priority (:func:`_lower_priority`)."""
+    threads.add(threading.current_thread())
+    _lower_priority(target)
+
+
 def _lower_priority(target: int | None) -> None:
     """Give this thread the nice value ``target`` (Linux schedules threads as tasks).
 
@@ -107,6 +114,8 @@ class LoopThread:
         #: the thread that runs (or ran) the loop, kept after close(): a callback the loop runs
         #: after close() began still knows its own thread (:meth:`in_loop_thread`)
         self._thread: threading.Thread | None = None
+        #: the threads of the loop's pools: the loop's thread waits for them as it ends
+        self._pool_threads: set[threading.Thread] = set()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pid = os.getpid()
         self._closed = False
@@ -134,6 +143,7 @@ class LoopThread:
             if self._pid != os.getpid():
                 # The parent's thread does not exist here; its loop object is unusable.
                 self._loop = self._thread = self._executor = None
+                self._pool_threads = set()
                 self._pid = os.getpid()
             if self._loop is None:
                 self._start()
@@ -148,16 +158,16 @@ class LoopThread:
         self._executor = concurrent.futures.ThreadPoolExecutor(
             self._cpu_threads,
             thread_name_prefix=f"{self._name}-cpu",
-            initializer=_lower_priority,
-            initargs=(target,),
+            initializer=_pool_thread,
+            initargs=(self._pool_threads, target),
         )
         # zarr's codecs decode via asyncio.to_thread, i.e. on the loop's default executor.
         loop.set_default_executor(self._executor)
         background = concurrent.futures.ThreadPoolExecutor(
             1,
             thread_name_prefix=f"{self._name}-background",
-            initializer=_lower_priority,
-            initargs=(target,),
+            initializer=_pool_thread,
+            initargs=(self._pool_threads, target),
         )
         with contextlib.suppress(TypeError):  # a loop type that cannot be weakly held
             _background[loop] = background
@@ -209,12 +219,19 @@ class LoopThread:
         not wait for a thread that waits for this loop."""
         return self._thread is not None and threading.current_thread() is self._thread
 
+    def in_own_thread(self) -> bool:
+        """Whether the caller runs on the loop's thread or one of its pools' (a decode job, a
+        garbage collection that happens to run there): :meth:`close` from one of them cannot
+        wait for the loop's thread, which waits for them as it ends."""
+        return self.in_loop_thread() or threading.current_thread() in self._pool_threads
+
     def close(self, last: Coroutine[Any, Any, Any] | None = None) -> None:
         """Run ``last`` (bounded), cancel pending tasks, stop the loop. Idempotent.
 
         From another thread it returns once the loop thread has stopped (or after a bound of
-        about ``_LAST_WORDS_S + _JOIN_TIMEOUT_S`` seconds); from the loop's own thread it schedules
-        the shutdown and returns at once (the thread ends after the current callback).
+        about ``_LAST_WORDS_S + _JOIN_TIMEOUT_S`` seconds); from the loop's own thread or one of
+        its pools' (:meth:`in_own_thread`) it schedules the shutdown and returns at once (the
+        loop's thread ends after the current callback, and after the pools' current jobs).
         """
         with self._lock:
             if self._closed:
@@ -256,6 +273,10 @@ class LoopThread:
         try:
             asyncio.run_coroutine_threadsafe(shutdown(), loop)
         except RuntimeError:  # the loop already stopped (interpreter exit): nothing to run
+            return
+        if threading.current_thread() in self._pool_threads:
+            # A pool's thread: the loop's thread waits for this job as it ends.
+            log.debug("%s: shutdown scheduled from one of its pools' threads", self._name)
             return
         if thread is not None:
             thread.join(_LAST_WORDS_S + _JOIN_TIMEOUT_S)

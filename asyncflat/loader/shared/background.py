@@ -123,7 +123,7 @@ class BackgroundBuilder(Generic[T]):
         ``pacing`` decides when each build starts (default: :class:`BuildPacing`'s)."""
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
-        self._build = build
+        self._build: Callable[[int], T] | None = build
         self._stop_step = stop
         self._depth = depth
         self._cond = threading.Condition()
@@ -156,6 +156,10 @@ class BackgroundBuilder(Generic[T]):
         try:
             self._build_from(step)
         finally:
+            # ``build`` holds its loader: a stopped builder a registry still holds (retired,
+            # until the loader closes) must not keep the loader in a cycle the collector has
+            # to find.
+            self._build = None
             with self._cond:
                 if self._stopping:
                     # Retired or stopped: nobody takes from it any more (a take in progress
@@ -183,6 +187,7 @@ class BackgroundBuilder(Generic[T]):
                 self._cond.notify_all()
             started = time.perf_counter()
             try:
+                assert self._build is not None  # dropped only once this thread ends
                 future.set_result(self._build(step))
             except BaseException as exc:  # noqa: BLE001 (raised by whoever takes this step)
                 future.set_exception(exc)

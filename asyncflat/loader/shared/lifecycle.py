@@ -197,8 +197,8 @@ class Lifecycle(Generic[S]):
 
     def stop_prefetch(self, builder: BackgroundBuilder[Any], pin: Pin) -> None:
         pin.release()
-        # not from the loop's thread: the builder may be waiting on this very thread
-        self._prefetchers.stop(builder, join=not self._runner.in_loop_thread())
+        # not from the loop's threads: the builder may be waiting on this very thread
+        self._prefetchers.stop(builder, join=not self._runner.in_own_thread())
 
     def release_collected(self, builder: BackgroundBuilder[Any] | None, pin: Pin) -> None:
         """What a collected iterator held (its pin, its builder), let go of on the loop's
@@ -277,8 +277,10 @@ class Lifecycle(Generic[S]):
         # no new builds start; a build in progress fails fast below
         prefetchers = self._prefetchers.close()
         server = self._server
-        own_thread = self._runner.in_loop_thread()
-        if own_thread and server is not None:
+        # On the loop's own threads close() only schedules the shutdown: the loop's thread
+        # waits for them as it ends (and for the builders, which wait on the loop).
+        own_thread = self._runner.in_own_thread()
+        if self._runner.in_loop_thread() and server is not None:
             server.release()  # on the loop's thread nothing else runs on the loop: free now
         try:
             if server is not None and self._pid == os.getpid():
