@@ -50,8 +50,9 @@ def client_of(storage_options: Mapping[str, Any] | None) -> str:
     return str(client)
 
 
-def _int_field(owner: object, name: str, *, minimum: int) -> None:
-    """Normalise ``owner.name`` to a Python int >= minimum, or raise ConfigError naming it."""
+def _int_field(owner: object, name: str, *, minimum: int, maximum: int | None = None) -> None:
+    """Normalise ``owner.name`` to a Python int in [minimum, maximum], or raise ConfigError
+    naming it."""
     value = getattr(owner, name)
     if isinstance(value, bool):
         raise ConfigError(f"{type(owner).__name__}.{name} must be an integer, got bool {value!r}")
@@ -63,6 +64,8 @@ def _int_field(owner: object, name: str, *, minimum: int) -> None:
         ) from None
     if as_int < minimum:
         raise ConfigError(f"{type(owner).__name__}.{name} must be >= {minimum}, got {as_int}")
+    if maximum is not None and as_int > maximum:
+        raise ConfigError(f"{type(owner).__name__}.{name} must be <= {maximum:,}, got {as_int:,}")
     object.__setattr__(owner, name, as_int)
 
 
@@ -80,6 +83,9 @@ def step_argument(value: object, name: str = "step") -> int:
         )
     return int(value)
 
+
+#: the most ``EngineOptions.max_concurrent_reads`` and ``decode_threads``
+MAX_WORKERS = 1024
 
 #: ``EngineOptions.fill_on_open``'s values
 FILL_ON_OPEN = ("local", "always", "never")
@@ -323,8 +329,10 @@ class EngineOptions:
 
     def __post_init__(self) -> None:
         _bool_field(self, "prefetch")
-        _int_field(self, "max_concurrent_reads", minimum=1)
-        _int_field(self, "decode_threads", minimum=1)
+        # One task (reads) and one thread (decodes) each: a bound far above any useful value,
+        # so that a typo is an error, not a loader that starts 10**5 tasks.
+        _int_field(self, "max_concurrent_reads", minimum=1, maximum=MAX_WORKERS)
+        _int_field(self, "decode_threads", minimum=1, maximum=MAX_WORKERS)
         _float_field(self, "load_timeout_s", minimum=0.0, optional=True)
         if self.max_buffer_bytes is not None:
             _int_field(self, "max_buffer_bytes", minimum=1)

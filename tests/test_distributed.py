@@ -933,8 +933,8 @@ def test_a_runner_that_cannot_start_leaves_the_output_as_it_was(
     replace is still there."""
     import fsspec
 
-    from asyncflat.writer.flat_tokens import write_flat_tokens
     from asyncflat.writer.distributed import driver
+    from asyncflat.writer.flat_tokens import write_flat_tokens
 
     class Unreachable:
         def __init__(self, address: str | None) -> None:
@@ -942,7 +942,7 @@ def test_a_runner_that_cannot_start_leaves_the_output_as_it_was(
 
     monkeypatch.setattr(driver, "RayRunner", Unreachable)
     run: dict[str, Any] = dict(runner="ray", ray_address="127.0.0.1:1")
-    with pytest.raises(ConnectionError, match="127.0.0.1:1"):
+    with pytest.raises(ConnectionError, match=r"127\.0\.0\.1:1"):
         convert_distributed([corpus], tmp_path / "out.zarr", options=ConvertOptions(**SPLIT), **run)
     assert not list(tmp_path.glob("out.zarr*"))
     url = "memory://kept-by-a-failed-start"

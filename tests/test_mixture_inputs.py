@@ -4,7 +4,9 @@ of range, a source too small for the batch, unreadable config files, flags that 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 from conftest import random_sequences
 
@@ -13,12 +15,14 @@ from asyncflat import (
     ConfigError,
     EngineOptions,
     FlatTokensParams,
+    LoaderClosedError,
     MixtureParams,
     MixtureSource,
     StepOutOfRangeError,
     TokenBatchParams,
 )
 from asyncflat.cli import main
+from asyncflat.errors import ArgumentTypeError
 from asyncflat.loader.mixture.config import MAX_BLOCK_ROWS, MAX_STEPS
 
 BATCH = TokenBatchParams(len=16, batch=8)
@@ -51,15 +55,45 @@ def test_block_rows_and_steps_beyond_reach_fail_at_construction(stores: list[str
     assert MixtureParams(sources, block_rows=MAX_BLOCK_ROWS, steps=MAX_STEPS).steps == MAX_STEPS
 
 
-def test_sources_of_a_step_out_of_range_is_a_step_error(stores: list[str]) -> None:
+def test_sources_and_groups_of_a_step_out_of_range_is_a_step_error(stores: list[str]) -> None:
+    """``sources`` and ``groups`` check their step as ``load`` does (``groups`` made up a pass
+    15873 of a 10-step mixture for step 10**6, took ``True`` for step 1, and answered after
+    close)."""
     params = MixtureParams(
         (MixtureSource(flat(stores[0]), 1.0), MixtureSource(flat(stores[0]), 1.0)), block_rows=8
     )
     with asyncflat.ShufflingLoader("train", params, BATCH, options=OPTIONS) as loader:
         assert len(loader.sources(0)) == BATCH.batch
+
+        def key(step: Any) -> list[tuple[int, int, int]]:
+            return [(g.source, g.epoch, g.step) for g in loader.groups(step)]
+
+        assert key(np.int64(1)) == key(1)
         for step in (-1, loader.step_count, 2**70):
             with pytest.raises(StepOutOfRangeError):
                 loader.sources(step)
+            with pytest.raises(StepOutOfRangeError):
+                loader.groups(step)
+        for wrong in (True, 3.0, "3"):
+            with pytest.raises(ArgumentTypeError):
+                loader.groups(wrong)  # type: ignore[arg-type]
+    with pytest.raises(LoaderClosedError):
+        loader.groups(0)
+
+
+def test_a_seed_beyond_64_bits_and_a_bool_epoch_are_refused(stores: list[str]) -> None:
+    """Seed bits from 64 up met the row placement's tag: seed 2**67 placed rows as seed 0
+    did. ``epoch=True`` served epoch 1 (the plain loader refuses a bool)."""
+    sources = (MixtureSource(flat(stores[0]), 1.0), MixtureSource(flat(stores[0]), 1.0))
+    assert MixtureParams(sources, seed=2**64 - 1).seed == 2**64 - 1
+    with pytest.raises(ConfigError, match=r"MixtureParams\.seed must be <= "):
+        MixtureParams(sources, seed=2**64)
+    params = MixtureParams(sources, block_rows=8)
+    with pytest.raises(ArgumentTypeError, match="epoch must be a Python or numpy integer"):
+        asyncflat.ShufflingLoader("train", params, BATCH, options=OPTIONS, epoch=True)
+    for name in ("start_epoch", "start_step", "epochs"):
+        with pytest.raises(ArgumentTypeError, match=f"{name} must be"):
+            asyncflat.iter_epochs("train", params, BATCH, options=OPTIONS, **{name: True})
 
 
 def test_a_source_too_small_for_the_batch_is_named(stores: list[str]) -> None:

@@ -802,6 +802,16 @@ PARAM_CASES: list[tuple[str, Callable[[], Any], str]] = [
         lambda: EngineOptions(decode_threads=0),
         r"decode_threads must be >= 1, got 0",
     ),
+    (  # one task each: 10**5 made a loader take seconds to open, 2**70 hung it
+        "reads 10**5",
+        lambda: EngineOptions(max_concurrent_reads=10**5),
+        r"max_concurrent_reads must be <= 1,024, got 100,000",
+    ),
+    (
+        "decode threads 2**70",
+        lambda: EngineOptions(decode_threads=2**70),
+        r"decode_threads must be <= 1,024, got 1,180,591,620,717,411,303,424",
+    ),
     (
         "timeout negative",
         lambda: EngineOptions(load_timeout_s=-1),

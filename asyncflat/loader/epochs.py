@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 from jax.sharding import Sharding
 
 from asyncflat._typecheck import checked
-from asyncflat.config import EngineOptions, FlatTokensParams, TokenBatchParams
+from asyncflat.config import EngineOptions, FlatTokensParams, TokenBatchParams, step_argument
 from asyncflat.errors import AsyncflatError, ConfigError, LoaderClosedError
 from asyncflat.loader.mixture.config import MixtureParams
 from asyncflat.loader.mixture.loader import MixtureLoader
@@ -81,6 +81,10 @@ def iter_epochs(
     epoch being served (for ``stats()``). A :class:`MixtureParams` chains the epochs of a
     :class:`~asyncflat.loader.mixture.loader.MixtureLoader` (see the module's docstring).
     """
+    start_epoch = step_argument(start_epoch, "iter_epochs: start_epoch")
+    start_step = step_argument(start_step, "iter_epochs: start_step")
+    if epochs is not None:
+        epochs = step_argument(epochs, "iter_epochs: epochs")
     if start_epoch < 0:
         raise ConfigError(f"iter_epochs: start_epoch must be >= 0, got {start_epoch}")
     if start_step < 0:

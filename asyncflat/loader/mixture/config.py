@@ -148,7 +148,9 @@ class MixtureParams:
         if not sum(s.weight for s in built) > 0:
             raise ConfigError("MixtureParams.sources: the weights must have a positive sum")
         object.__setattr__(self, "sources", built)
-        object.__setattr__(self, "seed", _int("MixtureParams.seed", self.seed, minimum=0))
+        # 64 bits: the row placement's key puts a tag above them (plan/mixture.py)
+        seed = _int("MixtureParams.seed", self.seed, minimum=0, maximum=2**64 - 1)
+        object.__setattr__(self, "seed", seed)
         object.__setattr__(
             self,
             "block_rows",

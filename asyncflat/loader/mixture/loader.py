@@ -76,6 +76,7 @@ class MixtureLoader:
         batch_type: BatchType = TokenBatch,
         epoch: int = 0,
     ) -> None:
+        epoch = step_argument(epoch, "epoch")
         if epoch < 0:
             raise ConfigError(f"epoch must be >= 0, got {epoch}")
         if split not in SPLITS:
@@ -189,6 +190,9 @@ class MixtureLoader:
 
     def groups(self, step: int) -> list[RowGroup]:
         """Which source rows (source, pass, source step, rows) make this host's rows of ``step``."""
+        step = step_argument(step)
+        self._life.check_open()
+        self._rows.check_step(step)
         return self._rows.groups(step)
 
     def sources(self, step: int) -> np.ndarray:

@@ -96,8 +96,7 @@ class Location:
         """The names of the entries in ``folder`` (none when it does not exist)."""
         try:
             return sorted(
-                os.path.basename(p.rstrip("/"))
-                for p in self.fs.ls(self.path(folder), detail=False)
+                os.path.basename(p.rstrip("/")) for p in self.fs.ls(self.path(folder), detail=False)
             )
         except FileNotFoundError:
             return []
