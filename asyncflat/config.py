@@ -283,7 +283,8 @@ class EngineOptions:
 
     * ``prefetch``: fill minipoch m+1 while m serves. ``False`` reproduces the reference's
       synchronous behaviour (a load at a boundary waits for the whole buffer), for comparisons.
-    * ``max_concurrent_reads``: reads in flight over all streams and fills (a sliding window).
+    * ``max_concurrent_reads``: reads in flight over all streams and fills (a sliding window;
+      at most :data:`MAX_WORKERS`, as ``decode_threads``).
     * ``decode_threads``: threads that decompress chunks and pad rows, off the event loop
       (default: :func:`default_decode_threads`, half the CPUs, 2 to 8).
     * ``load_timeout_s``: ``load()`` raises LoadTimeoutError after this long (None: no limit).
