@@ -619,3 +619,20 @@ def test_a_pass_filling_ahead_that_a_jump_closes_warns_of_nothing(
     assert len(warnings) == 1 and "source1.zarr/train: 65 of 1,217 tokens" in warnings[0]
     with asyncflat.ShufflingLoader("train", mixture, BATCH, options=OPTIONS) as fresh:
         np.testing.assert_array_equal(jumped, encoded(fresh.load(pass_3)))
+
+
+def test_an_iterator_of_a_dropped_mixture_loader_serves_every_step(stores: list[str]) -> None:
+    """``for step, batch in ShufflingLoader(mixture, ...).iter()``: nothing but the iterator
+    holds the loader, whose passes still open as the sources run out (a loader that held its
+    pass opener weakly, to be freed without the collector, ended such a loop with
+    LoaderClosedError at the first pass it had to open)."""
+    mixture = MixtureParams((MixtureSource(flat(stores[1]), 1.0),), steps=60)
+    with asyncflat.ShufflingLoader("train", mixture, BATCH, options=OPTIONS) as kept:
+        assert kept.groups(59)[0].epoch >= 2  # the loop below opens passes 1 and 2
+    served = [
+        step
+        for step, _batch in asyncflat.ShufflingLoader(
+            "train", mixture, BATCH, options=OPTIONS
+        ).iter()
+    ]
+    assert served == list(range(60))
