@@ -916,6 +916,18 @@ def test_a_pieces_folder_of_the_users_in_work_dir_is_refused_and_never_emptied(
         convert_distributed([corpus], tmp_path / "out.zarr", work_dir=str(work), **run)
     assert sorted(p.name for p in (work / "pieces").iterdir()) == ["my_notes.txt"]
     assert not (tmp_path / "out.zarr").exists()
+    # refused before the output opens: an overwrite at a URL has not removed the dataset there
+    import fsspec
+
+    from asyncflat.writer.flat_tokens import write_flat_tokens
+
+    url = "memory://kept-by-a-refused-work-dir"
+    write_flat_tokens(url, {"train": [np.arange(1, 9)], "validation": [np.arange(1, 5)]})
+    before = fsspec.filesystem("memory").find(url)
+    replacing = ConvertOptions(overwrite=True, **SPLIT)
+    with pytest.raises(ConfigError, match=r"pieces/ folder holding files no conversion writes"):
+        convert_distributed([corpus], url, work_dir=str(work), runner="local", options=replacing)
+    assert before and fsspec.filesystem("memory").find(url) == before
     (work / "pieces" / "my_notes.txt").unlink()
     killed = work / "pieces" / "00000000.tokens.tmp-0123abcd"  # a killed task's local write
     killed.write_bytes(b"\0" * 8)
@@ -952,3 +964,27 @@ def test_a_runner_that_cannot_start_leaves_the_output_as_it_was(
     with pytest.raises(ConnectionError):
         convert_distributed([corpus], url, options=replacing, **run)
     assert before and fsspec.filesystem("memory").find(url) == before
+
+
+def test_removing_pieces_from_a_work_dir_named_like_a_glob_touches_nothing_else() -> None:
+    """fsspec's bulk ``rm`` expands glob characters: removing the pieces of a work dir at
+    ``memory://runs/exp[12]`` removed those of ``runs/exp1`` and ``runs/exp2`` and kept its
+    own."""
+    import fsspec
+
+    from asyncflat.writer.distributed.storage import Location
+
+    fs = fsspec.filesystem("memory")
+    try:
+        for root in ("/runs/exp[12]", "/runs/exp1", "/runs/exp2"):
+            fs.pipe_file(f"{root}/pieces/00000000.tokens", b"x")
+            fs.pipe_file(f"{root}/plan.json", b"{}")
+        work = Location("memory://runs/exp[12]")
+        work.remove(*[f"pieces/{name}" for name in work.names("pieces")], "plan.json")
+        assert sorted(fs.find("/runs")) == [
+            f"/runs/{d}/{f}"
+            for d in ("exp1", "exp2")
+            for f in ("pieces/00000000.tokens", "plan.json")
+        ]
+    finally:
+        fs.rm("/runs", recursive=True)

@@ -823,3 +823,44 @@ def test_a_loader_closed_on_one_of_its_own_pool_threads_does_not_wait_for_itself
         gc.enable()
     assert collected[0] < 5, collected
     assert wait_until(lambda: not library_threads(), 10), library_threads()
+
+
+def test_a_loader_closed_on_its_block_orders_thread_does_not_wait_for_itself(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same as a pool thread, on the thread that computes the plan's block order (joined
+    as the engine closes): a loader dropped in a cycle and collected there waited 15 s."""
+    from asyncflat.plan.shuffle import ShufflePlan
+
+    path = random_store(tmp_path_factory, "plan-close", 3, 600, validation=30, chunk_tokens=500)
+    dropped = threading.Event()
+    collected: list[float] = []
+    compute = ShufflePlan.compute_block_order
+
+    def collecting(self: ShufflePlan, stop: Any = None, out: Any = None) -> Any:
+        if threading.current_thread().name == "asyncflat-plan" and not collected:
+            dropped.wait(10)
+            t0 = time.monotonic()
+            gc.collect()
+            collected.append(time.monotonic() - t0)
+        return compute(self, stop, out)
+
+    monkeypatch.setattr(ShufflePlan, "compute_block_order", collecting)
+    gc.disable()  # the collection below is the one that finds the dropped loader
+    try:
+        loader = ShufflingLoader(
+            "train",
+            FlatTokensParams(path, 1, 2, 8, seed=1, sequence_packing=True),
+            TokenBatchParams(len=16, batch=8),
+            SINGLE,
+            options=EngineOptions(prefetch_to_device=0),
+        )
+        cycle: list[Any] = [loader]
+        cycle.append(cycle)
+        del loader, cycle
+        dropped.set()
+        assert wait_until(lambda: bool(collected), 40), "the block order was never computed"
+    finally:
+        gc.enable()
+    assert collected[0] < 5, collected
+    assert wait_until(lambda: not library_threads(), 10), library_threads()

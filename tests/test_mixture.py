@@ -614,8 +614,9 @@ def test_a_pass_filling_ahead_that_a_jump_closes_warns_of_nothing(
         wait_until(lambda: len(opened) == 2, "the next pass to open")
         wait_until(lambda: opened[1].counts.requests > 0, "the next pass to read")
         jumped = encoded(loader.load(pass_3))  # opens pass 3, closes pass 1 mid-fill
+        loader.load(0)  # opens pass 0 again
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    # the one warning is of the small source's rows never served, once for its four passes
+    # the one warning is of the small source's rows never served, once for its five opens
     assert len(warnings) == 1 and "source1.zarr/train: 65 of 1,217 tokens" in warnings[0]
     with asyncflat.ShufflingLoader("train", mixture, BATCH, options=OPTIONS) as fresh:
         np.testing.assert_array_equal(jumped, encoded(fresh.load(pass_3)))

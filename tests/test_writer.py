@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import json
 import os
@@ -436,32 +437,44 @@ def test_failed_overwrite_keeps_old_dataset(tmp_path: Path) -> None:
     assert leftovers(tmp_path) == []
 
 
-@pytest.mark.parametrize("interrupt", ["after the rename", "before the rename"])
-def test_a_ctrl_c_during_an_overwrites_commit_leaves_one_dataset_and_no_orphan(
+@pytest.mark.parametrize("interrupt", ["ctrl-c after the rename", "ctrl-c before", "eio after"])
+def test_an_overwrites_commit_interrupted_leaves_one_dataset_and_no_orphan(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, interrupt: str
 ) -> None:
     """The commit moves the previous dataset aside, renames the new one in, then flushes the
     parent directory. A Ctrl-C in that last flush comes after the commit: the new dataset is
     in place and the previous one, moved aside, is removed (it was left behind as an orphan
-    ``<path>.old-*``). One in a flush before the rename leaves the previous dataset as it was."""
+    ``<path>.old-*``). One in a flush before the rename leaves the previous dataset as it was.
+    A disk error in the last flush says the commit happened but may not be durable, and keeps
+    the previous dataset where it names it (it was removed, under "cannot commit")."""
     write_flat_tokens(tmp_path / "d", {"train": [[1, 2, 3]]})
     fsync = os.fsync
     parent = str(tmp_path)
 
     def interrupted(fd: int) -> None:
         where = os.readlink(f"/proc/self/fd/{fd}")
-        after = interrupt == "after the rename" and where == parent
-        if after or (interrupt == "before the rename" and ".partial-" in where):
+        if interrupt == "ctrl-c before" and ".partial-" in where:
             raise KeyboardInterrupt
+        if where == parent and interrupt == "ctrl-c after the rename":
+            raise KeyboardInterrupt
+        if where == parent and interrupt == "eio after":
+            raise OSError(errno.EIO, "Input/output error")
         fsync(fd)
 
     monkeypatch.setattr(os, "fsync", interrupted)
-    with pytest.raises(KeyboardInterrupt):
+    error = StorageError if interrupt == "eio after" else KeyboardInterrupt
+    with pytest.raises(error) as info:
         write_flat_tokens(tmp_path / "d", {"train": [[7]]}, overwrite=True)
     monkeypatch.setattr(os, "fsync", fsync)
-    expected = [[7]] if interrupt == "after the rename" else [[1, 2, 3]]
+    expected = [[1, 2, 3]] if interrupt == "ctrl-c before" else [[7]]
     assert_same_sequences(read_back(tmp_path / "d", "train"), expected)
-    assert leftovers(tmp_path) == []
+    if interrupt == "eio after":
+        (kept,) = leftovers(tmp_path)
+        assert str(info.value).startswith(f"committed {tmp_path / 'd'}, but flushing")
+        assert f"the previous dataset is kept at {tmp_path / kept}" in str(info.value)
+        assert_same_sequences(read_back(tmp_path / kept, "train"), [[1, 2, 3]])
+    else:
+        assert leftovers(tmp_path) == []
 
 
 def test_close_is_idempotent_and_append_after_close_fails(tmp_path: Path) -> None:

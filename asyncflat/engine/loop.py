@@ -51,6 +51,22 @@ _background: weakref.WeakKeyDictionary[Any, concurrent.futures.Executor] = (
 )
 
 
+#: each running loop's own threads (its pools', and those it joins as it closes: the block
+#: order's), for :meth:`LoopThread.in_own_thread`
+_own_threads: weakref.WeakKeyDictionary[Any, set[threading.Thread]] = weakref.WeakKeyDictionary()
+
+
+def adopt_thread(thread: threading.Thread) -> None:
+    """Count ``thread`` (started from the running loop, and joined by it as its engine
+    closes) among the loop's own, like its pools' threads: a ``close()`` that runs there (a
+    garbage collection) schedules the shutdown instead of waiting for the loop, which waits
+    for this thread. A no-op on a loop this module did not start."""
+    with contextlib.suppress(RuntimeError, TypeError):  # no running loop; not weakly held
+        own = _own_threads.get(asyncio.get_running_loop())
+        if own is not None:
+            own.add(thread)
+
+
 def background_executor() -> concurrent.futures.Executor | None:
     """The running loop's one-thread pool for work done ahead of the loads that need it (a
     next minipoch's permutation, the pages of the first prefetch's buffer), or None on a loop
@@ -114,7 +130,8 @@ class LoopThread:
         #: the thread that runs (or ran) the loop, kept after close(): a callback the loop runs
         #: after close() began still knows its own thread (:meth:`in_loop_thread`)
         self._thread: threading.Thread | None = None
-        #: the threads of the loop's pools: the loop's thread waits for them as it ends
+        #: the threads of the loop's pools, and others it joins as it closes
+        #: (:func:`adopt_thread`): the loop's thread waits for them as it ends
         self._pool_threads: set[threading.Thread] = set()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pid = os.getpid()
@@ -171,6 +188,7 @@ class LoopThread:
         )
         with contextlib.suppress(TypeError):  # a loop type that cannot be weakly held
             _background[loop] = background
+            _own_threads[loop] = self._pool_threads
         started = threading.Event()
         executor = self._executor
         roots = self._roots
@@ -220,9 +238,10 @@ class LoopThread:
         return self._thread is not None and threading.current_thread() is self._thread
 
     def in_own_thread(self) -> bool:
-        """Whether the caller runs on the loop's thread or one of its pools' (a decode job, a
-        garbage collection that happens to run there): :meth:`close` from one of them cannot
-        wait for the loop's thread, which waits for them as it ends."""
+        """Whether the caller runs on the loop's thread, one of its pools' or another it joins
+        as it closes (:func:`adopt_thread`; a decode job, a garbage collection that happens to
+        run there): :meth:`close` from one of them cannot wait for the loop's thread, which
+        waits for them as it ends."""
         return self.in_loop_thread() or threading.current_thread() in self._pool_threads
 
     def close(self, last: Coroutine[Any, Any, Any] | None = None) -> None:
@@ -275,7 +294,7 @@ class LoopThread:
         except RuntimeError:  # the loop already stopped (interpreter exit): nothing to run
             return
         if threading.current_thread() in self._pool_threads:
-            # A pool's thread: the loop's thread waits for this job as it ends.
+            # A pool's thread (or an adopted one): the loop's thread waits for it as it ends.
             log.debug("%s: shutdown scheduled from one of its pools' threads", self._name)
             return
         if thread is not None:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from asyncflat.engine.loop import background_executor
+from asyncflat.engine.loop import adopt_thread, background_executor
 from asyncflat.errors import AsyncflatError, LoaderClosedError
 from asyncflat.plan.permutation import Stop, Stopped, ensure_kernel
 from asyncflat.plan.shuffle import ShufflePlan
@@ -89,6 +89,7 @@ def block_order_off_loop(
     # ``pages`` as an argument: the thread drops it once run (the Thread object is kept until
     # closing, and the whole array must not live on where only some columns are kept).
     thread = threading.Thread(target=compute, args=(pages,), name="asyncflat-plan", daemon=True)
+    adopt_thread(thread)  # joined as the engine closes: a close() there must not wait for that
     thread.start()
     return order, thread
 

@@ -312,11 +312,20 @@ class LocalOutput(Output):
                 if old is not None:
                     os.rename(old, self.path)  # put the previous dataset back
                 raise
-            # Committed from here on, whatever interrupts the rest (a Ctrl-C in the fsync):
-            # the staging directory is the dataset now, and the previous one goes.
+            # Committed from here on, whatever interrupts the rest (a Ctrl-C in the flush):
+            # the staging directory is the dataset now, and the previous one goes...
             committed = True
             self._cleanup.detach()
-            _fsync_dir(os.path.dirname(self.path))
+            try:
+                _fsync_dir(os.path.dirname(self.path))
+            except OSError as exc:  # ...unless the disk failed: it may be needed back
+                kept, old = old, None
+                keeping = f"; the previous dataset is kept at {kept}" if kept else ""
+                raise _storage_error(
+                    exc,
+                    f"committed {self.path}, but flushing its directory failed, so the commit "
+                    f"may not survive a crash{keeping}",
+                ) from exc
         except OSError as exc:
             if isinstance(exc, StorageError):
                 raise

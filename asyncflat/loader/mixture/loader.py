@@ -157,6 +157,8 @@ class MixtureLoader:
         )
 
     async def _open_pass(self, index: int, epoch: int) -> Engine:
+        source = self._sources[index]
+        warn_sizes, source.sizes_warned = not source.sizes_warned, True
         engine = await open_engine(
             self.split,
             self.params.sources[index].params,
@@ -166,7 +168,7 @@ class MixtureLoader:
             epoch=epoch,
             store_wrapper=self._store_wrappers[index],
             fill_on_open=False,  # the first passes' once the budget is checked (see _open)
-            warn_sizes=epoch == 0,  # every pass drops the same rows: said once, at the first
+            warn_sizes=warn_sizes,
         )
         self._life.keep(engine)  # its tasks never die with a dropped loader's cycle
         return engine

@@ -42,6 +42,8 @@ class SourceState:
     step_count: int = 0
     last_minipoch_step: int = 0
     buffer_bytes: int = 0  # this host's shuffle buffers of one pass (2 per stream)
+    #: its rows never served were warned of (every pass drops the same: said once)
+    sizes_warned: bool = False
     rows: int = 0
     passes: int = 1
 

@@ -109,6 +109,7 @@ def convert_distributed(
     )
     root = Location(os.fspath(output), options.storage_dict).root
     work = Location(work_dir or f"{root}.pieces", options.storage_dict)
+    resuming = _check_work_dir(work, plan)  # before anything is started, opened or removed
     with _task_runner(runner, ray_address) as run:
         # Once the runner is up (a cluster that cannot be reached leaves the output as it
         # was): the single-machine writer's checks and staging, the root metadata held back
@@ -121,7 +122,8 @@ def convert_distributed(
             staging_tag=plan.digest[:12],
         )
         try:
-            _claim_work_dir(work, plan)
+            if not resuming:
+                work.put("plan.json", plan.to_json().encode())
             pieces, resumed = _tokenize_pass(run, plan, work, read, options.progress)
             layouts = _layouts(run, pieces, work, options.validation_fraction, options.seed)
             tasks = _write_pass(run, out, layouts, work, options, write_run_tokens)
@@ -238,8 +240,9 @@ class _ReadOptions:
     max_document_bytes: int
 
 
-def _claim_work_dir(work: Location, plan: Plan) -> None:
-    """Record the plan in ``work``; refuse a work dir that holds another conversion's pieces."""
+def _check_work_dir(work: Location, plan: Plan) -> bool:
+    """Whether ``work`` holds this plan's pieces (a rerun resumes from them); refuse one that
+    holds another conversion's, or a ``pieces/`` folder of the user's. Reads only."""
     raw = work.get("plan.json")
     if raw is None:
         theirs = [name for name in work.names(PIECES) if not is_piece_file(name)]
@@ -248,20 +251,19 @@ def _claim_work_dir(work: Location, plan: Plan) -> None:
                 f"work directory {work.root} has a {PIECES}/ folder holding files no conversion "
                 f"writes ({', '.join(theirs[:3])}); pass another work_dir"
             )
-    else:
-        previous = json.loads(raw)
-        if previous.get("digest") != plan.digest:
-            old = previous.get("fingerprint", {})
-            changed = sorted(
-                k for k in set(old) | set(plan.fingerprint) if old.get(k) != plan.fingerprint.get(k)
-            )
-            raise ConfigError(
-                f"work directory {work.root} holds pieces of a different conversion (changed since: "
-                f"{', '.join(changed)}); delete it, or pass another work_dir, to start afresh"
-            )
-        log.info("resuming from the pieces in %s", work.root)
-        return
-    work.put("plan.json", plan.to_json().encode())
+        return False
+    previous = json.loads(raw)
+    if previous.get("digest") != plan.digest:
+        old = previous.get("fingerprint", {})
+        changed = sorted(
+            k for k in set(old) | set(plan.fingerprint) if old.get(k) != plan.fingerprint.get(k)
+        )
+        raise ConfigError(
+            f"work directory {work.root} holds pieces of a different conversion (changed since: "
+            f"{', '.join(changed)}); delete it, or pass another work_dir, to start afresh"
+        )
+    log.info("resuming from the pieces in %s", work.root)
+    return True
 
 
 def _tokenize_pass(

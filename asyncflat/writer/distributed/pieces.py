@@ -44,7 +44,7 @@ __all__ = [
 #: the folder of ``work_dir`` that holds the pieces
 PIECES = "pieces"
 #: a piece's object, or a local write of one that a killed task left (``Location.put``)
-_PIECE_FILE = re.compile(r"\d{8}\.(tokens|lengths|json)(\.tmp-[0-9a-f]{8})?")
+_PIECE_FILE = re.compile(r"\d{8,}\.(tokens|lengths|json)(\.tmp-[0-9a-f]{8})?")
 
 
 def piece_name(index: int, what: str) -> str:

@@ -93,13 +93,17 @@ class Location:
         return bool(self.fs.exists(self.path(name) if name else self.root))
 
     def names(self, folder: str) -> list[str]:
-        """The names of the entries in ``folder`` (none when it does not exist)."""
+        """The names of the entries in ``folder`` (none when it does not exist). A bucket
+        lists a folder's marker object (``folder/``, what a console's "create folder" makes)
+        under the folder's own name: not an entry."""
         try:
-            return sorted(
-                os.path.basename(p.rstrip("/")) for p in self.fs.ls(self.path(folder), detail=False)
-            )
+            listed = self.fs.ls(self.path(folder), detail=False)
         except FileNotFoundError:
             return []
+        names = {os.path.basename(p.rstrip("/")) for p in listed}
+        if not self.local:
+            names.discard(os.path.basename(folder.rstrip("/")))
+        return sorted(names)
 
     def remove(self, *names: str) -> None:
         """Remove these objects (those that exist; in bulk requests on an object store), then
@@ -107,12 +111,17 @@ class Location:
         else a user keeps there."""
         paths = [self.path(name) for name in names]
         if not self.local:
-            try:
-                self.fs.rm(paths)
-            except FileNotFoundError:  # one went meanwhile: the others, one by one
-                for path in paths:
-                    if self.fs.exists(path):
-                        self.fs.rm_file(path)
+            # fsspec's bulk rm expands glob characters (a work dir "runs/exp[12]" would remove
+            # runs/exp1 and runs/exp2): such paths go one literal request each.
+            if not any(c in path for path in paths for c in "*?["):
+                try:
+                    self.fs.rm(paths)
+                    return
+                except FileNotFoundError:  # one went meanwhile: the others one by one
+                    pass
+            for path in paths:
+                if self.fs.exists(path):
+                    self.fs.rm_file(path)
             return
         for path in paths:
             try:
