@@ -53,7 +53,9 @@ _background: weakref.WeakKeyDictionary[Any, concurrent.futures.Executor] = (
 
 #: each running loop's own threads (its pools', and those it joins as it closes: the block
 #: order's), for :meth:`LoopThread.in_own_thread`
-_own_threads: weakref.WeakKeyDictionary[Any, set[threading.Thread]] = weakref.WeakKeyDictionary()
+_own_threads: weakref.WeakKeyDictionary[Any, weakref.WeakSet[threading.Thread]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def adopt_thread(thread: threading.Thread) -> None:
@@ -88,7 +90,7 @@ def _niceness_target(nice: int) -> int | None:
     return min(19, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + nice)
 
 
-def _pool_thread(threads: set[threading.Thread], target: int | None) -> None:
+def _pool_thread(threads: weakref.WeakSet[threading.Thread], target: int | None) -> None:
     """A pool thread's initializer: note the thread among its loop's own (``threads``), and
     lower its priority (:func:`_lower_priority`)."""
     threads.add(threading.current_thread())
@@ -131,8 +133,9 @@ class LoopThread:
         #: after close() began still knows its own thread (:meth:`in_loop_thread`)
         self._thread: threading.Thread | None = None
         #: the threads of the loop's pools, and others it joins as it closes
-        #: (:func:`adopt_thread`): the loop's thread waits for them as it ends
-        self._pool_threads: set[threading.Thread] = set()
+        #: (:func:`adopt_thread`): the loop's thread waits for them as it ends (held weakly:
+        #: a mixture adopts a thread at each pass it opens)
+        self._pool_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pid = os.getpid()
         self._closed = False
@@ -160,7 +163,7 @@ class LoopThread:
             if self._pid != os.getpid():
                 # The parent's thread does not exist here; its loop object is unusable.
                 self._loop = self._thread = self._executor = None
-                self._pool_threads = set()
+                self._pool_threads = weakref.WeakSet()
                 self._pid = os.getpid()
             if self._loop is None:
                 self._start()
