@@ -235,6 +235,46 @@ def test_a_construction_refused_after_its_store_opened_closes_that_store(
 # -- process exit, Ctrl-C, fork -------------------------------------------------------------------
 
 
+def test_interpreter_exit_waits_for_a_builder_inside_a_batch_build(dataset: str) -> None:
+    """A loader left open after a ``load()`` has its load-ahead builder building the next
+    step. Builders are daemon threads, and one the interpreter's finalization caught inside
+    jax's C++ code aborted the process ("terminate called after throwing an instance of ...",
+    one exit in six). Exit now stops them before it finalizes: by the last exit hook (the
+    script's own, registered before the library's) no builder is left, however slow its build
+    (here 0.3 s)."""
+    script = """
+        import atexit, threading
+
+        def last():  # registered first, so it runs after the library's exit hooks
+            alive = [t.name for t in threading.enumerate() if "prefetch" in t.name]
+            print("builders at exit:", alive, flush=True)
+
+        atexit.register(last)
+        import sys, time, jax
+        from asyncflat import FlatTokensParams, ShufflingLoader, TokenBatchParams
+        from asyncflat.loader.shared.batch import BatchBuilder
+
+        build = BatchBuilder.build
+        building = threading.Event()
+
+        def slow(self, rows):
+            if "prefetch" in threading.current_thread().name:
+                building.set()
+                time.sleep(0.3)  # a host-to-device copy in progress
+            return build(self, rows)
+
+        BatchBuilder.build = slow
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        loader = ShufflingLoader("train", FlatTokensParams(sys.argv[1], 2, 2, 4, 3, True),
+                                 TokenBatchParams(len=16, batch=8), one)
+        loader.load(0)
+        assert building.wait(10)  # the load-ahead builder is inside its build of step 1
+    """
+    result = run_script(script, dataset, timeout=90)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "builders at exit: []", result.stdout
+
+
 def test_interpreter_exit_with_open_loaders_does_not_hang(dataset: str) -> None:
     script = """
         import sys, time, jax

@@ -361,8 +361,9 @@ _exiting = False
 
 
 @atexit.register
-def _close_all() -> None:
-    """Stop every live loop at interpreter exit so exit never waits on a fill."""
+def close_all_loops() -> None:
+    """Stop every live loop (at interpreter exit, so that exit never waits on a fill; an exit
+    hook registered later, which runs first, may call it before its own work)."""
     global _exiting
     _exiting = True
     for runner in list(_live):

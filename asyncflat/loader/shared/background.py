@@ -9,14 +9,18 @@ build starts halfway through the consumer's slack rather than the moment an item
 
 from __future__ import annotations
 
+import atexit
 import collections
 import concurrent.futures
 import itertools
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Generic, TypeVar
+
+from asyncflat.engine.loop import close_all_loops
 
 __all__ = ["BackgroundBuilder", "BackgroundStopped", "BuildPacing", "Prefetchers", "wait_result"]
 
@@ -25,6 +29,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _JOIN_TIMEOUT_S = 30.0
+#: the most interpreter exit waits for builder threads to end (in all)
+_EXIT_JOIN_S = 2.0
+#: every builder whose thread was started, for :func:`_stop_builders_at_exit`
+_started: weakref.WeakSet[BackgroundBuilder[object]] = weakref.WeakSet()
 _WAIT_SLICE_S = 0.2  # waits are sliced so Ctrl-C reaches the main thread
 
 
@@ -145,6 +153,7 @@ class BackgroundBuilder(Generic[T]):
                 if self._stopping:  # stopped before its thread was started: never start it
                     return
                 self._launched = True
+                _started.add(self)  # type: ignore[arg-type]  # any T: only stopped at exit
             self._thread.start()
         except BaseException:
             # A Ctrl-C inside start() (delivered while it waits for the thread to come up): the
@@ -250,6 +259,11 @@ class BackgroundBuilder(Generic[T]):
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
+
+    def join_until(self, deadline: float) -> None:
+        """Wait for the thread to end, until ``deadline`` (``time.monotonic()``) at most."""
+        if self._thread.ident is not None and threading.current_thread() is not self._thread:
+            self._thread.join(max(0.0, deadline - time.monotonic()))
 
     def stop(self) -> None:
         """Stop and join the thread (a build in progress finishes first). Idempotent."""
@@ -366,3 +380,20 @@ class Prefetchers(Generic[T]):
         for builder in live:
             builder.signal_stop()
         return live
+
+
+@atexit.register
+def _stop_builders_at_exit() -> None:
+    """Stop the builder threads before the interpreter finalizes. They are daemon threads,
+    and one the finalization catches inside jax's C++ code (building a batch's arrays) aborts
+    the process ("terminate called after throwing an instance of ..."; one exit in six of a
+    script that left a loader open after a ``load()``). Registered after the loops' exit hook,
+    so it runs first: it tells the builders to stop, closes the loops they may wait on, and
+    waits for them, at most :data:`_EXIT_JOIN_S` in all."""
+    builders = list(_started)
+    for builder in builders:
+        builder.signal_stop()
+    close_all_loops()
+    deadline = time.monotonic() + _EXIT_JOIN_S
+    for builder in builders:
+        builder.join_until(deadline)

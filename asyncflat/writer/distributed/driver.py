@@ -111,16 +111,8 @@ def convert_distributed(
     work = Location(work_dir or f"{root}.pieces", options.storage_dict)
     resuming = _check_work_dir(work, plan)  # before anything is started, opened or removed
     with _task_runner(runner, ray_address) as run:
-        # Once the runner is up (a cluster that cannot be reached leaves the output as it
-        # was): the single-machine writer's checks and staging, the root metadata held back
-        # until the commit, the array metadata written for the tasks to open.
-        out = open_output(
-            output,
-            overwrite=options.overwrite,
-            storage_options=options.storage_dict,
-            hold_back="root",
-            staging_tag=plan.digest[:12],
-        )
+        # once the runner is up: a cluster that cannot be reached leaves the output as it was
+        out = _open_output(output, options, plan)
         try:
             if not resuming:
                 work.put("plan.json", plan.to_json().encode())
@@ -132,9 +124,8 @@ def convert_distributed(
             raise
         parallelism = run.parallelism
     log.info("committed %s (%d write tasks)", root, tasks)
-    if not keep_pieces:  # only what a conversion writes there: the folder may hold more
-        ours = [f"{PIECES}/{name}" for name in work.names(PIECES) if is_piece_file(name)]
-        work.remove(*ours, "plan.json")
+    if not keep_pieces:
+        _remove_pieces(work)
     report = dataclasses.replace(
         _report(root, spec, plan, pieces, layouts, time.perf_counter() - t0),
         units_resumed=resumed,
@@ -143,6 +134,25 @@ def convert_distributed(
     )
     log.info("%s", report.summary())
     return report
+
+
+def _open_output(output: str | os.PathLike[str], options: ConvertOptions, plan: Plan) -> Output:
+    """The single-machine writer's checks and staging, the root metadata held back until the
+    commit, the array metadata written for the tasks to open."""
+    return open_output(
+        output,
+        overwrite=options.overwrite,
+        storage_options=options.storage_dict,
+        hold_back="root",
+        staging_tag=plan.digest[:12],
+    )
+
+
+def _remove_pieces(work: Location) -> None:
+    """Remove the pieces and the plan: only what a conversion writes (the folder may hold
+    more)."""
+    ours = [f"{PIECES}/{name}" for name in work.names(PIECES) if is_piece_file(name)]
+    work.remove(*ours, "plan.json")
 
 
 def _report(
