@@ -649,8 +649,10 @@ def test_silent_store_fails_a_load_within_the_deadline_then_recovers(
             elapsed = time.monotonic() - t0
             assert proxy.faults(), "the proxy should have swallowed requests"
             switch.on = False  # the partition heals: the next load starts the fill afresh
-            # Reads whose last attempt was sent into the partition end by their own deadline.
-            time.sleep(SHORT.deadline_s)
+            # An attempt sent into the partition ends by its own timeout; the reads it belongs
+            # to then retry through the healed proxy or, past their deadline, fail (and leave
+            # the single flight a later fill's read of the same object would join).
+            time.sleep(SHORT.attempt_timeout_s + 0.5)
             for step in (0, 1, 6, 7):
                 np.testing.assert_array_equal(
                     _encoded(loader.load(step)), oracle.encoded_batch(step), err_msg=f"step {step}"

@@ -165,8 +165,8 @@ LIFECYCLES = 300
 #: buffers too, so that a random jump's fills cost little and 20,000 fit in about a minute on
 #: two shared cores; the bound is per 1,000 loads, and a leak of a few small objects per load
 #: already breaks it over these counts.
-LOADS_RSS = 11_000
-LOADS_TRACED = 7_000
+LOADS_RSS = 15_000
+LOADS_TRACED = 3_000
 WARM_UP = 1_000
 LOAD_BATCH = TokenBatchParams(len=8, batch=2)
 #: growth allowed per 1,000 loads after the warm-up (issue 37)
@@ -234,7 +234,7 @@ def walk(load: Any, steps: int, count: int, rng: np.random.Generator) -> None:
             load((start + k) % steps if (i // 50) % 2 else int(rng.integers(0, steps)))
 
 
-@pytest.mark.timeout(240)  # ~70 s alone on two cores; room for CI's neighbours
+@pytest.mark.timeout(420)  # 70-200 s on two shared cores, beside another test process
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc")
 def test_hundreds_of_lifecycles_and_thousands_of_loads_hold_memory_and_threads(
     tmp_path: Path,
