@@ -8,6 +8,7 @@ source is the plain loader's ``epoch=e``).
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 from typing import Any
@@ -637,3 +638,29 @@ def test_an_iterator_of_a_dropped_mixture_loader_serves_every_step(stores: list[
         ).iter()
     ]
     assert served == list(range(60))
+
+
+def test_a_dropped_mixture_loader_is_closed_at_once_without_the_collector(
+    stores: list[str],
+) -> None:
+    """Nothing holds a mixture loader in a reference cycle: dropped with the collector off,
+    it stops its threads and frees its sources' buffers at once, as a plain loader does (its
+    passes held the loader's own pass-opening method, and it waited for the collector, which
+    then ran its close on whatever thread allocated)."""
+    from helpers.resources import library_threads, wait_until
+
+    mixture = MixtureParams(
+        (MixtureSource(flat(stores[0]), 1.0), MixtureSource(flat(stores[1]), 2.0)), steps=20
+    )
+    options = EngineOptions(prefetch_to_device=1)
+    gc.collect()
+    gc.disable()
+    try:
+        loader = asyncflat.ShufflingLoader("train", mixture, BATCH, options=options)
+        loader.load(0)
+        loader.load(1)  # a load-ahead thread builds step 2
+        assert library_threads()
+        del loader
+        assert wait_until(lambda: not library_threads(), 5), library_threads()
+    finally:
+        gc.enable()

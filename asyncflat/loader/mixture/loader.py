@@ -15,7 +15,7 @@ minipoch.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,7 +26,7 @@ from asyncflat.config import EngineOptions, TokenBatchParams, redact_url, step_a
 from asyncflat.engine import Engine, IntervalStats
 from asyncflat.errors import ConfigError
 from asyncflat.format.codec import SPLITS
-from asyncflat.loader.mixture.config import MAX_STEPS, MixtureParams
+from asyncflat.loader.mixture.config import MAX_STEPS, MixtureParams, MixtureSource
 from asyncflat.loader.mixture.passes import Passes, RowGroup, SourceState
 from asyncflat.loader.mixture.rows import MixtureRows, batch_sources
 from asyncflat.loader.mixture.setup import (
@@ -106,8 +106,6 @@ class MixtureLoader:
             SourceState(i, f"{redact_url(str(s.params.filespec))}/{split}")
             for i, s in enumerate(params.sources)
         ]
-        first_rows = np.array([i * self.rows_per_stream for i in self.streams], np.int64)
-        self._passes = Passes(self._sources, self._open_pass, first_rows)
         self.assignment = Assignment(
             params.schedule(), self.rows_per_stream, params.block_rows, params.seed
         )
@@ -121,6 +119,18 @@ class MixtureLoader:
             thread_name="asyncflat-mixture",
             prefetch_name="asyncflat-mixture-prefetch",
         )
+        opener = _PassOpener(
+            split,
+            params.sources,
+            self._sources,
+            token_batch_params,
+            host_rows,
+            self._source_options,
+            self._store_wrappers,
+            self._life.keep,
+        )
+        first_rows = np.array([i * self.rows_per_stream for i in self.streams], np.int64)
+        self._passes = Passes(self._sources, opener, first_rows)
         self._rows = self._life.start(self._open())
         self.step_count = self._rows.step_count
         log_sources(self._sources, params.sources, self.step_count)
@@ -155,23 +165,6 @@ class MixtureLoader:
             self._plans,
             first_step=self.epoch * step_count,
         )
-
-    async def _open_pass(self, index: int, epoch: int) -> Engine:
-        source = self._sources[index]
-        warn_sizes, source.sizes_warned = not source.sizes_warned, True
-        engine = await open_engine(
-            self.split,
-            self.params.sources[index].params,
-            self.token_batch_params,
-            self._life.host_rows,
-            self._source_options,
-            epoch=epoch,
-            store_wrapper=self._store_wrappers[index],
-            fill_on_open=False,  # the first passes' once the budget is checked (see _open)
-            warn_sizes=warn_sizes,
-        )
-        self._life.keep(engine)  # its tasks never die with a dropped loader's cycle
-        return engine
 
     @property
     def plans(self) -> tuple[ShufflePlan, ...]:
@@ -261,3 +254,40 @@ class MixtureLoader:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class _PassOpener:
+    """Opens pass ``epoch`` of source ``index`` with the loader's settings.
+
+    The passes hold this, not a method of the loader: a dropped mixture loader is then in no
+    reference cycle and is closed at once, as a plain loader is, not whenever the collector
+    runs (on whatever thread allocates). It holds the loader's settings, never the loader: an
+    iterator that outlives its loader still opens every pass it needs.
+    """
+
+    split: str
+    sources: Sequence[MixtureSource]
+    states: list[SourceState]
+    token_batch_params: TokenBatchParams
+    host_rows: np.ndarray
+    options: EngineOptions
+    store_wrappers: list[StoreWrapper | None]
+    keep: Callable[[Any], None]  # the loop's, which holds no lifecycle
+
+    async def __call__(self, index: int, epoch: int) -> Engine:
+        state = self.states[index]
+        warn_sizes, state.sizes_warned = not state.sizes_warned, True
+        engine = await open_engine(
+            self.split,
+            self.sources[index].params,
+            self.token_batch_params,
+            self.host_rows,
+            self.options,
+            epoch=epoch,
+            store_wrapper=self.store_wrappers[index],
+            fill_on_open=False,  # the first passes' once the budget is checked (see _open)
+            warn_sizes=warn_sizes,
+        )
+        self.keep(engine)  # its tasks never die with a dropped loader's cycle
+        return engine

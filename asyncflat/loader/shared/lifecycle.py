@@ -98,10 +98,12 @@ class Lifecycle(Generic[S]):
         )
         return server
 
-    def keep(self, obj: Any) -> None:
-        """Keep ``obj`` (an engine) alive as long as the loop: its tasks never die with a
-        dropped loader's reference cycle."""
-        self._runner.keep(obj)
+    @property
+    def keep(self) -> Callable[[Any], None]:
+        """``keep(engine)``: hold an engine as long as the loop, so that its tasks never die
+        with a dropped loader's reference cycle. The loop's own method, not one of this
+        lifecycle's: a holder of it (a mixture's pass opener) keeps no cycle through here."""
+        return self._runner.keep
 
     @property
     def server(self) -> S:
