@@ -96,6 +96,50 @@ def test_a_seed_beyond_64_bits_and_a_bool_epoch_are_refused(stores: list[str]) -
             asyncflat.iter_epochs("train", params, BATCH, options=OPTIONS, **{name: True})
 
 
+@pytest.mark.parametrize(
+    ("sources", "stages", "expected"),
+    [
+        (
+            [{"params": "P", "weight": 1}, {"params": "P+bogus", "weight": 1}],
+            (),
+            r"MixtureParams\.sources\[1\]: MixtureSource\.params has unknown key\(s\) 'bogus'; "
+            r"a FlatTokensParams takes filespec, ",
+        ),
+        ([{"params": "P", "weight": 1, "wieght": 2}], (), r"sources\[0\] has unknown .* 'wieght'"),
+        ([{"params": "P"}], (), r"MixtureParams\.sources\[0\] lacks weight, which a Mixture"),
+        ([{"params": "P-seed", "weight": 1}], (), r"params lacks seed, which a FlatTokensParams"),
+        ([{"params": "P", "weight": -1}], (), r"sources\[0\]: MixtureSource\.weight must be a"),
+        (
+            [{"params": "P", "weight": 1}],
+            [{"steps": 3, "weights": [1]}],
+            r"MixtureParams\.stages\[0\] has unknown key\(s\) 'steps'; a MixtureStage takes "
+            r"start_step, weights",
+        ),
+    ],
+)
+def test_a_nested_mapping_with_a_wrong_key_is_a_config_error_naming_where(
+    stores: list[str], sources: list[dict[str, Any]], stages: Any, expected: str
+) -> None:
+    """A mixture built from plain dicts (hydra, YAML) names the source or stage and the key
+    (a raw ``TypeError: __init__() got an unexpected keyword argument`` named neither)."""
+    fields = {
+        "filespec": stores[0],
+        "streams": 1,
+        "read_blocks_per_shuffle_buffer": 2,
+        "sequences_per_read_block": 4,
+        "seed": 0,
+        "sequence_packing": True,
+    }
+    variants = {
+        "P": fields,
+        "P+bogus": {**fields, "bogus": 1},
+        "P-seed": {k: v for k, v in fields.items() if k != "seed"},
+    }
+    built = [{**s, "params": variants[s["params"]]} for s in sources]
+    with pytest.raises(ConfigError, match=expected):
+        MixtureParams(built, stages=stages)
+
+
 def test_a_source_too_small_for_the_batch_is_named(stores: list[str]) -> None:
     params = MixtureParams(
         (MixtureSource(flat(stores[0]), 1.0), MixtureSource(flat(stores[1]), 1.0)), block_rows=8

@@ -9,12 +9,14 @@ import dataclasses
 import math
 import operator
 from collections.abc import Mapping, Sequence
-from typing import Optional
+from typing import Optional, TypeVar
 
 from asyncflat.config import FlatTokensParams
 from asyncflat.errors import ConfigError
 
 __all__ = ["MixtureParams", "MixtureSource", "MixtureStage"]
+
+T = TypeVar("T")
 
 
 def _weight(owner: str, value: object) -> float:
@@ -53,6 +55,33 @@ def _int(owner: str, value: object, minimum: int, maximum: int | None = None) ->
     return as_int
 
 
+def _build(cls: type[T], owner: str, mapping: Mapping[object, object]) -> T:
+    """``cls(**mapping)`` from a plain dict (hydra, YAML), a key it does not know or lacks named
+    with where it is (``TypeError: __init__() got an unexpected keyword`` named neither)."""
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
+    unknown = sorted(repr(k) for k in mapping if k not in fields)
+    if unknown:
+        raise ConfigError(
+            f"{owner} has unknown key(s) {', '.join(unknown)}; a {cls.__name__} takes "
+            f"{', '.join(fields)}"
+        )
+    missing = [
+        name
+        for name, f in fields.items()
+        if name not in mapping
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ConfigError(f"{owner} lacks {', '.join(missing)}, which a {cls.__name__} needs")
+    try:
+        return cls(**mapping)  # type: ignore[arg-type]
+    except ConfigError as error:
+        if type(error) is not ConfigError:
+            raise
+        raise ConfigError(f"{owner}: {error}") from None  # which source or stage
+
+
 @dataclasses.dataclass(frozen=True)
 class MixtureSource:
     """One dataset of a mixture: its own store, streams, read blocks, buffer and seed
@@ -64,7 +93,7 @@ class MixtureSource:
     def __post_init__(self) -> None:
         params = self.params
         if isinstance(params, Mapping):
-            params = FlatTokensParams(**params)
+            params = _build(FlatTokensParams, "MixtureSource.params", params)
         if not isinstance(params, FlatTokensParams):
             raise ConfigError(
                 "MixtureSource.params must be a FlatTokensParams (or a mapping of its fields), "
@@ -130,7 +159,10 @@ class MixtureParams:
                 f"MixtureParams.sources must be a sequence of MixtureSource, got "
                 f"{type(sources).__name__}"
             )
-        built = tuple(MixtureSource(**s) if isinstance(s, Mapping) else s for s in sources)
+        built = tuple(
+            _build(MixtureSource, f"MixtureParams.sources[{i}]", s) if isinstance(s, Mapping) else s
+            for i, s in enumerate(sources)
+        )
         for i, source in enumerate(built):
             if not isinstance(source, MixtureSource):
                 raise ConfigError(
@@ -162,7 +194,10 @@ class MixtureParams:
                 f"MixtureParams.stages must be a sequence of MixtureStage, got "
                 f"{type(stages).__name__}"
             )
-        built_stages = tuple(MixtureStage(**s) if isinstance(s, Mapping) else s for s in stages)
+        built_stages = tuple(
+            _build(MixtureStage, f"MixtureParams.stages[{i}]", s) if isinstance(s, Mapping) else s
+            for i, s in enumerate(stages)
+        )
         previous = 0
         for i, stage in enumerate(built_stages):
             if not isinstance(stage, MixtureStage):
