@@ -23,6 +23,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -816,6 +817,32 @@ def test_a_builder_its_dropped_iterator_stopped_on_the_loop_is_joined_by_close(
     assert library_threads() == []
 
 
+def _timed_collection(collected: list[float]) -> None:
+    t0 = time.monotonic()
+    gc.collect()
+    collected.append(time.monotonic() - t0)
+
+
+def _collected_on_its_own_thread(
+    make: Callable[[], Any], dropped: threading.Event, collected: list[float], wait_s: float
+) -> None:
+    """Drop the loader ``make`` builds in a reference cycle, the collector off, and set
+    ``dropped``: a hook of the test then runs :func:`_timed_collection` on one of the loader's
+    own threads. That collection (which closes the loader) must take under 5 s, and every
+    thread of the loader must end."""
+    gc.disable()  # the hook's collection is the one that finds the dropped loader
+    try:
+        cycle: list[Any] = [make()]
+        cycle.append(cycle)
+        del cycle
+        dropped.set()
+        assert wait_until(lambda: bool(collected), wait_s), "the hook's collection never ran"
+    finally:
+        gc.enable()
+    assert collected[0] < 5, collected
+    assert wait_until(lambda: not library_threads(), 10), library_threads()
+
+
 @pytest.mark.parametrize("kind", ["plain", "mixture"])
 def test_a_loader_closed_on_one_of_its_own_pool_threads_does_not_wait_for_itself(
     tmp_path_factory: pytest.TempPathFactory, kind: str
@@ -829,22 +856,17 @@ def test_a_loader_closed_on_one_of_its_own_pool_threads_does_not_wait_for_itself
     dropped = threading.Event()
     collected: list[float] = []
 
-    def timed_collect() -> None:
-        t0 = time.monotonic()
-        gc.collect()
-        collected.append(time.monotonic() - t0)
-
     class CollectingStore(FaultyStore):
         async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
             await asyncio.sleep(0.2)
             if dropped.is_set() and not collected:
-                await asyncio.to_thread(timed_collect)
+                await asyncio.to_thread(_timed_collection, collected)
             return await super().get(key, prototype, byte_range)
 
     flat = FlatTokensParams(path, 1, 2, 8, seed=1, sequence_packing=True)
     params: Any = flat if kind == "plain" else MixtureParams((MixtureSource(flat, 1.0),), steps=20)
-    gc.disable()  # the collection below is the one that finds the dropped loader
-    try:
+
+    def make() -> ShufflingLoader:
         loader = ShufflingLoader(
             "train",
             params,
@@ -854,15 +876,9 @@ def test_a_loader_closed_on_one_of_its_own_pool_threads_does_not_wait_for_itself
             store_wrapper=CollectingStore if kind == "plain" else (CollectingStore,),
         )
         loader.load(0)  # its next minipoch then fills in the background, through the wrapper
-        cycle: list[Any] = [loader]
-        cycle.append(cycle)  # a reference cycle: dropped, it waits for the collector
-        del loader, cycle
-        dropped.set()
-        assert wait_until(lambda: bool(collected), 20), "no read ran after the drop"
-    finally:
-        gc.enable()
-    assert collected[0] < 5, collected
-    assert wait_until(lambda: not library_threads(), 10), library_threads()
+        return loader
+
+    _collected_on_its_own_thread(make, dropped, collected, 20)
 
 
 def test_a_loader_closed_on_its_block_orders_thread_does_not_wait_for_itself(
@@ -880,27 +896,19 @@ def test_a_loader_closed_on_its_block_orders_thread_does_not_wait_for_itself(
     def collecting(self: ShufflePlan, stop: Any = None, out: Any = None) -> Any:
         if threading.current_thread().name == "asyncflat-plan" and not collected:
             dropped.wait(10)
-            t0 = time.monotonic()
-            gc.collect()
-            collected.append(time.monotonic() - t0)
+            _timed_collection(collected)
         return compute(self, stop, out)
 
     monkeypatch.setattr(ShufflePlan, "compute_block_order", collecting)
-    gc.disable()  # the collection below is the one that finds the dropped loader
-    try:
-        loader = ShufflingLoader(
+    _collected_on_its_own_thread(
+        lambda: ShufflingLoader(
             "train",
             FlatTokensParams(path, 1, 2, 8, seed=1, sequence_packing=True),
             TokenBatchParams(len=16, batch=8),
             SINGLE,
             options=EngineOptions(prefetch_to_device=0),
-        )
-        cycle: list[Any] = [loader]
-        cycle.append(cycle)
-        del loader, cycle
-        dropped.set()
-        assert wait_until(lambda: bool(collected), 40), "the block order was never computed"
-    finally:
-        gc.enable()
-    assert collected[0] < 5, collected
-    assert wait_until(lambda: not library_threads(), 10), library_threads()
+        ),
+        dropped,
+        collected,
+        40,
+    )
