@@ -966,6 +966,42 @@ def test_a_runner_that_cannot_start_leaves_the_output_as_it_was(
     assert before and fsspec.filesystem("memory").find(url) == before
 
 
+def test_an_output_that_would_be_refused_is_refused_before_the_cluster_starts(
+    corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An output that exists without ``overwrite``, or that ``overwrite`` would not replace,
+    is refused before the runner starts (reading only), not once a cluster is up: a Ray
+    cluster that cannot be reached fails the run with that refusal, not a connection error."""
+    import fsspec
+
+    from asyncflat.writer.distributed import driver
+    from asyncflat.writer.flat_tokens import write_flat_tokens
+    from asyncflat.writer.output import OutputExistsError
+
+    class Unreachable:
+        def __init__(self, address: str | None) -> None:
+            raise ConnectionError(f"could not connect to the Ray cluster at {address}")
+
+    monkeypatch.setattr(driver, "RayRunner", Unreachable)
+    run: dict[str, Any] = dict(runner="ray", ray_address="127.0.0.1:1")
+    local = tmp_path / "out.zarr"
+    url = "memory://refused-before-the-cluster"
+    for where in (local, url):
+        write_flat_tokens(where, {"train": [np.arange(1, 9)], "validation": [np.arange(1, 5)]})
+        with pytest.raises(OutputExistsError, match="already exists"):
+            convert_distributed([corpus], where, options=ConvertOptions(**SPLIT), **run)
+    foreign = tmp_path / "project"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    fsspec.filesystem("memory").pipe(f"{url}-foreign/notes.txt", b"keep me")
+    replacing = ConvertOptions(overwrite=True, **SPLIT)
+    for where in (foreign, f"{url}-foreign"):
+        with pytest.raises(ConfigError, match=r"is not a flat-tokens store \(it holds notes.txt"):
+            convert_distributed([corpus], where, options=replacing, **run)
+    assert (foreign / "notes.txt").read_text() == "keep me"
+    assert fsspec.filesystem("memory").cat(f"{url}-foreign/notes.txt") == b"keep me"
+
+
 def test_removing_pieces_from_a_work_dir_named_like_a_glob_touches_nothing_else() -> None:
     """fsspec's bulk ``rm`` expands glob characters: removing the pieces of a work dir at
     ``memory://runs/exp[12]`` removed those of ``runs/exp1`` and ``runs/exp2`` and kept its

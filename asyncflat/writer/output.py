@@ -61,6 +61,7 @@ __all__ = [
     "Output",
     "OutputExistsError",
     "OutputStore",
+    "check_output",
     "display_url",
     "is_remote",
     "open_output",
@@ -233,6 +234,28 @@ def _check_replaceable(where: str, top: list[str], below: dict[str, list[str]]) 
         )
 
 
+def _check_local_target(path: str, overwrite: bool) -> None:
+    """Refuse a local output that exists, unless ``overwrite`` and it is a flat-tokens store
+    or an empty directory."""
+    if not os.path.lexists(path):
+        return
+    if not overwrite:
+        raise OutputExistsError(path)
+    if os.path.islink(path) or not os.path.isdir(path):
+        kind = "a symlink" if os.path.islink(path) else "a file"
+        raise ConfigError(
+            f"{path} exists and is {kind}, not a flat-tokens store; overwrite only "
+            "replaces a flat-tokens store or an empty directory"
+        )
+    top = os.listdir(path)
+    below = {
+        name: os.listdir(os.path.join(path, name))
+        for name in top
+        if name in ("train", "validation") and os.path.isdir(os.path.join(path, name))
+    }
+    _check_replaceable(path, top, below)
+
+
 class Output:
     """The target of one writer: a zarr ``store`` to write into, then ``commit`` or ``abort``."""
 
@@ -279,23 +302,7 @@ class LocalOutput(Output):
         self._cleanup = weakref.finalize(self, shutil.rmtree, self.staging, ignore_errors=True)
 
     def _check_target(self) -> None:
-        if not os.path.lexists(self.path):
-            return
-        if not self.overwrite:
-            raise OutputExistsError(self.path)
-        if os.path.islink(self.path) or not os.path.isdir(self.path):
-            kind = "a symlink" if os.path.islink(self.path) else "a file"
-            raise ConfigError(
-                f"{self.path} exists and is {kind}, not a flat-tokens store; overwrite only "
-                "replaces a flat-tokens store or an empty directory"
-            )
-        top = os.listdir(self.path)
-        below = {
-            name: os.listdir(os.path.join(self.path, name))
-            for name in top
-            if name in ("train", "validation") and os.path.isdir(os.path.join(self.path, name))
-        }
-        _check_replaceable(self.path, top, below)
+        _check_local_target(self.path, self.overwrite)
 
     def commit(self) -> None:
         old = None
@@ -357,13 +364,7 @@ class ObjectOutput(Output):
         self.url = url.rstrip("/")
         self.location = self.url
         self.display = display_url(self.url)
-        options = {"skip_instance_cache": True, **without_client(storage_options)}
-        try:
-            raw = FsspecStore.from_url(self.url, storage_options=options)
-        except (ValueError, ImportError, TypeError) as exc:
-            raise ConfigError(
-                f"cannot write to {self.display}: {type(exc).__name__}: {exc}"
-            ) from None
+        raw = _object_store(self.url, storage_options, self.display)
         self.store = OutputStore(raw, display=self.display, hold_back=hold_back)
         self._raw = raw
         self._committed = self._aborted = False
@@ -381,19 +382,10 @@ class ObjectOutput(Output):
         except Exception as exc:  # filesystems raise their own error types
             raise _storage_error(exc, self.display) from exc
 
-    async def _names(self, prefix: str) -> list[str]:
-        return [name async for name in self._raw.list_dir(prefix)]
-
     async def _prepare(self, overwrite: bool) -> None:
-        top = await self._names("")
+        top = await _check_object_target(self._raw, self.display, overwrite)
         if not top:
             return
-        if not overwrite:
-            raise OutputExistsError(self.display)
-        below: dict[str, list[str]] = {
-            s: await self._names(s) for s in ("train", "validation") if s in top
-        }
-        _check_replaceable(self.display, top, below)
         # A reader must never see the old root with new chunks: the root's metadata goes first.
         for name in sorted(METADATA_FILES & set(top)):
             await self._raw.delete(name)
@@ -451,6 +443,58 @@ def open_output(
             f"{len(storage_options)} options)"
         )
     return LocalOutput(text.removeprefix("file://"), overwrite=overwrite, staging_tag=staging_tag)
+
+
+def _object_store(url: str, storage_options: dict[str, Any] | None, display: str) -> FsspecStore:
+    options = {"skip_instance_cache": True, **without_client(storage_options)}
+    try:
+        return FsspecStore.from_url(url, storage_options=options)
+    except (ValueError, ImportError, TypeError) as exc:
+        raise ConfigError(f"cannot write to {display}: {type(exc).__name__}: {exc}") from None
+
+
+async def _check_object_target(raw: FsspecStore, display: str, overwrite: bool) -> list[str]:
+    """Refuse an output URL that holds objects, unless ``overwrite`` and they are a flat-tokens
+    store's; the names at its top (none: nothing there)."""
+
+    async def names(prefix: str) -> list[str]:
+        return [name async for name in raw.list_dir(prefix)]
+
+    top = await names("")
+    if top:
+        if not overwrite:
+            raise OutputExistsError(display)
+        below: dict[str, list[str]] = {
+            s: await names(s) for s in ("train", "validation") if s in top
+        }
+        _check_replaceable(display, top, below)
+    return top
+
+
+def check_output(
+    path: str | os.PathLike[str], *, overwrite: bool, storage_options: dict[str, Any] | None
+) -> None:
+    """Refuse, reading only, an output that :func:`open_output` would refuse as it stands now:
+    one that exists without ``overwrite``, or that is not a flat-tokens store or an empty
+    directory. For a caller that starts costly work (a cluster) before it opens the output."""
+    text = os.fspath(path)
+    if not is_remote(text):
+        _check_local_target(text.removeprefix("file://"), overwrite)
+        return
+    install_log_redaction(option_secrets(storage_options))  # as open_output does
+    display = display_url(text)
+    raw = _object_store(text.rstrip("/"), storage_options, display)
+    try:
+        sync(_check_object_target(raw, display, overwrite))
+    except AsyncflatError:
+        raise
+    except Exception as exc:  # filesystems raise their own error types
+        raise _storage_error(exc, display) from exc
+    finally:
+        try:
+            sync(_close_filesystem(raw.fs))
+        except Exception as exc:  # noqa: BLE001 -- closing sessions is best effort
+            logger.debug("%s: closing the filesystem failed: %s", display, exc)
 
 
 async def _close_filesystem(fs: Any) -> None:

@@ -39,7 +39,7 @@ from asyncflat.writer.distributed.write import (
     run_write_job,
 )
 from asyncflat.writer.options import positive_int
-from asyncflat.writer.output import Output, open_output
+from asyncflat.writer.output import Output, check_output, open_output
 
 __all__ = ["DistributedReport", "convert_distributed"]
 
@@ -110,6 +110,8 @@ def convert_distributed(
     root = Location(os.fspath(output), options.storage_dict).root
     work = Location(work_dir or f"{root}.pieces", options.storage_dict)
     resuming = _check_work_dir(work, plan)  # before anything is started, opened or removed
+    # an output that would be refused is refused before the cluster starts (read only)
+    check_output(output, overwrite=options.overwrite, storage_options=options.storage_dict)
     with _task_runner(runner, ray_address) as run:
         # once the runner is up: a cluster that cannot be reached leaves the output as it was
         out = _open_output(output, options, plan)
