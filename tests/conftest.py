@@ -99,6 +99,12 @@ def _make_oracle(tokens: np.ndarray, starts: np.ndarray, key: tuple[Any, ...]) -
     )
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked ``slow`` first (the order otherwise kept): with ``-n 2`` a worker then
+    takes a minutes-long soak at the start, not near the end while the other runs dry."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
     """Poll ``predicate`` until true; fail naming ``what`` after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout

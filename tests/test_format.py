@@ -420,6 +420,7 @@ def test_both_arrays_missing_reports_encoded_tokens_first(tmp_path: Path) -> Non
     assert_format_error(tmp_path / "d", f"{NAME}/train/encoded_tokens: missing array")
 
 
+@pytest.mark.slow
 def test_an_open_cancelled_at_any_point_leaves_no_coroutine_unawaited(tmp_path: Path) -> None:
     """A loader closed (or a deadline hit) while it opens its split cancels the open wherever
     it is: no zarr coroutine may be left made and never awaited (Python warns when it is

@@ -535,6 +535,7 @@ def _loop_catcher(loops: list[Any]) -> Any:
     return wrap
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
 def test_hundreds_of_cycles_free_threads_descriptors_and_buffers_without_gc(dataset: str) -> None:
     """Closed loaders that stay referenced, loaders closed from another thread, and loaders

@@ -638,6 +638,7 @@ MUTATIONS = st.one_of(
 _OUTCOMES: dict[str, int] = {}
 
 
+@pytest.mark.slow
 @settings(
     max_examples=int(os.environ.get("RELIABILITY_EXAMPLES", "150")),
     deadline=None,

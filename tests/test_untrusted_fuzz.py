@@ -181,6 +181,7 @@ def _run(path: Path) -> dict[str, Any]:
     return json.loads(line.removeprefix("RESULT "))
 
 
+@pytest.mark.slow
 @settings(
     max_examples=EXAMPLES,
     deadline=None,

@@ -117,6 +117,7 @@ def test_no_secret_in_results_errors_or_logs(served: str, caplog: pytest.LogCapt
         assert_clean(message, "a log record")
 
 
+@pytest.mark.slow
 def test_no_secret_in_cli_output(served: str) -> None:
     env = dict(os.environ, ASYNCFLAT_NO_PROGRESS="1")
     for args in (
