@@ -351,12 +351,15 @@ class StoppingOwner:
         owner = self
 
         class Stopping:
-            def take(self, step: int) -> str:
+            def take(self, step: int, *, keep: bool = False) -> str:
                 if step == 0:
                     return "item 0"
                 owner.taking.set()
                 assert owner.stopped.wait(WAIT_S)
                 raise BackgroundStopped("asyncflat-device-prefetch-0 has stopped")
+
+            def forget(self, step: int) -> None:
+                pass
 
         return Stopping()
 

@@ -337,6 +337,48 @@ def test_a_dropped_epoch_iterator_closes_its_loaders_at_once(dataset: str) -> No
         gc.enable()
 
 
+def test_a_ctrl_c_while_iter_epochs_winds_down_still_closes_the_next_epochs_loader(
+    dataset: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C while the iteration winds down (here: in the current loader's close, a thread
+    join) still closes the next epoch's loader, being built ahead, and the pool building it:
+    the rest of the wind-down was skipped, and that loader's threads and the pool's ran on for
+    as long as the caller held the KeyboardInterrupt."""
+    from helpers.resources import library_threads
+
+    from asyncflat.loader import epochs
+
+    building = threading.Event()
+
+    class Interrupted(asyncflat.ShufflingLoader):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            if kwargs.get("epoch"):
+                building.set()
+                time.sleep(1.0)  # the next epoch's loader is still being built at the close
+            super().__init__(*args, **kwargs)
+
+        def close(self) -> None:
+            super().close()
+            if self.epoch == 0 and threading.current_thread() is threading.main_thread():
+                raise KeyboardInterrupt  # a Ctrl-C in the close's join
+
+    monkeypatch.setattr(epochs, "ShufflingLoader", Interrupted)
+    batch_params = TokenBatchParams(len=SEQ_LEN, batch=BATCH)
+    it = asyncflat.iter_epochs("train", _params(dataset), batch_params, epochs=2)
+    for _ in it:
+        if building.is_set():
+            break
+    assert building.is_set()
+    with pytest.raises(KeyboardInterrupt) as info:
+        it.close()
+    held = info.value  # kept, as a REPL or a retry loop keeps it
+    deadline = time.monotonic() + 10
+    while library_threads() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not library_threads(), library_threads()
+    del held
+
+
 def test_the_first_batch_of_an_epoch_is_not_kept_for_the_whole_epoch(dataset: str) -> None:
     import gc
     import weakref

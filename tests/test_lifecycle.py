@@ -602,6 +602,96 @@ async def _collect_on_the_loop() -> None:
 # -- Ctrl-C on next(iter), exit with loads in flight, every method after fork -----------------------
 
 
+@pytest.mark.parametrize(
+    ("where", "fire_at"),
+    [("count_delivered", 5), ("pin_move", 5), ("last_release", 1)],
+)
+def test_a_ctrl_c_after_next_took_its_batch_leaves_that_batch_to_the_next_next(
+    dataset: str, where: str, fire_at: int
+) -> None:
+    """A Ctrl-C can land anywhere in ``next()``, also after the batch was taken from the
+    device-prefetch thread (counting it, moving the iterator's pin, releasing the builder at
+    the last step). The next ``next()`` then returns that same step: it hung when the builder
+    had already forgotten the step, and skipped it once the iterator had moved on."""
+    script = """
+        import signal, sys, threading, jax, numpy as np
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a background shell ignores it
+        from asyncflat import EngineOptions, FlatTokensParams, ShufflingLoader, TokenBatchParams
+        from asyncflat.loader.shared.lifecycle import Lifecycle
+        from asyncflat.loader.shared.serving import Pin
+        path, where, fire_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
+        params = FlatTokensParams(path, 2, 2, 4, 0, True)
+        batch = TokenBatchParams(len=16, batch=8)
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        with ShufflingLoader("train", params, batch, device,
+                             options=EngineOptions(prefetch_to_device=0)) as reference:
+            expected = [np.asarray(reference.load(s).targets) for s in range(reference.step_count)]
+        cls, name = {"count_delivered": (Lifecycle, "count_delivered"), "pin_move": (Pin, "move"),
+                     "last_release": (Lifecycle, "stop_prefetch")}[where]
+        real, calls = getattr(cls, name), [0]
+        def interrupted(self, *args):
+            result = real(self, *args)
+            if threading.current_thread() is threading.main_thread():
+                calls[0] += 1
+                if calls[0] == fire_at:
+                    signal.raise_signal(signal.SIGINT)  # a Ctrl-C at this very point
+            return result
+        setattr(cls, name, interrupted)
+        loader = ShufflingLoader("train", params, batch, device,
+                                 options=EngineOptions(prefetch_to_device=1))
+        iterator, served, interrupts = loader.iter(0), [], 0
+        while True:
+            try:
+                step, got = next(iterator)
+            except StopIteration:
+                break
+            except KeyboardInterrupt:
+                interrupts += 1
+                continue
+            assert np.array_equal(np.asarray(got.targets), expected[step]), step
+            served.append(step)
+        loader.close()
+        assert served == list(range(len(expected))), served
+        print("interrupts", interrupts, "served", len(served), flush=True)
+    """
+    result = run_script(script, dataset, where, str(fire_at), timeout=90)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("interrupts 1 served "), result.stdout
+
+
+def test_a_ctrl_c_while_a_loop_thread_comes_up_leaves_no_thread(dataset: str) -> None:
+    """A Ctrl-C while a loader's construction waits for its event-loop thread to come up: the
+    construction raises KeyboardInterrupt and the thread, already running, stops (no loop was
+    known to close() yet, and it ran for the rest of the process)."""
+    script = """
+        import asyncio, signal, sys, threading, time
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a background shell ignores it
+        from asyncflat import FlatTokensParams, ShufflingLoader, TokenBatchParams
+        main, real, fired = threading.main_thread().ident, asyncio.set_event_loop, []
+        def interrupting(loop):
+            if not fired and threading.current_thread().name.startswith("asyncflat-loop"):
+                fired.append(1)
+                signal.pthread_kill(main, signal.SIGINT)  # construction waits for this thread
+                time.sleep(0.2)
+            real(loop)
+        asyncio.set_event_loop = interrupting
+        try:
+            ShufflingLoader("train", FlatTokensParams(sys.argv[1], 2, 2, 4, 0, True),
+                            TokenBatchParams(len=16, batch=8))
+            print("not interrupted", flush=True)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(
+                t.name.startswith("asyncflat") for t in threading.enumerate()):
+            time.sleep(0.02)
+        print([t.name for t in threading.enumerate() if t.name.startswith("asyncflat")])
+    """
+    result = run_script(script, dataset, timeout=90)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split("\n")[:2] == ["interrupted", "[]"], result.stdout
+
+
 def test_ctrl_c_during_next_of_an_iterator_is_prompt_and_the_iterator_goes_on(
     dataset: str,
 ) -> None:

@@ -215,8 +215,14 @@ class LoopThread:
                 roots.clear()
 
         self._thread = threading.Thread(target=main, name=self._name, daemon=True)
-        self._thread.start()
-        started.wait()
+        try:
+            self._thread.start()
+            started.wait()
+        except BaseException:
+            # A Ctrl-C while the thread comes up: it may run already, and close(), which finds
+            # no loop, would never stop it. Stopped once it runs, it releases what it holds.
+            loop.call_soon_threadsafe(loop.stop)
+            raise
         self._loop = loop
         log.debug("started event loop thread %s", self._name)
 

@@ -370,15 +370,35 @@ def _epochs(
             upcoming = None
             step = 0
     finally:
-        loader.close()
+        # Each step runs whatever interrupts the one before (a Ctrl-C in a close's join).
         current[0] = None
-        if started is not None:  # an error before its epoch's iterator was entered
-            started[0].close()
-        if upcoming is not None:
+        try:
             try:
-                next_loader, next_iterator, _ = upcoming.result()
-                next_iterator.close()
-                next_loader.close()
-            except Exception:  # its error is not this generator's to raise now
-                log.debug("the next epoch's loader failed while closing", exc_info=True)
-        pool.shutdown(wait=True)
+                loader.close()
+            finally:
+                if started is not None:  # an error before its epoch's iterator was entered
+                    started[0].close()
+        finally:
+            try:
+                if upcoming is not None:  # closed as soon as it is built, never waited for here
+                    upcoming.add_done_callback(_close_built)
+            finally:
+                try:
+                    pool.shutdown(wait=True)
+                except KeyboardInterrupt:
+                    pool.shutdown(wait=False)  # its thread ends once what it builds is closed
+                    raise
+
+
+def _close_built(upcoming: concurrent.futures.Future[tuple[Loader, BatchIterator, Any]]) -> None:
+    """Close the next epoch's loader and iterator built for a generator that has ended (on the
+    pool's thread as the build ends, or at once if it has)."""
+    try:
+        next_loader, next_iterator, _ = upcoming.result()
+    except BaseException:  # its error is not the ended generator's to raise
+        log.debug("the next epoch's loader failed while closing", exc_info=True)
+        return
+    try:
+        next_iterator.close()
+    finally:
+        next_loader.close()

@@ -205,8 +205,10 @@ class BackgroundBuilder(Generic[T]):
                 self._pacing.built(time.perf_counter() - started)
             step += 1
 
-    def take(self, step: int) -> T:
-        """The item of ``step`` (the consumer's next step), waiting for it; then forget it.
+    def take(self, step: int, *, keep: bool = False) -> T:
+        """The item of ``step`` (the consumer's next step), waiting for it; then forget it, or,
+        with ``keep``, leave that to the consumer's :meth:`forget` once it holds the item (a
+        Ctrl-C between the two then leaves the step to take again, never lost).
 
         Interrupted (Ctrl-C) it keeps the step, so the consumer can take it again."""
         with self._cond:
@@ -224,12 +226,14 @@ class BackgroundBuilder(Generic[T]):
         except KeyboardInterrupt:
             raise  # the step stays: taking it again returns it
         except BaseException:
-            self._forget(step)
+            self.forget(step)
             raise
-        self._forget(step)
+        if not keep:
+            self.forget(step)
         return result
 
-    def _forget(self, step: int) -> None:
+    def forget(self, step: int) -> None:
+        """Drop ``step``'s item: the builder may build one more step ahead."""
         with self._cond:
             self._built.pop(step, None)
             self._cond.notify_all()

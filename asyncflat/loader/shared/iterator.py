@@ -59,6 +59,8 @@ class BatchIterator(Iterator[tuple[int, Any]]):
         self._step = start
         self._stop_step = owner.step_count
         self._prefetch: BackgroundBuilder[Any] | None = None
+        #: the step taken from the builder and its batch, until next() returns it
+        self._held: tuple[int, Any] | None = None
         self._finalizer: weakref.finalize | None = None
         self._pin = owner.pin()
         if start < self._stop_step:
@@ -82,10 +84,12 @@ class BatchIterator(Iterator[tuple[int, Any]]):
         step = self._step
         if self._prefetch is None:
             batch = self._owner.load(step)  # raising leaves the step where it is
+        elif self._held is not None and self._held[0] == step:
+            batch = self._held[1]  # a Ctrl-C came after it was taken: the same batch again
         else:
             self._owner.check_open()
             try:
-                batch = self._prefetch.take(step)
+                batch = self._prefetch.take(step, keep=True)
             except KeyboardInterrupt:
                 raise  # the builder goes on; the next next() takes this same step
             except BackgroundStopped:
@@ -97,17 +101,27 @@ class BatchIterator(Iterator[tuple[int, Any]]):
                 self._step = self._stop_step  # an error ends the iteration
                 self.close()
                 raise
+            self._held = (step, batch)  # held before the builder forgets it
+            self._prefetch.forget(step)
             self._owner.count_delivered()  # (load() above counts its own)
-        self._step = step + 1
-        if self._step >= self._stop_step:
-            self.close()
+        # What can be interrupted comes before the step moves on: a Ctrl-C in it leaves the
+        # iterator at this step, whose batch the next next() returns (nothing checks for a
+        # signal between the two assignments and the return).
+        if step + 1 >= self._stop_step:
+            self._release()
         elif not self._owner.closed:
-            self._pin.move(self._step)
+            self._pin.move(step + 1)
+        self._held = None
+        self._step = step + 1
         return step, batch
 
     def close(self) -> None:
         """Stop the prefetch thread and drop the batches built ahead. Idempotent."""
         self._step = self._stop_step
+        self._held = None
+        self._release()
+
+    def _release(self) -> None:
         if self._finalizer is not None and self._finalizer.detach() is not None:
             if self._prefetch is None:
                 self._pin.release()
