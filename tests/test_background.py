@@ -400,3 +400,39 @@ def test_an_iterator_whose_prefetch_thread_stops_at_a_close_raises_loader_closed
     with pytest.raises(StopIteration):
         next(iterator)
     assert owner.delivered == 1
+
+
+def test_a_pin_whose_new_keys_failed_to_pin_pins_them_at_the_next_move() -> None:
+    """A move whose pin raised (or was interrupted) leaves the pin as it was: it recorded the
+    new keys first, so the next move to them thought them pinned and pinned nothing, while the
+    old keys stayed pinned."""
+
+    class Counted:
+        def __init__(self) -> None:
+            self.pinned: dict[int, int] = {}
+            self.fail = False
+
+        def pin_keys(self, step: int) -> int:
+            return step // 10  # one minipoch of 10 steps
+
+        def pin(self, keys: int) -> int:
+            if self.fail:
+                self.fail = False
+                raise LoaderClosedError("pin failed")
+            self.pinned[keys] = self.pinned.get(keys, 0) + 1
+            return keys
+
+        def unpin(self, token: int) -> None:
+            self.pinned[token] -= 1
+
+    server = Counted()
+    pin = Pin(server)  # type: ignore[arg-type]  # a stand-in with the three methods Pin calls
+    pin.move(0)
+    server.fail = True
+    with pytest.raises(LoaderClosedError):
+        pin.move(10)
+    assert server.pinned == {0: 1}  # still on the old keys
+    pin.move(11)
+    assert server.pinned == {0: 0, 1: 1}
+    pin.release()
+    assert server.pinned == {0: 0, 1: 0}

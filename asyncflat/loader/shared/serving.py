@@ -81,8 +81,8 @@ class Pin:
         with self._lock:  # pin and unpin under it: a release() in between cannot leak a pin
             if self._pinned is not None and keys == self._keys:
                 return
-            old, self._keys = self._pinned, keys
-            self._pinned = self._server.pin(keys)
+            pinned = self._server.pin(keys)  # raising (or a Ctrl-C in it) changes nothing here
+            old, self._keys, self._pinned = self._pinned, keys, pinned
             if old is not None:
                 self._server.unpin(old)
 
