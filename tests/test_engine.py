@@ -644,7 +644,9 @@ def test_closing_stops_computing_the_block_order() -> None:
     import time
 
     from asyncflat.engine.permutations import block_order_off_loop
-    from asyncflat.plan.permutation import Stop
+    from asyncflat.plan.permutation import Stop, ensure_kernel
+
+    ensure_kernel()  # its one-time compile (0.1-0.2 s) is not the stop's to time
 
     params = FlatTokensParams("fake://tokens", 1024, 16, 512, seed=0, sequence_packing=True)
     plan = ShufflePlan.create(

@@ -469,19 +469,19 @@ def test_a_load_stuck_on_slow_storage_times_out_and_the_loader_recovers(
         assert time.monotonic() - t0 < 1.0
         assert wrap.store is not None
         wrap.store.configure(latency_s=0.0)
-        # The reads already sleeping finish and the fill they belong to completes: a later load
-        # succeeds (bounded: it must recover, not hang).
+        # The reads already sleeping finish and the fill they belong to completes: later loads
+        # succeed (bounded: it must recover, not hang). Each may still time out once on a busy
+        # machine (0.3 s is the loader's whole budget, a fresh fill's included), not for 10 s.
         deadline = time.monotonic() + 10
-        while True:
-            try:
-                batch = loader.load(4)
-                break
-            except LoadTimeoutError:
-                if time.monotonic() > deadline:
-                    pytest.fail("no load succeeded within 10 s after the store healed")
-        assert_step(batch, expected, 4)
-        for step in (5, 0):
-            assert_step(loader.load(step), expected, step)
+        for step in (4, 5, 0):
+            while True:
+                try:
+                    batch = loader.load(step)
+                    break
+                except LoadTimeoutError:
+                    if time.monotonic() > deadline:
+                        pytest.fail(f"load({step}) did not succeed within 10 s of the heal")
+            assert_step(batch, expected, step)
 
 
 def test_every_fault_error_is_an_asyncflat_error() -> None:
