@@ -465,17 +465,30 @@ def test_ray_input_error_fails_fast_naming_line(
 
 
 def _tokenize_workers() -> list[int]:
-    """Pids of Ray workers executing tokenize_unit right now (Ray names the process after it)."""
+    """Pids of this process's Ray workers executing tokenize_unit right now (Ray names the
+    process after it; the cluster ``ray.init`` started is this process's descendant, another
+    test process's is not)."""
     pids = []
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
             try:
                 with open(f"/proc/{entry.name}/cmdline", "rb") as f:
-                    if f.read().startswith(b"ray::tokenize_unit"):
+                    if f.read().startswith(b"ray::tokenize_unit") and _descends_from_us(
+                        int(entry.name)
+                    ):
                         pids.append(int(entry.name))
             except OSError:
                 continue
     return pids
+
+
+def _descends_from_us(pid: int) -> bool:
+    while pid > 1:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            pid = int(f.read().rsplit(b")", 1)[1].split()[1])  # the parent's pid
+        if pid == os.getpid():
+            return True
+    return False
 
 
 @pytest.fixture(scope="module")

@@ -604,19 +604,21 @@ async def _collect_on_the_loop() -> None:
 
 @pytest.mark.parametrize(
     ("where", "fire_at"),
-    [("count_delivered", 5), ("pin_move", 5), ("last_release", 1)],
+    [("forget", 5), ("count_delivered", 5), ("pin_move", 5), ("last_release", 1)],
 )
 def test_a_ctrl_c_after_next_took_its_batch_leaves_that_batch_to_the_next_next(
     dataset: str, where: str, fire_at: int
 ) -> None:
     """A Ctrl-C can land anywhere in ``next()``, also after the batch was taken from the
-    device-prefetch thread (counting it, moving the iterator's pin, releasing the builder at
-    the last step). The next ``next()`` then returns that same step: it hung when the builder
-    had already forgotten the step, and skipped it once the iterator had moved on."""
+    device-prefetch thread (as the builder is told to forget it, counting it, moving the
+    iterator's pin, releasing the builder at the last step). The next ``next()`` then returns
+    that same step, counted once: it hung when the builder had already forgotten the step (or
+    never did, its depth then full for good), and skipped it once the iterator had moved on."""
     script = """
         import signal, sys, threading, jax, numpy as np
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a background shell ignores it
         from asyncflat import EngineOptions, FlatTokensParams, ShufflingLoader, TokenBatchParams
+        from asyncflat.loader.shared.background import BackgroundBuilder
         from asyncflat.loader.shared.lifecycle import Lifecycle
         from asyncflat.loader.shared.serving import Pin
         path, where, fire_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -626,15 +628,18 @@ def test_a_ctrl_c_after_next_took_its_batch_leaves_that_batch_to_the_next_next(
         with ShufflingLoader("train", params, batch, device,
                              options=EngineOptions(prefetch_to_device=0)) as reference:
             expected = [np.asarray(reference.load(s).targets) for s in range(reference.step_count)]
-        cls, name = {"count_delivered": (Lifecycle, "count_delivered"), "pin_move": (Pin, "move"),
+        cls, name = {"forget": (BackgroundBuilder, "forget"),
+                     "count_delivered": (Lifecycle, "count_delivered"), "pin_move": (Pin, "move"),
                      "last_release": (Lifecycle, "stop_prefetch")}[where]
         real, calls = getattr(cls, name), [0]
         def interrupted(self, *args):
-            result = real(self, *args)
             if threading.current_thread() is threading.main_thread():
                 calls[0] += 1
-                if calls[0] == fire_at:
-                    signal.raise_signal(signal.SIGINT)  # a Ctrl-C at this very point
+                if calls[0] == fire_at and where in ("forget", "count_delivered"):
+                    signal.raise_signal(signal.SIGINT)  # a Ctrl-C as it is called
+            result = real(self, *args)
+            if calls[0] == fire_at and where in ("pin_move", "last_release"):
+                signal.raise_signal(signal.SIGINT)  # a Ctrl-C right after it
             return result
         setattr(cls, name, interrupted)
         loader = ShufflingLoader("train", params, batch, device,
@@ -650,8 +655,10 @@ def test_a_ctrl_c_after_next_took_its_batch_leaves_that_batch_to_the_next_next(
                 continue
             assert np.array_equal(np.asarray(got.targets), expected[step]), step
             served.append(step)
+        delivered = loader.interval_stats().steps_loaded
         loader.close()
         assert served == list(range(len(expected))), served
+        assert delivered == len(expected), delivered
         print("interrupts", interrupts, "served", len(served), flush=True)
     """
     result = run_script(script, dataset, where, str(fire_at), timeout=90)

@@ -399,6 +399,9 @@ def _close_built(upcoming: concurrent.futures.Future[tuple[Loader, BatchIterator
         log.debug("the next epoch's loader failed while closing", exc_info=True)
         return
     try:
-        next_iterator.close()
-    finally:
-        next_loader.close()
+        try:
+            next_iterator.close()
+        finally:
+            next_loader.close()
+    except Exception:  # as above: a done-callback's error would be logged as an ERROR
+        log.debug("closing the next epoch's loader failed", exc_info=True)

@@ -479,7 +479,7 @@ def check_output(
     directory. For a caller that starts costly work (a cluster) before it opens the output."""
     text = os.fspath(path)
     if not is_remote(text):
-        _check_local_target(text.removeprefix("file://"), overwrite)
+        _check_local_target(os.path.abspath(text.removeprefix("file://")), overwrite)
         return
     install_log_redaction(option_secrets(storage_options))  # as open_output does
     display = display_url(text)

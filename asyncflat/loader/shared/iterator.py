@@ -59,8 +59,9 @@ class BatchIterator(Iterator[tuple[int, Any]]):
         self._step = start
         self._stop_step = owner.step_count
         self._prefetch: BackgroundBuilder[Any] | None = None
-        #: the step taken from the builder and its batch, until next() returns it
-        self._held: tuple[int, Any] | None = None
+        #: the step taken from the builder, its batch and whether it was counted as delivered,
+        #: until next() returns it
+        self._held: tuple[int, Any, bool] | None = None
         self._finalizer: weakref.finalize | None = None
         self._pin = owner.pin()
         if start < self._stop_step:
@@ -86,6 +87,10 @@ class BatchIterator(Iterator[tuple[int, Any]]):
             batch = self._owner.load(step)  # raising leaves the step where it is
         elif self._held is not None and self._held[0] == step:
             batch = self._held[1]  # a Ctrl-C came after it was taken: the same batch again
+            self._prefetch.forget(step)  # (it may have come before the builder forgot it)
+            if not self._held[2]:
+                self._owner.count_delivered()
+                self._held = (step, batch, True)
         else:
             self._owner.check_open()
             try:
@@ -101,9 +106,10 @@ class BatchIterator(Iterator[tuple[int, Any]]):
                 self._step = self._stop_step  # an error ends the iteration
                 self.close()
                 raise
-            self._held = (step, batch)  # held before the builder forgets it
+            self._held = (step, batch, False)  # held before the builder forgets it
             self._prefetch.forget(step)
             self._owner.count_delivered()  # (load() above counts its own)
+            self._held = (step, batch, True)
         # What can be interrupted comes before the step moves on: a Ctrl-C in it leaves the
         # iterator at this step, whose batch the next next() returns (nothing checks for a
         # signal between the two assignments and the return).
