@@ -20,9 +20,11 @@ them here; on failure or timeout every child is killed and its log is shown.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -98,9 +100,23 @@ MIXTURES: list[dict[str, Any]] = [
 
 
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range: the coordinator binds it seconds after
+    this returns, and meanwhile no connection made on this machine (another test process's
+    included) is given a port from outside that range."""
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    rng = random.Random()
+    for _ in range(100):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no free port below the ephemeral range")
 
 
 def _child_env() -> dict[str, str]:
