@@ -283,7 +283,7 @@ class LocalOutput(Output):
         self.path = os.path.abspath(path)
         self.display = self.path
         self.overwrite = overwrite
-        self._check_target()
+        _check_local_target(self.path, self.overwrite)
         parent = os.path.dirname(self.path)
         try:
             os.makedirs(parent, exist_ok=True)
@@ -301,15 +301,12 @@ class LocalOutput(Output):
         # If the writer is dropped without commit()/abort(), still remove the staging directory.
         self._cleanup = weakref.finalize(self, shutil.rmtree, self.staging, ignore_errors=True)
 
-    def _check_target(self) -> None:
-        _check_local_target(self.path, self.overwrite)
-
     def commit(self) -> None:
         old = None
         committed = False
         try:
             _fsync_tree(self.staging)
-            self._check_target()
+            _check_local_target(self.path, self.overwrite)
             if os.path.lexists(self.path):
                 old = f"{self.path}.old-{secrets.token_hex(6)}"
                 os.rename(self.path, old)
@@ -369,18 +366,10 @@ class ObjectOutput(Output):
         self._raw = raw
         self._committed = self._aborted = False
         try:
-            self._run(self._prepare(overwrite))
+            _sync(self._prepare(overwrite), self.display)
         except BaseException:
-            self._close()
+            _close_store(self._raw, self.display)
             raise
-
-    def _run(self, coro: Any) -> Any:
-        try:
-            return sync(coro)
-        except AsyncflatError:
-            raise
-        except Exception as exc:  # filesystems raise their own error types
-            raise _storage_error(exc, self.display) from exc
 
     async def _prepare(self, overwrite: bool) -> None:
         top = await _check_object_target(self._raw, self.display, overwrite)
@@ -394,16 +383,10 @@ class ObjectOutput(Output):
 
     def commit(self) -> None:
         try:
-            self._run(self.store.write_deferred())
+            _sync(self.store.write_deferred(), self.display)
             self._committed = True
         finally:
-            self._close()
-
-    def _close(self) -> None:
-        try:
-            sync(_close_filesystem(self._raw.fs))
-        except Exception as exc:  # noqa: BLE001 -- closing sessions is best effort
-            logger.debug("%s: closing the filesystem failed: %s", self.display, exc)
+            _close_store(self._raw, self.display)
 
     def abort(self) -> None:
         self.store.stop()
@@ -411,10 +394,10 @@ class ObjectOutput(Output):
             return  # a committed dataset is not this writer's to remove any more
         self._aborted = True
         try:
-            self._run(self._raw.delete_dir(""))
+            _sync(self._raw.delete_dir(""), self.display)
         except Exception as exc:  # noqa: BLE001 -- best effort: the abort's cause is what to report
             logger.warning("%s: could not remove the partial output: %s", self.display, exc)
-        self._close()
+        _close_store(self._raw, self.display)
 
 
 def open_output(
@@ -485,16 +468,26 @@ def check_output(
     display = display_url(text)
     raw = _object_store(text.rstrip("/"), storage_options, display)
     try:
-        sync(_check_object_target(raw, display, overwrite))
+        _sync(_check_object_target(raw, display, overwrite), display)
+    finally:
+        _close_store(raw, display)
+
+
+def _sync(coro: Any, display: str) -> Any:
+    """Run ``coro`` on zarr's loop; a filesystem's own error becomes a StorageError."""
+    try:
+        return sync(coro)
     except AsyncflatError:
         raise
     except Exception as exc:  # filesystems raise their own error types
         raise _storage_error(exc, display) from exc
-    finally:
-        try:
-            sync(_close_filesystem(raw.fs))
-        except Exception as exc:  # noqa: BLE001 -- closing sessions is best effort
-            logger.debug("%s: closing the filesystem failed: %s", display, exc)
+
+
+def _close_store(raw: FsspecStore, display: str) -> None:
+    try:
+        sync(_close_filesystem(raw.fs))
+    except Exception as exc:  # noqa: BLE001 -- closing sessions is best effort
+        logger.debug("%s: closing the filesystem failed: %s", display, exc)
 
 
 async def _close_filesystem(fs: Any) -> None:
