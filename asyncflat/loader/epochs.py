@@ -370,24 +370,25 @@ def _epochs(
             upcoming = None
             step = 0
     finally:
-        # Each step runs whatever interrupts the one before (a Ctrl-C in a close's join).
         current[0] = None
-        try:
-            try:
-                loader.close()
-            finally:
-                if started is not None:  # an error before its epoch's iterator was entered
-                    started[0].close()
-        finally:
-            try:
-                if upcoming is not None:  # closed as soon as it is built, never waited for here
-                    upcoming.add_done_callback(_close_built)
-            finally:
-                try:
-                    pool.shutdown(wait=True)
-                except KeyboardInterrupt:
-                    pool.shutdown(wait=False)  # its thread ends once what it builds is closed
-                    raise
+        # Each step runs whatever interrupts another (a Ctrl-C in a close's join); last in,
+        # first run: the loader, an epoch's iterator not entered yet (an error before it was),
+        # the next epoch's loader (closed once built, never waited for here), the pool.
+        with contextlib.ExitStack() as wind_down:
+            wind_down.callback(_shut_down, pool)
+            if upcoming is not None:
+                wind_down.callback(upcoming.add_done_callback, _close_built)
+            if started is not None:
+                wind_down.callback(started[0].close)
+            wind_down.callback(loader.close)
+
+
+def _shut_down(pool: concurrent.futures.ThreadPoolExecutor) -> None:
+    try:
+        pool.shutdown(wait=True)
+    except KeyboardInterrupt:
+        pool.shutdown(wait=False)  # its thread ends once what it builds is closed
+        raise
 
 
 def _close_built(upcoming: concurrent.futures.Future[tuple[Loader, BatchIterator, Any]]) -> None:
