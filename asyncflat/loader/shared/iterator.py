@@ -85,31 +85,28 @@ class BatchIterator(Iterator[tuple[int, Any]]):
         step = self._step
         if self._prefetch is None:
             batch = self._owner.load(step)  # raising leaves the step where it is
-        elif self._held is not None and self._held[0] == step:
-            batch = self._held[1]  # a Ctrl-C came after it was taken: the same batch again
-            self._prefetch.forget(step)  # (it may have come before the builder forgot it)
-            if not self._held[2]:
-                self._owner.count_delivered()
-                self._held = (step, batch, True)
         else:
-            self._owner.check_open()
-            try:
-                batch = self._prefetch.take(step, keep=True)
-            except KeyboardInterrupt:
-                raise  # the builder goes on; the next next() takes this same step
-            except BackgroundStopped:
-                self._step = self._stop_step
-                self.close()
-                self._owner.check_open()  # closed loader: LoaderClosedError
-                raise LoaderClosedError("the device-prefetch thread has stopped") from None
-            except BaseException:
-                self._step = self._stop_step  # an error ends the iteration
-                self.close()
-                raise
-            self._held = (step, batch, False)  # held before the builder forgets it
-            self._prefetch.forget(step)
-            self._owner.count_delivered()  # (load() above counts its own)
-            self._held = (step, batch, True)
+            if self._held is None or self._held[0] != step:  # else a Ctrl-C came after the take
+                self._owner.check_open()
+                try:
+                    batch = self._prefetch.take(step, keep=True)
+                except KeyboardInterrupt:
+                    raise  # the builder goes on; the next next() takes this same step
+                except BackgroundStopped:
+                    self._step = self._stop_step
+                    self.close()
+                    self._owner.check_open()  # closed loader: LoaderClosedError
+                    raise LoaderClosedError("the device-prefetch thread has stopped") from None
+                except BaseException:
+                    self._step = self._stop_step  # an error ends the iteration
+                    self.close()
+                    raise
+                self._held = (step, batch, False)  # held before the builder forgets it
+            batch = self._held[1]
+            self._prefetch.forget(step)  # again after a Ctrl-C: forgetting twice is harmless
+            if not self._held[2]:
+                self._owner.count_delivered()  # (load() above counts its own)
+                self._held = (step, batch, True)
         # What can be interrupted comes before the step moves on: a Ctrl-C in it leaves the
         # iterator at this step, whose batch the next next() returns (nothing checks for a
         # signal between the two assignments and the return).
