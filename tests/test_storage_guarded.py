@@ -103,6 +103,37 @@ def test_shard_indexes_are_read_once_and_failures_and_bad_ones_forgotten() -> No
     run(main)
 
 
+def test_a_truncated_range_forgets_the_shard_index_it_came_from() -> None:
+    """A shard rewritten in place (smaller) behind a cached index: the inner chunk's range
+    from the stale index comes back short (CorruptChunkError), and the index is read afresh
+    for the next read, which then finds the new shard's chunks."""
+    import zarr
+    from zarr.storage import LocalStore
+
+    async def main(root: str) -> None:
+        def write(values: np.ndarray) -> None:
+            array = zarr.create_array(
+                LocalStore(root), name="t", shape=(4096,), chunks=(1024,), shards=(4096,),
+                dtype="<u4", overwrite=True, compressors=zarr.codecs.ZstdCodec(),
+            )  # fmt: skip
+            array[:] = values
+
+        write(np.random.default_rng(0).integers(0, 2**32, 4096, dtype=np.uint32))
+        store, _ = await guarded(LocalStore(root, read_only=True), max_attempts=1)
+        array = await zarr.api.asynchronous.open_array(store=store, path="t")
+        store.gate_arrays([array])
+        await array.getitem(slice(3000, 3010))  # the shard's index, cached
+        write(np.full(4096, 7, np.uint32))  # rewritten in place: a tiny shard
+        with pytest.raises(CorruptChunkError, match="truncated"):
+            await array.getitem(slice(3000, 3010))
+        np.testing.assert_array_equal(await array.getitem(slice(3000, 3010)), np.full(10, 7))
+
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        run(lambda: main(root))
+
+
 def test_copies_share_counters_limits_and_checks() -> None:
     async def main() -> None:
         store, io = await guarded(await memory_store({"t/c/0": b"abc"}))

@@ -135,6 +135,26 @@ def test_each_request_is_bounded_and_then_retried() -> None:
     assert Stalls.calls == 2
 
 
+def test_a_timeout_the_client_raises_itself_keeps_its_own_message() -> None:
+    """Only BoundedStore's own bound is reported as "no answer within attempt_timeout_s": a
+    TimeoutError the client raises at once (its connect timer, say) propagates as it is."""
+    from zarr.core.buffer import default_buffer_prototype
+    from zarr.storage import MemoryStore
+
+    from asyncflat.storage.filesystems import BoundedStore
+
+    class HandshakeTimesOut(MemoryStore):
+        async def get(self, key, prototype, byte_range=None):  # type: ignore[no-untyped-def]
+            raise TimeoutError("TLS handshake timed out (the client's own 5 s timer)")
+
+    async def main() -> None:
+        store = BoundedStore(HandshakeTimesOut(), 30)
+        with pytest.raises(TimeoutError, match="TLS handshake timed out"):
+            await store.get("k", default_buffer_prototype())
+
+    asyncio.run(main())
+
+
 def test_attempt_timeout_must_be_positive() -> None:
     from asyncflat import ConfigError
 

@@ -363,10 +363,13 @@ class BoundedStore(WrapperStore[Store]):
         return BoundedStore(store, self.timeout_s)
 
     async def _bounded(self, what: str, call: Awaitable[T]) -> T:
+        bound = asyncio.timeout(self.timeout_s)
         try:
-            async with asyncio.timeout(self.timeout_s):
+            async with bound:
                 return await call
         except TimeoutError:
+            if not bound.expired():
+                raise  # the client's own timeout (its connect timer, say): its message stands
             raise TimeoutError(
                 f"{what}: no answer within RetryPolicy.attempt_timeout_s={self.timeout_s:g} s"
             ) from None

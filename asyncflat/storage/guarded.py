@@ -425,6 +425,8 @@ class GuardedStore(PerKeyWrapperStore):
         # object. zarr would decode an empty shard as fill values, i.e. wrong data.
         wanted = _range_length(byte_range)
         if len(buffer) == 0 or (wanted is not None and len(buffer) < wanted):
+            if byte_range is not None:
+                self.forget_indexes()  # the range may come from the index of a replaced shard
             raise CorruptChunkError(
                 f"{where}: chunk object is truncated: got {len(buffer)} bytes"
                 + (f", expected {wanted}" if wanted is not None else "")
