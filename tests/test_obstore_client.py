@@ -142,3 +142,45 @@ def test_obstore_debug_dumps_stay_out_of_messages() -> None:
     assert error_text(exc).endswith("connection refused")
     message = str(scrubbed(exc, "s3://bucket/d.zarr", ()))
     assert "Debug source" not in message and "connection refused" in message
+
+
+@pytest.mark.parametrize("client", ["fsspec", "obstore"])
+def test_a_range_past_an_objects_end_is_a_truncated_chunk_at_once(s3_server, client) -> None:  # type: ignore[no-untyped-def]
+    """Past the end of a short object (S3 answers 416) and a suffix of an empty one (moto
+    answers the whole, empty object: object_store's "non-partial response"): either client
+    reports a corrupt (truncated) chunk or a permanent error at once, never retries it."""
+    import asyncio
+
+    import s3fs
+    from zarr.abc.store import RangeByteRequest, SuffixByteRequest
+    from zarr.core.buffer import default_buffer_prototype
+
+    from asyncflat import CorruptChunkError, RetryPolicy, StorageError, TransientStorageError
+    from asyncflat.storage import AdaptiveLimiter, GuardedStore, IOCounters
+    from asyncflat.storage.filesystems import bounded, close_store
+
+    fs = s3fs.S3FileSystem(**s3_server.storage_options(), skip_instance_cache=True)
+    root = f"{s3_server.bucket}/past-end-{client}"
+    fs.pipe(f"{root}/t/c/0", b"0123456789")
+    fs.pipe(f"{root}/t/c/1", b"")
+
+    async def main() -> None:
+        options = dict(s3_server.storage_options(), client=client)
+        raw = make_store(f"s3://{root}", options, timeout_s=5, max_connections=8)
+        io = IOCounters()
+        policy = RetryPolicy(initial_backoff_s=0.05, max_backoff_s=0.2, deadline_s=10)
+        store = GuardedStore(
+            bounded(raw, 5), name=f"s3://{root}", limiter=AdaptiveLimiter(4, io), retry=policy,
+            io=io,
+        )  # fmt: skip
+        try:
+            with pytest.raises(CorruptChunkError, match="truncated"):
+                await store.get("t/c/0", default_buffer_prototype(), RangeByteRequest(20, 30))
+            with pytest.raises((CorruptChunkError, StorageError)) as info:
+                await store.get("t/c/1", default_buffer_prototype(), SuffixByteRequest(4))
+            assert not isinstance(info.value, TransientStorageError)
+            assert io.retries == 0
+        finally:
+            await close_store(raw)
+
+    asyncio.run(asyncio.wait_for(main(), 60))

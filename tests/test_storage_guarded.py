@@ -171,6 +171,30 @@ class VersionedBucket:
         return value, Version("ETag", etag)
 
 
+def test_a_first_read_past_an_objects_end_neither_pins_nor_warns(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A range past the end comes back empty with no version (S3's 416 names none): no warning
+    that the store sends no versions, and the next read pins the object as usual."""
+    bucket = VersionedBucket({"t/c/0": b"0123456789"})
+
+    async def read(key: str, byte_range: Any, pinned: Version | None) -> Any:
+        if isinstance(byte_range, RangeByteRequest) and byte_range.start >= 10:
+            return b"", pinned  # what the clients give for a 416
+        return await bucket.read(key, byte_range, pinned)
+
+    async def main() -> None:
+        store = PinnedStore(await memory_store({}), read=read)
+        buffer = await store.get("t/c/0", PROTO, RangeByteRequest(20, 30))
+        assert buffer is not None and buffer.to_bytes() == b""
+        assert (await store.get("t/c/0", PROTO)).to_bytes() == b"0123456789"  # type: ignore[union-attr]
+        assert store.pins.pinned("t/c/0") == Version("ETag", '"v1"')
+
+    with caplog.at_level("WARNING", logger="asyncflat"):
+        run(main)
+    assert "sent no version" not in caplog.text
+
+
 def test_a_replaced_object_is_refused_once_without_retry_and_until_reopened() -> None:
     async def main() -> None:
         bucket = VersionedBucket({"t/c/0": b"0123456789", "t/c/1": b"abcdefghij"})

@@ -49,7 +49,7 @@ from asyncflat.storage.guarded import PerKeyWrapperStore, describe_range
 from asyncflat.storage.local_files import file_kind, is_remote, is_url, pread, pread_into
 from asyncflat.storage.obstore_client import make_obstore_store, obstore_reader, without_client
 from asyncflat.storage.pins import Version, VersionMismatch, VersionPins
-from asyncflat.storage.retry import is_precondition_failure
+from asyncflat.storage.retry import is_precondition_failure, is_range_past_end
 
 __all__ = [
     "OWN_RETRIES_OPTION",
@@ -455,7 +455,8 @@ class PinnedStore(PerKeyWrapperStore):
         if result is None:
             return None
         data, found = result
-        self.pins.record(key, found)
+        if data or found is not None:  # an empty read with no version: a range past the
+            self.pins.record(key, found)  # end (416), which names none: nothing to pin or warn
         return prototype.buffer.from_bytes(data)
 
 
@@ -515,7 +516,7 @@ class _S3Reads:
         except OSError as exc:
             if is_precondition_failure(exc):
                 raise VersionMismatch(str(exc)) from exc
-            if "not satisfiable" in str(exc):  # as zarr's FsspecStore: an empty read
+            if is_range_past_end(exc):  # as zarr's FsspecStore: an empty read
                 return b"", pinned
             raise
         etag = response.get("ETag")

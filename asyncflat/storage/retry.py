@@ -18,7 +18,13 @@ from typing import TypeVar
 from asyncflat.config import RetryPolicy
 from asyncflat.errors import ObjectReplacedError, StorageError, TransientStorageError, error_text
 
-__all__ = ["is_precondition_failure", "is_throttle", "is_transient", "retrying"]
+__all__ = [
+    "is_precondition_failure",
+    "is_range_past_end",
+    "is_throttle",
+    "is_transient",
+    "retrying",
+]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -150,6 +156,13 @@ def is_precondition_failure(exc: BaseException) -> bool:
     )
 
 
+def is_range_past_end(exc: BaseException) -> bool:
+    """Whether the store refused a ranged read as past the object's end (HTTP 416 Range Not
+    Satisfiable; s3fs says "not satisfiable"): the object is shorter than the range, which the
+    reader reports as an empty read (a truncated object), as zarr's ``FsspecStore`` does."""
+    return _http_status(exc) == 416 or any("not satisfiable" in str(link) for link in _causes(exc))
+
+
 def is_transient(exc: BaseException) -> bool:
     """Whether a failed read is worth retrying: throttling, 5xx, timeouts, resets.
 
@@ -175,8 +188,10 @@ def is_transient(exc: BaseException) -> bool:
     if type(exc).__module__.startswith("obstore"):
         # Its specific errors (not found, permission denied, unauthenticated, precondition,
         # a bad path or configuration) are permanent; without an HTTP status (see above), a
-        # GenericError is the request failing on the way: connect, reset, timeout.
-        return name == "GenericError"
+        # GenericError is the request failing on the way (connect, reset, timeout), except a
+        # whole object served for a range (object_store's "non-partial response": a server
+        # that ignores ranges, or S3 on a range of an empty object), which every retry repeats.
+        return name == "GenericError" and "non-partial response" not in str(exc)
     return any(part in name for part in _TRANSIENT_NAMES)
 
 
