@@ -512,3 +512,27 @@ def test_wrapper_with_a_directory_path_store(tmp_path: Path) -> None:
     ) as loader:
         loader.load(0)
     assert kinds == ["LocalStore"]
+
+
+def test_a_store_wrapper_that_raises_closes_the_store_it_was_given(
+    stores: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The caller's store_wrapper fails: its error reaches the caller, and the store opened
+    for it is closed (a bucket's client session would otherwise stay open)."""
+    import asyncflat.storage.filesystems as filesystems
+
+    closed: list[Any] = []
+    real = filesystems.close_store
+
+    async def close_store(store: Any) -> None:
+        closed.append(store)
+        await real(store)
+
+    monkeypatch.setattr(filesystems, "close_store", close_store)
+
+    def broken(store: Any) -> Any:
+        raise RuntimeError("the wrapper is broken")
+
+    with pytest.raises(RuntimeError, match="the wrapper is broken"):
+        ShufflingLoader("train", params(stores["v3"], True), BATCH, SINGLE, store_wrapper=broken)
+    assert len(closed) == 1

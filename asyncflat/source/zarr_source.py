@@ -172,20 +172,23 @@ class ZarrTokenSource:
             raise construction_error(exc, filespec, secrets) from (
                 None if carries_secret(exc, secrets) else exc
             )
-        timed = bounded(raw, retry.attempt_timeout_s)
-        store = timed if store_wrapper is None else store_wrapper(timed)
         io = IOCounters()
-        guard = GuardedStore(
-            store,
-            name=filespec,
-            limiter=AdaptiveLimiter(max_concurrent_requests, io),
-            retry=retry,
-            io=io,
-            secrets=secrets,
-        )
-        try:
-            async with asyncio.timeout(retry.deadline_s) as budget:
+        budget = asyncio.timeout(retry.deadline_s)
+        try:  # from here on, whatever fails (the caller's store_wrapper too) closes the store
+            timed = bounded(raw, retry.attempt_timeout_s)
+            guard = GuardedStore(
+                timed if store_wrapper is None else store_wrapper(timed),
+                name=filespec,
+                limiter=AdaptiveLimiter(max_concurrent_requests, io),
+                retry=retry,
+                io=io,
+                secrets=secrets,
+            )
+            async with budget:
                 arrays = await open_split(guard, split, name=filespec)
+            local = local_root(raw) if store_wrapper is None else None
+            source = cls(arrays, io, raw, guard=guard, local=local)
+            guard.check_blosc_frames(blosc_frame_prefixes(arrays))
         except TimeoutError as exc:
             await close_store(raw)
             if not budget.expired():
@@ -202,9 +205,6 @@ class ZarrTokenSource:
         except BaseException:
             await close_store(raw)
             raise
-        local = local_root(raw) if store_wrapper is None else None
-        source = cls(arrays, io, raw, guard=guard, local=local)
-        guard.check_blosc_frames(blosc_frame_prefixes(arrays))
         return source
 
     async def read_tokens(self, start: int, stop: int) -> np.ndarray:
