@@ -145,13 +145,17 @@ def test_obstore_debug_dumps_stay_out_of_messages() -> None:
 
 
 @pytest.mark.parametrize("client", ["fsspec", "obstore"])
-def test_a_range_past_an_objects_end_is_a_truncated_chunk_at_once(s3_server, client) -> None:  # type: ignore[no-untyped-def]
-    """Past the end of a short object (S3 answers 416) and a suffix of an empty one (moto
-    answers the whole, empty object: object_store's "non-partial response"): either client
-    reports a corrupt (truncated) chunk or a permanent error at once, never retries it."""
+@pytest.mark.parametrize("backend", ["s3", "gcs"])
+def test_a_range_past_an_objects_end_is_a_truncated_chunk_at_once(  # type: ignore[no-untyped-def]
+    request, backend, client
+) -> None:
+    """Past the end of a short object (S3 answers 416; object_store checks a GCS emulator's
+    answer itself) and a suffix of an empty one (answered with the whole, empty object, or a
+    Content-Range object_store cannot parse): every client reports a truncated chunk, or for
+    the empty object a permanent error, at once, never retried."""
     import asyncio
 
-    import s3fs
+    import fsspec
     from zarr.abc.store import RangeByteRequest, SuffixByteRequest
     from zarr.core.buffer import default_buffer_prototype
 
@@ -159,19 +163,21 @@ def test_a_range_past_an_objects_end_is_a_truncated_chunk_at_once(s3_server, cli
     from asyncflat.storage import AdaptiveLimiter, GuardedStore, IOCounters
     from asyncflat.storage.filesystems import bounded, close_store
 
-    fs = s3fs.S3FileSystem(**s3_server.storage_options(), skip_instance_cache=True)
-    root = f"{s3_server.bucket}/past-end-{client}"
+    server = request.getfixturevalue("s3_server" if backend == "s3" else "gcs_emulator")
+    scheme = "s3" if backend == "s3" else "gs"
+    fs = fsspec.filesystem(scheme, **server.storage_options(), skip_instance_cache=True)
+    root = f"{server.bucket}/past-end-{client}"
     fs.pipe(f"{root}/t/c/0", b"0123456789")
     fs.pipe(f"{root}/t/c/1", b"")
 
     async def main() -> None:
-        options = dict(s3_server.storage_options(), client=client)
-        raw = make_store(f"s3://{root}", options, timeout_s=5, max_connections=8)
+        options = dict(server.storage_options(), client=client)
+        raw = make_store(f"{scheme}://{root}", options, timeout_s=5, max_connections=8)
         io = IOCounters()
         policy = RetryPolicy(initial_backoff_s=0.05, max_backoff_s=0.2, deadline_s=10)
         store = GuardedStore(
-            bounded(raw, 5), name=f"s3://{root}", limiter=AdaptiveLimiter(4, io), retry=policy,
-            io=io,
+            bounded(raw, 5), name=f"{scheme}://{root}", limiter=AdaptiveLimiter(4, io),
+            retry=policy, io=io,
         )  # fmt: skip
         try:
             with pytest.raises(CorruptChunkError, match="truncated"):
@@ -179,6 +185,71 @@ def test_a_range_past_an_objects_end_is_a_truncated_chunk_at_once(s3_server, cli
             with pytest.raises((CorruptChunkError, StorageError)) as info:
                 await store.get("t/c/1", default_buffer_prototype(), SuffixByteRequest(4))
             assert not isinstance(info.value, TransientStorageError)
+            assert io.retries == 0
+        finally:
+            await close_store(raw)
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_a_range_past_the_end_is_told_apart_from_other_errors() -> None:
+    """gcsfs's 416 (the GCS emulator answers ranges past the end itself, so only here) and
+    object_store's own past-end check are ranges past the end; a 404 or a timeout are not."""
+    from gcsfs.retry import HttpError
+    from obstore.exceptions import GenericError
+
+    from asyncflat.storage.retry import is_range_past_end
+
+    assert is_range_past_end(HttpError({"code": 416, "message": "range cannot be satisfied"}))
+    assert is_range_past_end(
+        GenericError("Generic GCS error: Wanted range starting at 20, but object was only 10")
+    )
+    assert not is_range_past_end(HttpError({"code": 404, "message": "No such object"}))
+    assert not is_range_past_end(GenericError("Generic GCS error: error sending request"))
+    unusable = GenericError("Generic GCS error: Failed to parse value for CONTENT_RANGE header")
+    assert not is_transient(unusable)  # every retry gets the same answer
+
+
+def test_gcsfs_answering_416_reads_as_a_truncated_chunk(gcs_emulator, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """GCS answers a range past the end with 416, which gcsfs raises as ``HttpError`` (the
+    emulator checks ranges itself, so its answer is made here as gcsfs makes it)."""
+    import asyncio
+    import json
+
+    import gcsfs
+    from gcsfs.retry import validate_response
+    from zarr.abc.store import RangeByteRequest
+    from zarr.core.buffer import default_buffer_prototype
+
+    from asyncflat import CorruptChunkError, RetryPolicy
+    from asyncflat.storage import AdaptiveLimiter, GuardedStore, IOCounters
+    from asyncflat.storage.filesystems import bounded, close_store
+
+    body = json.dumps(
+        {"error": {"code": 416, "message": "The requested range cannot be satisfied."}}
+    )
+    real = gcsfs.GCSFileSystem._call
+
+    async def call(self, method, path, *args, headers=None, **kwargs):  # type: ignore[no-untyped-def]
+        if headers and headers.get("Range", "").startswith("bytes=20-"):
+            validate_response(416, body.encode(), path)
+        return await real(self, method, path, *args, headers=headers, **kwargs)
+
+    monkeypatch.setattr(gcsfs.GCSFileSystem, "_call", call)
+    fs = gcsfs.GCSFileSystem(**gcs_emulator.storage_options(), skip_instance_cache=True)
+    root = f"{gcs_emulator.bucket}/past-end-416"
+    fs.pipe(f"{root}/t/c/0", b"0123456789")
+
+    async def main() -> None:
+        raw = make_store(f"gs://{root}", gcs_emulator.storage_options(), timeout_s=5)
+        io = IOCounters()
+        store = GuardedStore(
+            bounded(raw, 5), name=f"gs://{root}", limiter=AdaptiveLimiter(4, io),
+            retry=RetryPolicy(initial_backoff_s=0.05, deadline_s=10), io=io,
+        )  # fmt: skip
+        try:
+            with pytest.raises(CorruptChunkError, match="truncated"):
+                await store.get("t/c/0", default_buffer_prototype(), RangeByteRequest(20, 30))
             assert io.retries == 0
         finally:
             await close_store(raw)

@@ -547,6 +547,10 @@ class _GcsReads:
             raise VersionMismatch(str(exc)) from exc
         except self.store.allowed_exceptions:
             return None
+        except Exception as exc:
+            if is_range_past_end(exc):  # gcsfs's HttpError(416): an empty read, as s3fs's
+                return b"", pinned
+            raise
         generation = found.get("x-goog-generation")
         return data, Version("generation", str(generation)) if generation else None
 

@@ -156,11 +156,21 @@ def is_precondition_failure(exc: BaseException) -> bool:
     )
 
 
+#: object_store's own words for a range past an object's end (its ``StartTooLarge``)
+_PAST_END_TEXTS = ("not satisfiable", "Wanted range starting at")
+#: object_store's words for a range response it cannot use (a whole object for a range, a
+#: ``Content-Range`` it cannot parse): every retry gets the same answer
+_BAD_RANGE_RESPONSE_TEXTS = ("non-partial response", "Content-Range header", "CONTENT_RANGE header")
+
+
 def is_range_past_end(exc: BaseException) -> bool:
     """Whether the store refused a ranged read as past the object's end (HTTP 416 Range Not
-    Satisfiable; s3fs says "not satisfiable"): the object is shorter than the range, which the
-    reader reports as an empty read (a truncated object), as zarr's ``FsspecStore`` does."""
-    return _http_status(exc) == 416 or any("not satisfiable" in str(link) for link in _causes(exc))
+    Satisfiable; s3fs says "not satisfiable", object_store "Wanted range starting at"): the
+    object is shorter than the range, which the reader reports as an empty read (a truncated
+    object), as zarr's ``FsspecStore`` does."""
+    return _http_status(exc) == 416 or any(
+        text in str(link) for link in _causes(exc) for text in _PAST_END_TEXTS
+    )
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -189,9 +199,11 @@ def is_transient(exc: BaseException) -> bool:
         # Its specific errors (not found, permission denied, unauthenticated, precondition,
         # a bad path or configuration) are permanent; without an HTTP status (see above), a
         # GenericError is the request failing on the way (connect, reset, timeout), except a
-        # whole object served for a range (object_store's "non-partial response": a server
-        # that ignores ranges, or S3 on a range of an empty object), which every retry repeats.
-        return name == "GenericError" and "non-partial response" not in str(exc)
+        # range response it cannot use (a whole object for a range: a server that ignores
+        # ranges, or S3 on a range of an empty object), which every retry repeats.
+        return name == "GenericError" and not any(
+            text in str(exc) for text in _BAD_RANGE_RESPONSE_TEXTS
+        )
     return any(part in name for part in _TRANSIENT_NAMES)
 
 
