@@ -156,7 +156,8 @@ def is_precondition_failure(exc: BaseException) -> bool:
     )
 
 
-#: object_store's own words for a range past an object's end (its ``StartTooLarge``)
+#: words for a range past an object's end: S3's and s3fs's 416 ("not satisfiable"), and
+#: object_store's own check of a range against the object's size (its ``StartTooLarge``)
 _PAST_END_TEXTS = ("not satisfiable", "Wanted range starting at")
 #: object_store's words for a range response it cannot use (a whole object for a range, a
 #: ``Content-Range`` it cannot parse): every retry gets the same answer
