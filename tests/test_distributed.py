@@ -1013,6 +1013,10 @@ def test_an_output_that_would_be_refused_is_refused_before_the_cluster_starts(
             convert_distributed([corpus], where, options=replacing, **run)
     assert (foreign / "notes.txt").read_text() == "keep me"
     assert fsspec.filesystem("memory").cat(f"{url}-foreign/notes.txt") == b"keep me"
+    # storage_options for a local output: refused by the same rule as when it opens
+    with_options = ConvertOptions(storage_options={"anon": True}, **SPLIT)
+    with pytest.raises(ConfigError, match="storage_options are for fsspec URLs"):
+        convert_distributed([corpus], tmp_path / "fresh.zarr", options=with_options, **run)
 
 
 def test_removing_pieces_from_a_work_dir_named_like_a_glob_touches_nothing_else() -> None:

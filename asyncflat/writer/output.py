@@ -413,19 +413,30 @@ def open_output(
     ``hold_back`` applies to a URL (see :class:`ObjectOutput`), ``staging_tag`` to a local path
     (see :class:`LocalOutput`).
     """
-    text = os.fspath(path)
-    if is_remote(text):
-        # fsspec's and the cloud clients' own log records show the URL they were given
-        install_log_redaction(option_secrets(storage_options))
+    text, remote = _target(path, storage_options)
+    if remote:
         return ObjectOutput(
             text, overwrite=overwrite, storage_options=storage_options, hold_back=hold_back
         )
+    return LocalOutput(text, overwrite=overwrite, staging_tag=staging_tag)
+
+
+def _target(
+    path: str | os.PathLike[str], storage_options: dict[str, Any] | None
+) -> tuple[str, bool]:
+    """``path`` as text (a local one without ``file://``) and whether it is an fsspec URL;
+    storage_options for a local path are refused, and a URL's secrets are redacted from the
+    logs from now on (fsspec's and the cloud clients' own log records show the URL)."""
+    text = os.fspath(path)
+    if is_remote(text):
+        install_log_redaction(option_secrets(storage_options))
+        return text, True
     if storage_options:
         raise ConfigError(
             f"storage_options are for fsspec URLs; {text} is a local path (got "
             f"{len(storage_options)} options)"
         )
-    return LocalOutput(text.removeprefix("file://"), overwrite=overwrite, staging_tag=staging_tag)
+    return text.removeprefix("file://"), False
 
 
 def _object_store(url: str, storage_options: dict[str, Any] | None, display: str) -> FsspecStore:
@@ -460,11 +471,10 @@ def check_output(
     """Refuse, reading only, an output that :func:`open_output` would refuse as it stands now:
     one that exists without ``overwrite``, or that is not a flat-tokens store or an empty
     directory. For a caller that starts costly work (a cluster) before it opens the output."""
-    text = os.fspath(path)
-    if not is_remote(text):
-        _check_local_target(os.path.abspath(text.removeprefix("file://")), overwrite)
+    text, remote = _target(path, storage_options)
+    if not remote:
+        _check_local_target(os.path.abspath(text), overwrite)
         return
-    install_log_redaction(option_secrets(storage_options))  # as open_output does
     display = display_url(text)
     raw = _object_store(text.rstrip("/"), storage_options, display)
     try:
