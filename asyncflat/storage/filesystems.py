@@ -452,11 +452,16 @@ class PinnedStore(PerKeyWrapperStore):
             if pinned is None:  # no condition was sent: the store's own refusal, named as is
                 raise
             self.pins.mismatch(key, pinned)
+        except Exception as exc:
+            if not is_range_past_end(exc):
+                raise
+            # An empty read, as zarr's FsspecStore gives (the guard reports the object as
+            # truncated); a 416 names no version: nothing to pin.
+            return prototype.buffer.from_bytes(b"")
         if result is None:
             return None
         data, found = result
-        if data or found is not None:  # an empty read with no version: a range past the
-            self.pins.record(key, found)  # end (416), which names none: nothing to pin or warn
+        self.pins.record(key, found)
         return prototype.buffer.from_bytes(data)
 
 
@@ -516,8 +521,6 @@ class _S3Reads:
         except OSError as exc:
             if is_precondition_failure(exc):
                 raise VersionMismatch(str(exc)) from exc
-            if is_range_past_end(exc):  # as zarr's FsspecStore: an empty read
-                return b"", pinned
             raise
         etag = response.get("ETag")
         if not etag:
@@ -547,10 +550,6 @@ class _GcsReads:
             raise VersionMismatch(str(exc)) from exc
         except self.store.allowed_exceptions:
             return None
-        except Exception as exc:
-            if is_range_past_end(exc):  # gcsfs's HttpError(416): an empty read, as s3fs's
-                return b"", pinned
-            raise
         generation = found.get("x-goog-generation")
         return data, Version("generation", str(generation)) if generation else None
 

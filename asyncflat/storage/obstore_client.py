@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 from asyncflat.config import CLIENT_OPTION, client_of
 from asyncflat.errors import ConfigError, error_text, redact
 from asyncflat.storage.pins import Version, VersionMismatch
-from asyncflat.storage.retry import is_range_past_end
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -209,10 +208,6 @@ def obstore_reader(
             raise VersionMismatch(error_text(exc)) from exc
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             return None
-        except obstore.exceptions.GenericError as exc:
-            if is_range_past_end(exc):  # an empty read, as the fsspec clients give
-                return b"", pinned
-            raise
         return data, _obstore_version(result.meta)
 
     return read
