@@ -405,7 +405,8 @@ def bounded(store: Store, timeout_s: float) -> Store:
 
 #: A client's conditional read of ``key`` (whole, or a byte range), conditional on the pinned
 #: version when there is one: ``(bytes, the version the response names)``, or None when the
-#: object is absent. Raises :class:`~asyncflat.storage.pins.VersionMismatch` on a 412.
+#: object is absent. Raises :class:`~asyncflat.storage.pins.VersionMismatch` on a 412, and
+#: its client's own error on a range past the end (:class:`PinnedStore` reads that as empty).
 ConditionalRead = Callable[
     [str, ByteRequest | None, Version | None], Awaitable[tuple[Any, Version | None] | None]
 ]

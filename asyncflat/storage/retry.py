@@ -167,8 +167,8 @@ _BAD_RANGE_RESPONSE_TEXTS = ("non-partial response", "Content-Range header", "CO
 def is_range_past_end(exc: BaseException) -> bool:
     """Whether the store refused a ranged read as past the object's end (HTTP 416 Range Not
     Satisfiable; s3fs says "not satisfiable", object_store "Wanted range starting at"): the
-    object is shorter than the range, which the reader reports as an empty read (a truncated
-    object), as zarr's ``FsspecStore`` does."""
+    object is shorter than the range, which ``PinnedStore`` reads as empty (a truncated object),
+    as zarr's ``FsspecStore`` does."""
     return _http_status(exc) == 416 or any(
         text in str(link) for link in _causes(exc) for text in _PAST_END_TEXTS
     )
