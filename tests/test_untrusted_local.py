@@ -339,3 +339,67 @@ def test_a_symlink_loop_is_a_corrupt_chunk_on_every_path(
     outcome = asyncio.run(asyncio.wait_for(main(), timeout=20))
     assert isinstance(outcome, CorruptChunkError), repr(outcome)
     assert str(target) in str(outcome), str(outcome)
+
+
+@pytest.mark.parametrize("reader", ["zarr", "plain"])
+@pytest.mark.parametrize("how", ["rows", "fill"])
+def test_a_chunk_directory_that_is_a_file_is_a_corrupt_chunk_naming_it(
+    tmp_path: Path, reader: str, how: str
+) -> None:
+    """A file where the layout has a directory (zarr 3's ``c/``) makes opening a chunk say
+    "not a directory": a damaged store, named, on every read path (it was a bare
+    ``StorageError`` quoting the errno)."""
+    from asyncflat.source.local_source import LocalTokenSource
+
+    path = tmp_path / "d.zarr"
+    with FlatTokensWriter(path, chunk_tokens=CHUNK) as writer:  # zarr 3: chunks under c/
+        writer.append("train", random_sequences(11, 120))
+    chunks = path / "train" / "encoded_tokens" / "c"
+    for child in chunks.iterdir():
+        child.unlink()
+    chunks.rmdir()
+    chunks.write_bytes(b"x")
+
+    async def main() -> BaseException | None:
+        if reader == "zarr":
+            source: Any = await ZarrTokenSource.open(str(path), "train")
+        else:
+            source = await LocalTokenSource.open_plain(str(path), "train")
+            assert source is not None, "the zarr-free reader should open this layout"
+        try:
+            if how == "rows":
+                await source.read_items(1, 200, np.empty(16, np.uint32))
+            else:
+                await source.read_tokens(CHUNK, CHUNK + 16)
+        except Exception as exc:
+            return exc
+        finally:
+            await source.aclose()
+        return None
+
+    outcome = asyncio.run(asyncio.wait_for(main(), timeout=20))
+    assert isinstance(outcome, CorruptChunkError), repr(outcome)
+    assert f"{chunks} is a file" in str(outcome), str(outcome)
+
+
+@pytest.mark.parametrize("reader", ["zarr", "plain"])
+def test_a_split_that_is_a_file_is_a_format_error_naming_it(tmp_path: Path, reader: str) -> None:
+    """The same for metadata: a split that is a file is a dataset format error naming it."""
+    from asyncflat import DatasetFormatError
+    from asyncflat.source.local_source import LocalTokenSource
+
+    path = tmp_path / "d.zarr"
+    write(path, "blosc")
+    split = path / "train"
+    for child in sorted(split.rglob("*"), reverse=True):
+        child.rmdir() if child.is_dir() else child.unlink()
+    split.rmdir()
+    split.write_bytes(b"x")
+
+    async def main() -> None:
+        if reader == "plain":  # declines the layout, so a loader opens it with zarr (below)
+            assert await LocalTokenSource.open_plain(str(path), "train") is None
+        await ZarrTokenSource.open(str(path), "train")
+
+    with pytest.raises(DatasetFormatError, match=f"{split} is a file"):
+        asyncio.run(asyncio.wait_for(main(), timeout=20))

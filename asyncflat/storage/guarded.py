@@ -52,7 +52,7 @@ from asyncflat.storage.gate import (
     gate_for,
 )
 from asyncflat.storage.limiter import AdaptiveLimiter
-from asyncflat.storage.local_files import file_kind
+from asyncflat.storage.local_files import file_kind, file_on_the_way
 from asyncflat.storage.retry import is_throttle, retrying
 from asyncflat.storage.single_flight import SingleFlight
 
@@ -230,14 +230,16 @@ class GuardedStore(PerKeyWrapperStore):
         if root is None:
             return None
         path = os.path.join(root, key)
+        metadata = is_metadata(key)
+        error = DatasetFormatError if metadata else CorruptChunkError
         try:
             st = os.lstat(path)
         except FileNotFoundError:
             return None  # the store reports it (missing chunk, or absent metadata)
+        except NotADirectoryError:  # a file where the layout has a directory (a group, an array)
+            raise error(f"{describe()}: {file_on_the_way(root, key)}") from None
         except OSError as exc:
             raise StorageError(f"reading {describe()} failed: {exc}") from None
-        metadata = is_metadata(key)
-        error = DatasetFormatError if metadata else CorruptChunkError
         if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
             real = os.path.realpath(path)
             if os.path.commonpath([real, root]) != root:

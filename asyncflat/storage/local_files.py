@@ -19,7 +19,15 @@ import numpy as np
 
 from asyncflat.errors import CorruptChunkError, StorageError
 
-__all__ = ["file_kind", "is_remote", "is_url", "pread", "pread_into", "read_object"]
+__all__ = [
+    "file_kind",
+    "file_on_the_way",
+    "is_remote",
+    "is_url",
+    "pread",
+    "pread_into",
+    "read_object",
+]
 
 
 def is_url(filespec: str) -> bool:
@@ -60,6 +68,18 @@ def file_kind(mode: int) -> str:
     return "not a regular file"
 
 
+def file_on_the_way(root: str, key: str) -> str:
+    """Why ``key`` cannot be opened under ``root`` when opening it says "not a directory", in
+    words for a message: the first component of its path that is a file, where the layout has
+    a directory (a split, an array, a chunk directory)."""
+    path = root
+    for part in key.split("/")[:-1]:
+        path = os.path.join(path, part)
+        if not os.path.isdir(path):
+            return f"{path} is a file, where the dataset's layout has a directory"
+    return "a component of its path is a file, where the dataset's layout has a directory"
+
+
 @functools.lru_cache(maxsize=64)
 def _real_root(root: str) -> str:
     return os.path.realpath(root)
@@ -76,6 +96,9 @@ def _open_local(root: str, path: str, where: str) -> int:
         fd = os.open(path, _OPEN_FLAGS)
     except FileNotFoundError:
         raise CorruptChunkError(f"{where}: chunk object is missing from the store") from None
+    except NotADirectoryError:
+        key = os.path.relpath(path, root)
+        raise CorruptChunkError(f"{where}: {file_on_the_way(root, key)}") from None
     except OSError as exc:
         if exc.errno not in (errno.ELOOP, errno.EMLINK) or not os.path.islink(path):
             raise StorageError(f"reading {where} failed: {exc}") from None
