@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from numcodecs import Blosc
 
-from asyncflat.storage import blosc
+from asyncflat.storage import blosc, gate
 
 pytestmark = pytest.mark.skipif(not blosc.AVAILABLE, reason="this numcodecs exports no c-blosc")
 
@@ -183,6 +183,23 @@ def test_block_offsets_outside_the_frame_are_errors() -> None:
     lo, hi = layout.offsets_range
     with pytest.raises(blosc.BloscError, match="outside the frame"):
         layout.offsets = bad[lo:hi].view("<i4").copy()
+
+
+@pytest.mark.parametrize("back", [1, 2, 3])
+def test_a_block_starting_in_a_frames_last_bytes_is_refused_by_ranged_reads_too(back: int) -> None:
+    """A block begins with its 4-byte compressed size, so one that starts in the frame's last 3
+    bytes is damage (c-blosc would read past the frame). The gate refuses it in a whole
+    object; a ranged read's layout (header and table only) must refuse it too."""
+    frame = frame_of(DATA)
+    bad = frame.copy()
+    bad[16:20] = np.frombuffer(np.int32(len(frame) - back).tobytes(), np.uint8)
+    with pytest.raises(gate.ChunkRejected, match="outside the object's compressed blocks"):
+        gate.check_blosc(bad, DATA.nbytes, exact=True)
+    layout = blosc.FrameLayout(frame[:16].tobytes(), DATA.nbytes)
+    lo, hi = layout.offsets_range
+    with pytest.raises(blosc.BloscError, match="outside the frame"):
+        layout.offsets = bad[lo:hi].view("<i4").copy()
+    layout.offsets = frame[lo:hi].view("<i4").copy()  # the frame as written is accepted
 
 
 def test_a_range_reaching_a_partial_last_item_needs_the_whole_frame() -> None:

@@ -182,13 +182,16 @@ class Header:
         return _HEADER + 4 * self.nblocks
 
     def check_offsets(self, offsets: np.ndarray) -> None:
-        """Every block starts after the table and inside the frame (c-blosc would follow any)."""
+        """Every block starts after the table and at least 4 bytes before the frame's end (a
+        block begins with its compressed size; c-blosc would follow any offset): the bound
+        the gate puts on a whole object (:func:`~asyncflat.storage.gate.check_blosc`), here for
+        a ranged read, whose layout comes from the header and table alone."""
         if len(offsets) and (
-            int(offsets.min()) < self.table_end or int(offsets.max()) >= self.cbytes
+            int(offsets.min()) < self.table_end or int(offsets.max()) > self.cbytes - 4
         ):
             raise BloscError(
-                f"block offsets point outside the frame (table ends at {self.table_end}, "
-                f"frame has {self.cbytes} bytes)"
+                f"block offsets point outside the frame (blocks start in "
+                f"[{self.table_end}, {self.cbytes - 4}], frame has {self.cbytes} bytes)"
             )
 
 
