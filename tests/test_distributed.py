@@ -1041,3 +1041,52 @@ def test_removing_pieces_from_a_work_dir_named_like_a_glob_touches_nothing_else(
         ]
     finally:
         fs.rm("/runs", recursive=True)
+
+
+@pytest.mark.parametrize("inside", ["", "tmp", "a/b"])
+def test_a_work_dir_inside_the_output_is_refused_before_any_work(
+    corpus: Path, tmp_path: Path, inside: str
+) -> None:
+    """The pieces made the output exist, so the commit, after the whole run, failed with
+    "already exists (pass overwrite=True ...)", and every rerun was refused."""
+    out = tmp_path / "out.zarr"
+    work = str(out / inside) if inside else str(out)
+    with pytest.raises(ConfigError, match="is inside the output"):
+        convert_distributed([corpus], out, runner="local", work_dir=work)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("contents", ["my notes\n", '["step 1"]', '{"title": "my plan"}'])
+def test_a_plan_json_of_the_users_in_work_dir_is_refused_as_such(
+    corpus: Path, tmp_path: Path, contents: str
+) -> None:
+    """A work dir's plan.json that no conversion wrote: not a JSONDecodeError or an
+    AttributeError, nor "pieces of a different conversion ... delete it"."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "plan.json").write_text(contents)
+    with pytest.raises(ConfigError, match=r"holds a plan\.json that no conversion wrote"):
+        convert_distributed([corpus], tmp_path / "o.zarr", runner="local", work_dir=str(work))
+    assert (work / "plan.json").read_text() == contents
+    assert not (tmp_path / "o.zarr").exists()
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_a_work_dir_named_like_a_glob_is_resumed_from(
+    corpus: Path, tmp_path: Path, where: str
+) -> None:
+    """fsspec's ``cat`` expands glob characters: the manifests of a work dir ``exp[1]`` were
+    looked up under ``exp1``, so a run there failed (FileNotFoundError naming a manifest)."""
+    import fsspec
+
+    work = str(tmp_path / "exp[1]") if where == "local" else "memory://asyncflat-glob/exp[1]"
+    run: dict[str, Any] = dict(runner="local", work_dir=work, unit_bytes=3000, keep_pieces=True)
+    out = tmp_path / "out.zarr"
+    try:
+        first = convert_distributed([corpus], out, options=ConvertOptions(**SPLIT), **run)
+        replacing = ConvertOptions(overwrite=True, **SPLIT)
+        again = convert_distributed([corpus], out, options=replacing, **run)
+        assert first.units_resumed == 0 and again.units_resumed == again.units > 3
+    finally:
+        if where == "memory":
+            fsspec.filesystem("memory").rm("/asyncflat-glob", recursive=True)

@@ -185,6 +185,26 @@ def test_overwrite_refuses_foreign_objects(remote: Remote) -> None:
     assert remote_keys(url, remote.options) == ["notes.txt"]
 
 
+def test_an_output_url_with_glob_characters_touches_nothing_else(remote: Remote) -> None:
+    """fsspec's rm expands glob characters: removing ``exp[12]`` must not remove exp1, exp2."""
+    import fsspec
+
+    base = remote.url("glob").removesuffix(".zarr")
+    for sibling in ("exp1", "exp2"):
+        with fsspec.open(f"{base}/{sibling}/notes.txt", "wb", **(remote.options or {})) as f:
+            f.write(b"mine")
+    url = f"{base}/exp[12]"
+    write_flat_tokens(url, {"train": [[1, 2, 3]]}, storage_options=remote.options)  # mode="w"
+    write_flat_tokens(url, {"train": [[4]]}, overwrite=True, storage_options=remote.options)
+    with pytest.raises(KeyError):
+        with FlatTokensWriter(url, overwrite=True, storage_options=remote.options) as writer:
+            writer.append("train", TRAIN)
+            raise KeyError("interrupted")  # the abort removes the partial output
+    assert remote_keys(url, remote.options) == []
+    for sibling in ("exp1", "exp2"):
+        assert remote_keys(f"{base}/{sibling}", remote.options) == ["notes.txt"]
+
+
 def test_storage_options_on_a_local_path_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="storage_options are for fsspec URLs"):
         FlatTokensWriter(tmp_path / "d", storage_options={"token": "anon"})

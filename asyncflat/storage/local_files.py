@@ -34,6 +34,13 @@ def is_url(filespec: str) -> bool:
     return "://" in filespec
 
 
+def has_glob(path: str) -> bool:
+    """Whether fsspec's bulk calls (``rm``, ``cat``, ``find`` of several paths) would expand
+    ``path`` as a pattern (``*``, ``?``, ``[``): such a path must go one literal request at a
+    time, or a write path's delete of ``runs/exp[12]`` removes ``runs/exp1`` and ``runs/exp2``."""
+    return any(c in path for c in "*?[")
+
+
 def is_remote(filespec: str | os.PathLike[str]) -> bool:
     """Whether ``filespec`` is a URL of a non-local filesystem (``file://`` counts as local)."""
     text = os.fspath(filespec)

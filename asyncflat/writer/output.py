@@ -28,6 +28,7 @@ group's metadata, so the array metadata the tasks open is in the bucket before t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import re
@@ -53,6 +54,7 @@ from asyncflat.errors import (
 )
 from asyncflat.format.codec import METADATA_FILES
 from asyncflat.storage.filesystems import is_remote
+from asyncflat.storage.local_files import has_glob
 from asyncflat.storage.obstore_client import without_client
 
 __all__ = [
@@ -439,10 +441,36 @@ def _target(
     return text.removeprefix("file://"), False
 
 
+class _LiteralFsspecStore(FsspecStore):
+    """An :class:`FsspecStore` whose deletes take its path literally: fsspec's ``rm`` expands
+    glob characters, so removing the output ``runs/exp[12]`` (zarr's ``mode="w"``, an overwrite,
+    an abort) would remove ``runs/exp1`` and ``runs/exp2``. Such a path's objects are listed
+    (a literal prefix) and removed one request each."""
+
+    async def delete(self, key: str) -> None:
+        path = f"{self.path}/{key}"
+        if not has_glob(path):
+            await super().delete(key)
+            return
+        self._check_writable()
+        with contextlib.suppress(FileNotFoundError, *self.allowed_exceptions):
+            await self.fs._rm_file(path)
+
+    async def delete_dir(self, prefix: str) -> None:
+        path = f"{self.path}/{prefix}".rstrip("/")
+        if not has_glob(path):
+            await super().delete_dir(prefix)
+            return
+        self._check_writable()
+        with contextlib.suppress(FileNotFoundError, *self.allowed_exceptions):
+            for found in await self.fs._find(path, withdirs=False):
+                await self.fs._rm_file(found)
+
+
 def _object_store(url: str, storage_options: dict[str, Any] | None, display: str) -> FsspecStore:
     options = {"skip_instance_cache": True, **without_client(storage_options)}
     try:
-        return FsspecStore.from_url(url, storage_options=options)
+        return _LiteralFsspecStore.from_url(url, storage_options=options)
     except (ValueError, ImportError, TypeError) as exc:
         raise ConfigError(f"cannot write to {display}: {type(exc).__name__}: {exc}") from None
 

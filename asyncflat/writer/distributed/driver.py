@@ -39,7 +39,7 @@ from asyncflat.writer.distributed.write import (
     run_write_job,
 )
 from asyncflat.writer.options import positive_int
-from asyncflat.writer.output import Output, check_output, open_output
+from asyncflat.writer.output import Output, check_output, display_url, open_output
 
 __all__ = ["DistributedReport", "convert_distributed"]
 
@@ -109,6 +109,12 @@ def convert_distributed(
     )
     root = Location(os.fspath(output), options.storage_dict).root
     work = Location(work_dir or f"{root}.pieces", options.storage_dict)
+    if work.root == root or work.root.startswith(f"{root}/"):
+        # the commit would find the output taken (locally), or the dataset would hold the pieces
+        raise ConfigError(
+            f"work directory {display_url(work.root)} is inside the output "
+            f"{display_url(root)}, which must hold the dataset alone; pass a work_dir outside it"
+        )
     resuming = _check_work_dir(work, plan)  # before anything is started, opened or removed
     # an output that would be refused is refused before the cluster starts (read only)
     check_output(output, overwrite=options.overwrite, storage_options=options.storage_dict)
@@ -264,7 +270,15 @@ def _check_work_dir(work: Location, plan: Plan) -> bool:
                 f"writes ({', '.join(theirs[:3])}); pass another work_dir"
             )
         return False
-    previous = json.loads(raw)
+    try:
+        previous = json.loads(raw)
+    except ValueError:
+        previous = None
+    if not (isinstance(previous, dict) and isinstance(previous.get("fingerprint"), dict)):
+        raise ConfigError(
+            f"work directory {work.root} holds a plan.json that no conversion wrote; pass "
+            "another work_dir"
+        )
     if previous.get("digest") != plan.digest:
         old = previous.get("fingerprint", {})
         changed = sorted(

@@ -85,8 +85,9 @@ def read_manifests(work: Location, indices: list[int], plan_digest: str) -> dict
     found: dict[int, PieceInfo] = {}
     for lo in range(0, len(indices), 4096):
         batch = indices[lo : lo + 4096]
-        paths = [work.path(piece_name(i, "json")) for i in batch]
-        for raw in work.fs.cat(paths, on_error="omit").values():
+        for raw in work.get_many([piece_name(i, "json") for i in batch]):
+            if raw is None:
+                continue  # not finished
             try:
                 record = json.loads(raw)
             except ValueError:

@@ -10,6 +10,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from asyncflat.storage.filesystems import is_remote as is_url  # a URL of a non-local filesystem
+from asyncflat.storage.local_files import has_glob
 from asyncflat.storage.obstore_client import without_client
 
 __all__ = ["Location", "is_url"]
@@ -63,6 +64,15 @@ class Location:
         except FileNotFoundError:
             return None
 
+    def get_many(self, names: list[str]) -> list[bytes | None]:
+        """Each named object's bytes, or None where it cannot be read (on an object store as
+        concurrent requests). The names are literal: fsspec's ``cat`` would expand glob
+        characters, so a root ``runs/exp[1]`` would never find its own objects."""
+        if self.local:
+            return [self.get(name) for name in names]
+        got = self.fs.cat_ranges([self.path(name) for name in names], 0, None, on_error="return")
+        return [None if isinstance(item, BaseException) else item for item in got]
+
     def get_ranges(self, name: str, ranges: list[tuple[int, int]]) -> list[bytes]:
         return self.get_many_ranges([(name, start, end) for start, end in ranges])
 
@@ -113,7 +123,7 @@ class Location:
         if not self.local:
             # fsspec's bulk rm expands glob characters (a work dir "runs/exp[12]" would remove
             # runs/exp1 and runs/exp2): such paths go one literal request each.
-            if not any(c in path for path in paths for c in "*?["):
+            if not any(has_glob(path) for path in paths):
                 try:
                     self.fs.rm(paths)
                     return
