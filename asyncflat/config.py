@@ -14,10 +14,11 @@ May import: ``errors``.
 # ``Optional[...]``/``Union[...]`` (a ``typing`` construct they understand), not ``X | None``.
 
 import dataclasses
+import numbers
 import operator
 import os
 from collections.abc import Mapping
-from typing import Any, Optional, Union
+from typing import Any, Optional, TypeGuard, Union
 
 import numpy as np
 
@@ -91,6 +92,12 @@ MAX_WORKERS = 1024
 FILL_ON_OPEN = ("local", "always", "never")
 
 
+def is_real_number(value: object) -> TypeGuard[numbers.Real]:
+    """Whether ``value`` is a real number a float field takes: Python's and numpy's (an
+    ``np.float32`` or ``np.int64`` read off an array) alike, never a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
 def _bool_field(owner: object, name: str) -> None:
     value = getattr(owner, name)
     if not isinstance(value, bool):
@@ -103,13 +110,14 @@ def _float_field(owner: object, name: str, *, minimum: float, optional: bool = F
     value = getattr(owner, name)
     if value is None and optional:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not is_real_number(value):
         raise ConfigError(
             f"{type(owner).__name__}.{name} must be a number, got {type(value).__name__} {value!r}"
         )
-    if not value >= minimum:  # also rejects NaN
+    number = float(value)
+    if not number >= minimum:  # also rejects NaN
         raise ConfigError(f"{type(owner).__name__}.{name} must be >= {minimum}, got {value!r}")
-    object.__setattr__(owner, name, float(value))
+    object.__setattr__(owner, name, number)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -341,7 +341,7 @@ class StoppingOwner:
     def load(self, step: int) -> str:
         raise AssertionError("an iterator with device prefetch takes from its builder")
 
-    def count_delivered(self) -> None:
+    def count_delivered(self, step: int) -> None:
         self.delivered += 1
 
     def pin(self) -> Pin:

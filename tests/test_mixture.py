@@ -664,3 +664,36 @@ def test_a_dropped_mixture_loader_is_closed_at_once_without_the_collector(
         assert wait_until(lambda: not library_threads(), 5), library_threads()
     finally:
         gc.enable()
+
+
+def test_rows_and_passes_count_the_batches_delivered_not_those_built_ahead(
+    stores: list[str],
+) -> None:
+    """``rows`` are the rows *loaded* from a source and ``passes`` the highest pass served
+    (docs/mixtures.md): steps an iterator (or the load-ahead) built but never handed out are
+    not counted (they were, so a run stopped before a source's boundary reported its next pass)."""
+    from conftest import wait_until
+
+    small = flat(stores[1], seed=8)
+    mixture = MixtureParams(
+        (MixtureSource(flat(stores[0]), 1), MixtureSource(small, 1)), block_rows=8, steps=40
+    )
+    options = EngineOptions(prefetch_to_device=3)
+    with asyncflat.ShufflingLoader("train", mixture, BATCH, options=OPTIONS) as loader:
+        boundary = next(
+            step
+            for step in range(loader.step_count)
+            if any(g.source == 1 and g.epoch == 1 for g in loader.groups(step))
+        )
+    with asyncflat.ShufflingLoader("train", mixture, BATCH, options=options) as loader:
+        with loader.iter(boundary - 1) as iterator:
+            step, _ = next(iterator)  # the last step of the small source's first pass
+            assert step == boundary - 1
+            wait_until(lambda: loader.stats().steps_built >= 4, "the iterator builds ahead")
+            stats = loader.stats()
+        assert sum(s.rows for s in stats.sources) == BATCH.batch  # one batch delivered
+        assert stats.sources[1].passes == 1  # the next pass was built ahead, not served
+        for step in (0, 1, 1):
+            loader.load(step)
+        stats = loader.stats()
+        assert sum(s.rows for s in stats.sources) == 4 * BATCH.batch

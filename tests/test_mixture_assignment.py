@@ -223,3 +223,49 @@ def test_the_block_rows_the_warning_suggests_always_suffices(
         return
     suggested = int(message.split("any block_rows >= ")[1].split()[0])
     assert starved_warning(Assignment([(0, tuple(weights))], 4, suggested, seed=0)) is None
+
+
+def test_the_blocks_kept_are_bounded_in_bytes_but_hold_a_steps_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every block's placement (two int64 a row) was kept in a cache of 512 blocks: 32 GiB at
+    the largest ``block_rows``, reached by a long run or random loads. The blocks kept fit in
+    ``BLOCK_CACHE_BYTES``, never fewer than the two per stream that one step may read."""
+    import tracemalloc
+
+    import asyncflat.plan.mixture
+    from asyncflat.loader.mixture.config import MAX_BLOCK_ROWS
+
+    budget = 4 << 20
+    monkeypatch.setattr(asyncflat.plan.mixture, "BLOCK_CACHE_BYTES", budget)
+    block_rows = 2**14  # 256 KiB a block
+    a = Assignment([(0, (1.0, 1.0))], 4, block_rows, 0)
+    tracemalloc.start()
+    try:
+        for block in range(40):  # 10 MiB of placements made, at most 4 MiB kept
+            a.count_before(0, block * block_rows + 1)
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held <= budget + (1 << 20), held
+    assert a.blocks_kept == 16
+    huge = Assignment([(0, (1.0, 1.0))], 4, MAX_BLOCK_ROWS, 0, streams=8)
+    assert huge.blocks_kept == 16  # a step's blocks, however large
+    small = Assignment([(0, (1.0, 1.0))], 4, 16, 0)
+    assert small.blocks_kept == asyncflat.plan.mixture.BLOCK_CACHE_BLOCKS
+
+
+@pytest.mark.parametrize("weight", [np.int64(2), np.float32(0.5), np.uint8(3), np.float64(0.25)])
+def test_numpy_weights_are_numbers(weight: Any) -> None:
+    """Weights read off a numpy array are the Python numbers they equal (an ``np.int64`` or
+    ``np.float32`` weight was refused: "must be a number, got int64 2")."""
+    assert MixtureSource(_params(), weight).weight == float(weight)
+    assert MixtureStage(3, (weight, weight)).weights == (float(weight), float(weight))
+    with pytest.raises(ConfigError, match=r"MixtureSource\.weight must be a number"):
+        MixtureSource(_params(), np.bool_(True))
+    # the same rule as every float field of the configuration
+    from asyncflat import RetryPolicy
+
+    assert RetryPolicy(deadline_s=weight).deadline_s == float(weight)
+    with pytest.raises(ConfigError, match=r"RetryPolicy\.deadline_s must be a number"):
+        RetryPolicy(deadline_s=np.bool_(True))

@@ -81,7 +81,9 @@ def mixture_figures(
                 "buffer_bytes_per_host": figures.buffer_bytes_per_host,
             }
         )
-    assignment = Assignment(params.schedule(), r, params.block_rows, params.seed)
+    assignment = Assignment(
+        params.schedule(), r, params.block_rows, params.seed, streams=params.streams
+    )
     capacity = [s["step_count"] * r for s in sources]
     steps = params.steps
     if steps is None:

@@ -32,6 +32,10 @@ __all__ = ["Assignment", "largest_remainder", "starved_warning"]
 
 # Keeps the block seeds apart from any FlatTokensParams seed (those are below 2**130).
 _TAG = 0x6D6978 << 192
+#: The most blocks' placements kept, and the bytes they may take in all (each holds two int64
+#: per row): 512 blocks of the largest ``block_rows`` (2**22) held 32 GiB.
+BLOCK_CACHE_BLOCKS = 512
+BLOCK_CACHE_BYTES = 256 << 20
 
 
 def largest_remainder(weights: Sequence[float], n: int) -> np.ndarray:
@@ -89,7 +93,9 @@ class Assignment:
     """The slot -> (source, k) map of a mixture for every stream.
 
     ``schedule``: ``(start_step, weights)`` per stage, the first at step 0, strictly increasing.
-    Thread-safe (its caches are ``functools.lru_cache``).
+    ``streams``: the streams whose slots are asked for; the blocks kept (at most
+    :data:`BLOCK_CACHE_BYTES` of them, but always two per stream, those one step reads) are
+    sized by it. Thread-safe (its caches are ``functools.lru_cache``).
     """
 
     def __init__(
@@ -98,6 +104,8 @@ class Assignment:
         rows_per_stream: int,
         block_rows: int,
         seed: int,
+        *,
+        streams: int = 1,
     ) -> None:
         if not schedule or schedule[0][0] != 0:
             raise ConfigError("a mixture schedule starts at step 0")
@@ -107,7 +115,10 @@ class Assignment:
         self.stage_steps = [int(start) for start, _ in schedule]
         self.stage_slots = [start * rows_per_stream for start in self.stage_steps]
         self._counts = functools.lru_cache(maxsize=1024)(self._make_counts)
-        self._block = functools.lru_cache(maxsize=512)(self._make_block)
+        fitting = BLOCK_CACHE_BYTES // (16 * block_rows)  # labels and ranks, int64 each
+        #: how many blocks' placements are kept (the most recently used)
+        self.blocks_kept = max(2 * streams, min(BLOCK_CACHE_BLOCKS, fitting))
+        self._block = functools.lru_cache(maxsize=self.blocks_kept)(self._make_block)
         self._full = [self._counts(g, block_rows) for g in range(len(schedule))]
         base = np.zeros(self.source_count, np.int64)
         self._base = []

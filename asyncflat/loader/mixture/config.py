@@ -11,7 +11,7 @@ import operator
 from collections.abc import Mapping, Sequence
 from typing import Optional, TypeVar
 
-from asyncflat.config import FlatTokensParams
+from asyncflat.config import FlatTokensParams, is_real_number
 from asyncflat.errors import ConfigError
 
 __all__ = ["MixtureParams", "MixtureSource", "MixtureStage"]
@@ -20,7 +20,7 @@ T = TypeVar("T")
 
 
 def _weight(owner: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+    if not (is_real_number(value) or isinstance(value, str)):
         raise ConfigError(f"{owner} must be a number, got {type(value).__name__} {value!r}")
     try:
         weight = float(value)

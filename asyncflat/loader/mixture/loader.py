@@ -107,7 +107,11 @@ class MixtureLoader:
             for i, s in enumerate(params.sources)
         ]
         self.assignment = Assignment(
-            params.schedule(), self.rows_per_stream, params.block_rows, params.seed
+            params.schedule(),
+            self.rows_per_stream,
+            params.block_rows,
+            params.seed,
+            streams=streams,
         )
         starved = starved_warning(self.assignment)
         if starved is not None:

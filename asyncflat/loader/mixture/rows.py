@@ -31,6 +31,10 @@ PinKeys = tuple[tuple[int, int, int, int, bool], ...]
 
 log = logging.getLogger("asyncflat.loader.mixture.loader")
 
+#: the built steps whose groups are kept until delivered (a step built ahead and dropped, by
+#: a retired builder or a closed iterator, is forgotten once this many newer ones are built)
+_BUILT_GROUPS_KEPT = 64
+
 
 def step_groups(
     assignment: Assignment,
@@ -124,6 +128,8 @@ class MixtureRows:
         self._step_count = step_count
         self.lock = threading.Lock()
         self.steps_built = 0
+        #: the groups of the steps built and not delivered yet (the newest, under ``lock``)
+        self._built_groups: dict[int, list[RowGroup]] = {}
         self._loaded = False  # rows() has run (the first load's claim is made)
 
     @property
@@ -169,8 +175,21 @@ class MixtureRows:
             out[group.out] = rows[group.take]
         with self.lock:
             self.steps_built += 1
-            count_rows(self.sources, groups, step)
+            # Rows and passes count the batches delivered (:meth:`delivered`), not those
+            # built ahead and maybe never handed out: keep the groups for that.
+            self._built_groups[step] = groups
+            while len(self._built_groups) > _BUILT_GROUPS_KEPT:
+                del self._built_groups[next(iter(self._built_groups))]
         return out
+
+    def delivered(self, step: int) -> None:
+        """The batch of ``step`` was handed out: count its rows and passes (any thread)."""
+        with self.lock:
+            groups = self._built_groups.pop(step, None)
+        if groups is None:  # built so long ago that its groups were dropped
+            groups = self.groups(step)
+        with self.lock:
+            count_rows(self.sources, groups, step)
 
     def _standing(self, step: int) -> Iterator[tuple[int, int, int, int]]:
         """Where every source stands at ``step`` on each of this host's streams: (stream,

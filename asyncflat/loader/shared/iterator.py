@@ -33,7 +33,7 @@ class IteratorOwner(Protocol):
 
     def load(self, step: int) -> Any: ...
 
-    def count_delivered(self) -> None: ...
+    def count_delivered(self, step: int) -> None: ...
 
     def pin(self) -> Pin: ...
 
@@ -105,7 +105,7 @@ class BatchIterator(Iterator[tuple[int, Any]]):
             batch = self._held[1]
             self._prefetch.forget(step)  # again after a Ctrl-C: forgetting twice is harmless
             if not self._held[2]:
-                self._owner.count_delivered()  # (load() above counts its own)
+                self._owner.count_delivered(step)  # (load() above counts its own)
                 self._held = (step, batch, True)
         # What can be interrupted comes before the step moves on: a Ctrl-C in it leaves the
         # iterator at this step, whose batch the next next() returns (nothing checks for a

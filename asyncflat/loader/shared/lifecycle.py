@@ -131,7 +131,7 @@ class Lifecycle(Generic[S]):
         self.check_open()
         assert self._load_ahead is not None  # (open: start() made it)
         batch = self._load_ahead.load(step, self.build)
-        self.count_delivered()
+        self.count_delivered(step)
         return batch
 
     def rows(self, step: int, *, ready_only: bool = False) -> np.ndarray | None:
@@ -185,9 +185,12 @@ class Lifecycle(Generic[S]):
 
     # -- what the iterator uses -----------------------------------------------------------------
 
-    def count_delivered(self) -> None:
+    def count_delivered(self, step: int) -> None:
         with self._lock:
             self._delivered += 1
+        server = self._server
+        if server is not None:
+            server.delivered(step)
 
     def pin(self) -> Pin:
         return Pin(self.server)

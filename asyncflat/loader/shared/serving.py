@@ -39,6 +39,10 @@ class RowServer(Protocol):
         """This host's encoded rows of ``step``, waiting for their fills (on the loop)."""
         ...
 
+    def delivered(self, step: int) -> None:
+        """The batch of ``step`` was handed to the trainer (a ``load()`` returned it, or an
+        iterator did): for figures counted per batch served, not per batch built (any thread)."""
+
     def pin_keys(self, step: int) -> Hashable:
         """What an iterator at ``step`` pins; equal for every step of a minipoch (no churn)."""
 
