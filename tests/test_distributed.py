@@ -1090,3 +1090,27 @@ def test_a_work_dir_named_like_a_glob_is_resumed_from(
     finally:
         if where == "memory":
             fsspec.filesystem("memory").rm("/asyncflat-glob", recursive=True)
+
+
+def test_the_cli_refuses_an_output_before_it_starts_a_cluster(
+    corpus: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--engine ray`` made its Ray runner (``ray.init``: a local cluster's start, seconds)
+    before the conversion checked the output, which it then refused."""
+    import ray
+
+    from asyncflat.cli import main
+
+    def no_cluster(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a cluster was started before the output was checked")
+
+    monkeypatch.setattr(ray, "init", no_cluster)
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "mine.txt").write_text("keep")
+    assert main(["convert", str(corpus), "-o", str(out), "--engine", "ray", "--no-progress"]) != 0
+    assert "already exists" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["mine.txt"]

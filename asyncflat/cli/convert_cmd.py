@@ -205,23 +205,22 @@ def _run_convert(args: argparse.Namespace) -> Any:
         text_field=args.text_field, txt_mode=args.txt_mode, follow_symlinks=args.follow_symlinks
     )
     if args.engine == "ray":
-        from asyncflat.writer.distributed import RayRunner, convert_distributed
+        from asyncflat.writer.distributed import convert_distributed
 
-        # With --json stdout carries the report alone: Ray forwards its workers' and raylet's
-        # log lines ("A worker died ...") to the driver's stdout unless told not to.
-        runner = RayRunner(args.ray_address, init_options={"log_to_driver": not args.json})
-        try:
-            # options.workers is not read there: the cluster's CPUs are the workers
-            return convert_distributed(
-                args.inputs,
-                args.output,
-                options=options,
-                runner=runner,
-                work_dir=args.work_dir,
-                **reading,
-            )
-        finally:
-            runner.close()
+        # The cluster is started (or joined) there, once the inputs and the output pass their
+        # checks. With --json stdout carries the report alone: Ray forwards its workers' and
+        # raylet's log lines ("A worker died ...") to the driver's stdout unless told not to.
+        # options.workers is not read there: the cluster's CPUs are the workers.
+        return convert_distributed(
+            args.inputs,
+            args.output,
+            options=options,
+            runner="ray",
+            ray_address=args.ray_address,
+            ray_init_options={"log_to_driver": not args.json},
+            work_dir=args.work_dir,
+            **reading,
+        )
     from asyncflat.writer.convert import convert_files
 
     return convert_files(args.inputs, args.output, options=options, **reading)

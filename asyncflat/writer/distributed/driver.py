@@ -8,8 +8,8 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
-from typing import Literal
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Literal
 
 import numpy as np
 
@@ -70,6 +70,7 @@ def convert_distributed(
     txt_mode: str = "line",
     follow_symlinks: bool = False,
     ray_address: str | None = None,
+    ray_init_options: Mapping[str, Any] | None = None,
     work_dir: str | None = None,
     unit_bytes: int = 64 << 20,
     write_run_tokens: int = 1 << 26,
@@ -85,8 +86,9 @@ def convert_distributed(
     * ``options``: a :class:`~asyncflat.writer.options.ConvertOptions`; its ``tokenizer`` a spec
       (every task loads it); its ``workers`` unread (the parallelism is the cluster's).
     * ``runner``: ``"ray"`` (connects to ``ray_address``, or to the cluster this process is
-      already connected to, or starts a local one), ``"local"`` (in this process), or a
-      :class:`~asyncflat.writer.distributed.runners.TaskRunner`.
+      already connected to, or starts a local one, with ``ray_init_options`` for ``ray.init``;
+      only once the inputs, work dir and output have passed their checks), ``"local"`` (in
+      this process), or a :class:`~asyncflat.writer.distributed.runners.TaskRunner`.
     * ``output``: a local path or an fsspec URL (``gs://``, ``s3://``, ...) with
       ``options.storage_options``. Every worker must reach it, the inputs (at the same paths)
       and ``work_dir``.
@@ -118,7 +120,7 @@ def convert_distributed(
     resuming = _check_work_dir(work, plan)  # before anything is started, opened or removed
     # an output that would be refused is refused before the cluster starts (read only)
     check_output(output, overwrite=options.overwrite, storage_options=options.storage_dict)
-    with _task_runner(runner, ray_address) as run:
+    with _task_runner(runner, ray_address, ray_init_options) as run:
         # once the runner is up: a cluster that cannot be reached leaves the output as it was
         out = _open_output(output, options, plan)
         try:
@@ -204,12 +206,18 @@ def _tokenizer_spec(options: ConvertOptions) -> str:
 
 
 @contextlib.contextmanager
-def _task_runner(runner: str | TaskRunner, ray_address: str | None) -> Iterator[TaskRunner]:
+def _task_runner(
+    runner: str | TaskRunner, ray_address: str | None, init_options: Mapping[str, Any] | None
+) -> Iterator[TaskRunner]:
     """The runner asked for; one made here is closed on the way out."""
     if not isinstance(runner, str):
         yield runner
         return
-    made: TaskRunner = RayRunner(ray_address) if runner == "ray" else InProcessRunner()
+    made: TaskRunner = (
+        RayRunner(ray_address, init_options=dict(init_options or {}))
+        if runner == "ray"
+        else InProcessRunner()
+    )
     try:
         yield made
     finally:
