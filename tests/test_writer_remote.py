@@ -185,6 +185,19 @@ def test_overwrite_refuses_foreign_objects(remote: Remote) -> None:
     assert remote_keys(url, remote.options) == ["notes.txt"]
 
 
+def test_overwrite_refuses_an_object_at_the_outputs_own_path_naming_it(remote: Remote) -> None:
+    """An output URL that is an object itself was refused as holding "" (an empty name)."""
+    import fsspec
+
+    url = remote.url("an-object")
+    with fsspec.open(url, "wb", **(remote.options or {})) as f:
+        f.write(b"mine")
+    with pytest.raises(ConfigError, match=r"it holds an object at that very path\)"):
+        FlatTokensWriter(url, overwrite=True, storage_options=remote.options)
+    with fsspec.open(url, "rb", **(remote.options or {})) as f:
+        assert f.read() == b"mine"
+
+
 def test_an_output_url_with_glob_characters_touches_nothing_else(remote: Remote) -> None:
     """fsspec's rm expands glob characters: removing ``exp[12]`` must not remove exp1, exp2."""
     import fsspec

@@ -226,6 +226,8 @@ def _check_replaceable(where: str, top: list[str], below: dict[str, list[str]]) 
     for split, names in below.items():
         foreign += sorted(f"{split}/{n}" for n in set(names) - _SPLIT_NAMES)
     if foreign:
+        # an object named like the output itself lists as the empty name
+        foreign = [name or "an object at that very path" for name in foreign]
         shown = ", ".join(foreign[:5]) + (
             f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
         )
