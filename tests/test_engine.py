@@ -161,6 +161,43 @@ def test_a_resume_behind_a_network_waits_only_for_the_blocks_its_rows_live_in() 
     assert reads_before_first_batch == len(needed_blocks) < plan.read_blocks_per_shuffle_buffer
 
 
+def test_a_backward_load_in_a_resumed_minipoch_waits_only_for_its_own_blocks() -> None:
+    # A resume plans its fill from the resumed step: blocks only earlier steps read go last.
+    # A load jumping back to such a step must have its blocks fetched next, not wait for the
+    # whole rest of the fill (they were never bumped: "needed at no step" looked final).
+    source = FakeSource(*make_data(rows=4096), chunk=SEQ_LEN * 16, latency_s=0.002)
+    source.remote = True
+    engine = make(source, streams=1, rbpsb=32, spb=16, batch=8, max_concurrent_reads=1)
+    plan = engine.plan
+    first, resume = plan.first_step(1), plan.first_step(2) - 3
+    perm = plan.row_permutation(0, 1)
+    blocks = plan.buffer_blocks(0, 1)
+
+    def needed(step: int) -> set[int]:
+        return set(blocks[perm[plan.locate(step).position] // 16].tolist())
+
+    later = set().union(*map(needed, range(resume, plan.first_step(2))))
+    never = set(blocks.tolist()) - later  # no step from the resumed one on reads them
+    assert needed(first) & never and len(never - needed(first)) > 4
+    block_tokens = 16 * SEQ_LEN
+    oracle = oracle_for(engine, source)
+
+    async def main() -> int:
+        await engine.gather(resume, ALL)
+        batch = await engine.gather(first, ALL)
+        np.testing.assert_array_equal(batch, oracle.encoded_batch(first))
+        done = len(source.reads)
+        await engine.aclose()
+        return done
+
+    done = run(main)
+    read = [start // block_tokens for start, _ in source.reads[:done]]
+    # the resumed step's blocks, then the backward step's: beside them only the read that
+    # was in flight as the backward load came, and one started as it was served
+    assert len(set(read) - needed(resume) - needed(first)) <= 2, read
+    assert needed(first) <= set(read)
+
+
 def test_random_access_cancels_fills_nobody_needs() -> None:
     source = FakeSource(*make_data(rows=4096), chunk=SEQ_LEN * 8, latency_s=0.02)
     engine = make(source, streams=1, rbpsb=16, spb=8, batch=8, max_concurrent_reads=2)

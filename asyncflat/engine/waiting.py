@@ -224,8 +224,9 @@ class FillWaiter:
         else:  # the reference's behaviour: a load waits for the whole buffer
             slots = np.arange(len(fill.blocks))
         for slot in slots.tolist():
-            if fill.deadlines[slot] > step and fill.deadlines[slot] != NEVER:
-                # Filled in order of need, except when a load jumps backwards: bump its units.
+            if fill.deadlines[slot] > step:
+                # Filled in order of need, except when a load jumps backwards: bump its units
+                # (also those of blocks no step after the fill's start reads: NEVER, last).
                 fill.deadlines[slot] = step
                 for unit in fill.units:
                     if any(piece[0] == slot for piece in unit.pieces):
