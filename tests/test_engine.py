@@ -114,6 +114,31 @@ def test_buffers_are_allocated_once_per_stream_and_reused() -> None:
     assert engine.stats()["buffer_allocations"] == 2 * engine.plan.streams
 
 
+@pytest.mark.parametrize(("rbpsb", "spb", "batch"), [(1, 2, 8), (1, 3, 8), (2, 2, 12), (4, 8, 8)])
+def test_a_step_reading_several_minipochs_holds_the_buffers_its_plan_says(
+    rbpsb: int, spb: int, batch: int
+) -> None:
+    """A buffer smaller than a step's rows of a stream: the step reads several minipochs, one
+    buffer each. ``buffers_per_stream`` (what the memory figures and the budget count, once
+    "2 per stream") is the most minipochs any step reads, and what the engine allocates."""
+    source = FakeSource(*make_data(), chunk=SEQ_LEN * 8)
+    engine = make(source, streams=1, rbpsb=rbpsb, spb=spb, batch=batch)
+    plan = engine.plan
+    widest = max(len(plan.minipochs_of_step(s)) for s in range(plan.step_count))
+    assert plan.buffers_per_stream == max(2, widest)
+    oracle = oracle_for(engine, source)
+    rows = np.arange(batch)
+
+    async def main() -> None:
+        for step in range(plan.step_count):
+            batch_rows = await engine.gather(step, rows)
+            np.testing.assert_array_equal(batch_rows, oracle.encoded_batch(step))
+        await engine.aclose()
+
+    run(main)
+    assert engine.stats()["buffer_allocations"] == plan.buffers_per_stream
+
+
 def test_the_next_minipoch_fills_as_soon_as_the_current_one_serves() -> None:
     source = FakeSource(*make_data(), chunk=SEQ_LEN * 8, latency_s=0.002)
     engine = make(source)

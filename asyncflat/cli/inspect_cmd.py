@@ -146,7 +146,8 @@ def _print_figures(f: Any, args: argparse.Namespace, spb: int) -> None:
     amp = "-" if f.read_amplification is None else f"{f.read_amplification:.2f}"
     print(
         f"    shuffle buffer {human_bytes(f.buffer_bytes)}; per host ({f.hosts} hosts) "
-        f"{human_bytes(f.buffer_bytes_per_host)} (2 x {f.streams_per_host} streams), for a split of "
+        f"{human_bytes(f.buffer_bytes_per_host)} ({f.buffers_per_stream} x {f.streams_per_host} "
+        f"streams), for a split of "
         f"{human_bytes(f.split_bytes)} (as uint32); read amplification {amp} (chunk tokens decoded "
         "per token used)"
     )

@@ -85,7 +85,7 @@ def loader_figures(
             storage_options,
         )
     rows_used = plan.step_count * plan.batch
-    buffers = 2 * streams_per_host * plan.buffer_bytes
+    buffers = plan.buffers_per_stream * streams_per_host * plan.buffer_bytes
     return LoaderFigures(
         seq_count=plan.seq_count,
         read_block_count=plan.read_block_count,
@@ -97,6 +97,7 @@ def loader_figures(
         hosts=hosts,
         streams_per_host=streams_per_host,
         buffer_bytes_per_host=buffers,
+        buffers_per_stream=plan.buffers_per_stream,
         read_amplification=amplification,
         dropped_fraction=coverage(plan).dropped_fraction,
         split_bytes=4 * summary.token_count,

@@ -50,6 +50,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+import math
 
 import numpy as np
 
@@ -65,7 +66,7 @@ NEVER = np.iinfo(np.int64).max
 #: Memory the plan's index arrays may take: ``PLAN_BYTES_PER_BLOCK`` per read block of the
 #: streams the plan serves (the block order of those streams, uint32; nothing else is kept per
 #: block), up to the larger of ``PLAN_MEMORY_FLOOR`` and the shuffle buffers of every stream
-#: (``2 * streams * buffer_bytes``). Metadata asking for more (a hostile or mistaken shape) is
+#: (``buffers_per_stream * streams * buffer_bytes``). Metadata asking for more (a hostile or mistaken shape) is
 #: refused before anything is allocated.
 PLAN_BYTES_PER_BLOCK = 4
 PLAN_MEMORY_FLOOR = 512 << 20
@@ -185,8 +186,8 @@ class ShufflePlan:
                 f"{self.served_block_count} of them in the {len(self.served)} streams served "
                 f"here, whose shuffle plan needs {need} bytes, more than its budget of {budget} "
                 "bytes "
-                f"(the larger of {PLAN_MEMORY_FLOOR} and the shuffle buffers' 2 * streams * "
-                "buffer_bytes); grow sequences_per_read_block or read_blocks_per_shuffle_buffer, "
+                f"(the larger of {PLAN_MEMORY_FLOOR} and the shuffle buffers' buffers_per_stream * "
+                "streams * buffer_bytes); grow sequences_per_read_block or read_blocks_per_shuffle_buffer, "
                 "or check the dataset's shapes"
             )
         if self.step_count == 0:
@@ -206,7 +207,7 @@ class ShufflePlan:
     @property
     def plan_memory_budget(self) -> int:
         """Bytes the plan's per-block arrays may take (see ``PLAN_BYTES_PER_BLOCK``)."""
-        return max(PLAN_MEMORY_FLOOR, 2 * self.streams * self.buffer_bytes)
+        return max(PLAN_MEMORY_FLOOR, self.buffers_per_stream * self.streams * self.buffer_bytes)
 
     @property
     def served(self) -> tuple[int, ...]:
@@ -244,6 +245,15 @@ class ShufflePlan:
     def minipoch_count(self) -> int:
         per_minipoch = self.streams * self.read_blocks_per_shuffle_buffer
         return -(-self.read_block_count // per_minipoch)
+
+    @property
+    def buffers_per_stream(self) -> int:
+        """Shuffle buffers the engine holds per stream: two (the minipoch served and the next
+        one filling), or as many minipochs as one step reads when a buffer holds fewer rows
+        than a step takes from a stream (a step reads them all at once)."""
+        bips, spbuf = self.rows_per_stream_step, self.seqs_per_buffer
+        offset = spbuf - math.gcd(bips, spbuf)  # the largest offset of a step in a buffer
+        return max(2, (offset + bips - 1) // spbuf + 1)
 
     @property
     def buffer_bytes(self) -> int:

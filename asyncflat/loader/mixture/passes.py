@@ -41,7 +41,7 @@ class SourceState:
     opening: dict[int, asyncio.Future[Engine]] = dataclasses.field(default_factory=dict)
     step_count: int = 0
     last_minipoch_step: int = 0
-    buffer_bytes: int = 0  # this host's shuffle buffers of one pass (2 per stream)
+    buffer_bytes: int = 0  # this host's shuffle buffers of one pass
     #: its rows never served were warned of (every pass drops the same: said once)
     sizes_warned: bool = False
     rows: int = 0
@@ -134,7 +134,7 @@ class Passes:
             plans.append(plan)
             source.step_count = plan.step_count
             source.last_minipoch_step = plan.first_step(plan.minipoch_count - 1)
-            source.buffer_bytes = 2 * streams * plan.buffer_bytes
+            source.buffer_bytes = plan.buffers_per_stream * streams * plan.buffer_bytes
         return plans
 
     def fill_on_open(self, options: EngineOptions) -> None:

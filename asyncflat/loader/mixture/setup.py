@@ -63,7 +63,7 @@ def log_sources(
     for source, spec in zip(sources, specs):
         log.info(
             "mixture source %d %s: weight %g, %d steps per pass, shuffle buffers %s on this "
-            "host (2 per stream; up to twice that while a next pass starts)",
+            "host (one pass; up to twice that while a next pass starts)",
             source.index,
             source.where,
             spec.weight,

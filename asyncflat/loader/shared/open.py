@@ -119,10 +119,12 @@ def _engine(
     # both off this thread: construction never waits for them, the first load() waits for
     # what is left of them.
     warm_up_permutation(plan.seqs_per_buffer)
-    needed = 2 * len(streams) * plan.buffer_bytes
+    per_stream = plan.buffers_per_stream
+    needed = per_stream * len(streams) * plan.buffer_bytes
     if options.max_buffer_bytes is not None and needed > options.max_buffer_bytes:
         raise ConfigError(
-            f"shuffle buffers need {needed:,} bytes on this host (2 x {len(streams)} streams x "
+            f"shuffle buffers need {needed:,} bytes on this host ({per_stream} x {len(streams)} "
+            f"streams x "
             f"{plan.buffer_bytes:,}), over EngineOptions.max_buffer_bytes="
             f"{options.max_buffer_bytes:,}; lower read_blocks_per_shuffle_buffer or "
             "sequences_per_read_block"
@@ -132,13 +134,14 @@ def _engine(
         sizing_log.warning("%s", warning)
     log.info(
         "%s: %d steps, %d minipochs, streams %s on this host; shuffle buffers %s each, "
-        "%s on this host (2 per stream), for a split of %s of tokens",
+        "%s on this host (%d per stream), for a split of %s of tokens",
         where,
         plan.step_count,
         plan.minipoch_count,
         streams,
         format_bytes(plan.buffer_bytes),
         format_bytes(needed),
+        per_stream,
         format_bytes(plan.token_count * 4),
     )
     return Engine(plan, source, streams, options)
