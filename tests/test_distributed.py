@@ -962,7 +962,7 @@ def test_a_runner_that_cannot_start_leaves_the_output_as_it_was(
     from asyncflat.writer.flat_tokens import write_flat_tokens
 
     class Unreachable:
-        def __init__(self, address: str | None) -> None:
+        def __init__(self, address: str | None, **options: Any) -> None:
             raise ConnectionError(f"could not connect to the Ray cluster at {address}")
 
     monkeypatch.setattr(driver, "RayRunner", Unreachable)
@@ -992,7 +992,7 @@ def test_an_output_that_would_be_refused_is_refused_before_the_cluster_starts(
     from asyncflat.writer.output import OutputExistsError
 
     class Unreachable:
-        def __init__(self, address: str | None) -> None:
+        def __init__(self, address: str | None, **options: Any) -> None:
             raise ConnectionError(f"could not connect to the Ray cluster at {address}")
 
     monkeypatch.setattr(driver, "RayRunner", Unreachable)

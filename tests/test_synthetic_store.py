@@ -4,7 +4,9 @@ model and counts."""
 
 from __future__ import annotations
 
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -222,6 +224,10 @@ def test_bandwidth_per_connection_and_shared() -> None:
         ("zarr_format", 4),
         ("chunk_tokens", 1.5),
         ("latency_s", -0.1),
+        ("latency_s", float("nan")),  # a read would wait nan (and break the loop's timers)
+        ("latency_s", float("inf")),  # every read would wait forever
+        ("seed", 1 << 64),  # would name seed 0's bytes
+        ("sequence_length", 1 << 58),  # OverflowError, not a named parameter
         ("total_bandwidth", 0),
         ("counts", {}),
     ],
@@ -235,9 +241,53 @@ def test_unknown_objects_are_missing_and_writes_refused() -> None:
     fs = SyntheticFileSystem(**SMALL)
     chunks = -(-SMALL["tokens"] // SMALL["chunk_tokens"])
     assert fs.exists(f"corpus/train/encoded_tokens/c/{chunks - 1}")
-    for key in (f"corpus/train/encoded_tokens/c/{chunks}", "corpus/train/other", "corpus/x/y"):
+
+    for key in (
+        f"corpus/train/encoded_tokens/c/{chunks}",
+        "corpus/train/encoded_tokens/c/01",  # zarr names chunk 1 "c/1"
+        "corpus/train/seq_starts/c/00",
+        "corpus/train/other",
+        "corpus/x/y",
+    ):
         assert not fs.exists(key)
         with pytest.raises(FileNotFoundError, match="no such object"):
             fs.cat_file(key)
     with pytest.raises(NotImplementedError):
         fs.pipe_file("corpus/train/zarr.json", b"{}")
+
+
+def test_a_listing_gives_no_wrong_sizes() -> None:
+    fs = SyntheticFileSystem(**SMALL)
+    listed = fs.find("corpus", detail=True)
+    assert len(listed) > 10
+    for path, entry in listed.items():
+        # Known sizes are the objects' sizes; a chunk's is not known before it is generated.
+        assert entry["size"] in (None, fs.info(path)["size"]), path
+    assert all(entry["size"] for path, entry in listed.items() if "zarr.json" in path)
+
+
+def test_each_filesystem_counts_into_the_counts_it_was_given() -> None:
+    first, second = SyntheticCounts(), SyntheticCounts()
+    for counts in (first, second):
+        fs = SyntheticFileSystem(**SMALL, counts=counts)
+        assert fs.counts is counts
+        fs.cat_file("corpus/zarr.json")
+    assert (first.requests, second.requests) == (1, 1)
+
+
+def test_serving_from_threads_leaves_zarrs_config_alone() -> None:
+    # The empty validation split's seq_starts chunk is all zeros: stored, as the writer stores it,
+    # without changing zarr's process-wide write_empty_chunks under other threads.
+    fs = SyntheticFileSystem(**{**SMALL, "validation_tokens": 0})
+    before = zarr.config.get("array.write_empty_chunks")
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads interleave often: the race shows in every run
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            served = list(
+                pool.map(lambda _: fs.chunk_bytes("validation", "seq_starts", 0), range(800))
+            )
+    finally:
+        sys.setswitchinterval(switch)
+    assert zarr.config.get("array.write_empty_chunks") == before
+    assert len(set(served)) == 1 and served[0]

@@ -177,7 +177,7 @@ class ShufflePlan:
                 f"{self.read_block_count} read blocks exceed the permutation's limit of 2**32; "
                 "grow sequences_per_read_block"
             )
-        self._check_served()
+        _check_served(self.served_streams, self.streams)
         need = PLAN_BYTES_PER_BLOCK * self.served_block_count
         budget = self.plan_memory_budget
         if need > budget:
@@ -392,17 +392,17 @@ class ShufflePlan:
             )
         return column
 
-    def _check_served(self) -> None:
-        served = self.served_streams
-        if served is None:
-            return
-        if (
-            not isinstance(served, tuple)
-            or not served
-            or list(served) != sorted(set(served))
-            or not all(isinstance(s, int) and 0 <= s < self.streams for s in served)
-        ):
-            raise ConfigError(
-                f"served_streams must be a non-empty sorted tuple of distinct streams in "
-                f"[0, {self.streams}), got {served!r}"
-            )
+
+def _check_served(served: tuple[int, ...] | None, streams: int) -> None:
+    if served is None:
+        return
+    if (
+        not isinstance(served, tuple)
+        or not served
+        or list(served) != sorted(set(served))
+        or not all(isinstance(s, int) and 0 <= s < streams for s in served)
+    ):
+        raise ConfigError(
+            f"served_streams must be a non-empty sorted tuple of distinct streams in "
+            f"[0, {streams}), got {served!r}"
+        )

@@ -36,6 +36,7 @@ import collections
 import dataclasses
 import hashlib
 import logging
+import math
 import operator
 import re
 import threading
@@ -47,7 +48,8 @@ import fsspec
 import numpy as np
 import zarr
 from fsspec.asyn import AsyncFileSystem
-from zarr.storage import MemoryStore
+from zarr.core.array_spec import ArrayConfig
+from zarr.storage import MemoryStore, StorePath
 
 from asyncflat.errors import ConfigError
 from asyncflat.format.codec import SPLITS, TOKEN_ID_LIMIT
@@ -62,10 +64,13 @@ log = logging.getLogger(__name__)
 PROTOCOL = "synthetic"
 
 _ARRAYS = ("encoded_tokens", "seq_starts")
-_V3_CHUNK = re.compile(r"c/(\d+)")
-_V2_CHUNK = re.compile(r"(\d+)")
+# A chunk's key is its index as zarr writes it: no leading zeros ("c/01" is no object).
+_V3_CHUNK = re.compile(r"c/(0|[1-9]\d*)")
+_V2_CHUNK = re.compile(r"(0|[1-9]\d*)")
 #: Distinct token chunks kept encoded with ``repeat_tokens`` (chunks with random lengths differ).
 _ALIKE_CHUNKS = 8
+#: Every chunk is stored, an all-zero one too (the writer's arrays' config).
+_WRITE_EMPTY = ArrayConfig(order="C", write_empty_chunks=True)
 
 
 @dataclasses.dataclass
@@ -132,19 +137,21 @@ class _Encoder:
         self.metadata: dict[str, dict[str, Any]] = {}
         store: dict[str, Any] = {}
         group = zarr.open_group(MemoryStore(store), mode="w", zarr_format=self.zarr_format)
-        create_split_arrays(group, (layout["chunk_tokens"], SEQ_STARTS_CHUNK), **layout)
+        arrays = create_split_arrays(group, (layout["chunk_tokens"], SEQ_STARTS_CHUNK), **layout)
+        self.array_metadata: dict[str, Any] = {
+            name: array.metadata for name, array in zip(_ARRAYS, arrays)
+        }
         for name in _ARRAYS:
             self.metadata[name] = {k: v for k, v in store.items() if k.startswith(f"{name}/")}
         self.chunk_key = "c/0" if self.zarr_format == 3 else "0"
 
     def encode(self, name: str, data: np.ndarray) -> bytes:
         store = dict(self.metadata[name])
-        # As the writer: a chunk equal to the fill value (all zeros) is stored, not left out.
-        with zarr.config.set({"array.write_empty_chunks": True}):
-            array = zarr.open_array(
-                MemoryStore(store), path=name, mode="r+", zarr_format=self.zarr_format
-            )
-            array[: data.size] = data
+        # As the writer: a chunk equal to the fill value (all zeros) is stored, not left out. Set
+        # on this array, not in zarr's process-wide config, which worker threads would race on.
+        path = StorePath(MemoryStore(store), name)
+        array = zarr.Array(zarr.AsyncArray(self.array_metadata[name], path, config=_WRITE_EMPTY))
+        array[: data.size] = data
         return bytes(store[f"{name}/{self.chunk_key}"].to_bytes())
 
 
@@ -186,6 +193,9 @@ class SyntheticFileSystem(AsyncFileSystem):
 
     protocol = PROTOCOL
     root_marker = ""
+    # fsspec's instance cache keys on the arguments' text, in which two SyntheticCounts with the
+    # same figures are alike: a cached filesystem would count into another run's counts.
+    cachable = False
 
     def __init__(
         self,
@@ -208,11 +218,12 @@ class SyntheticFileSystem(AsyncFileSystem):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        length = _integer("sequence_length", sequence_length, 1)
+        # 64 mean lengths (a group of sequences) must fit the uint64 positions with room to spare.
+        length = _integer("sequence_length", sequence_length, 1, 1 << 56)
         shortest = length if min_sequence_length is None else min_sequence_length
         shortest = _integer("min_sequence_length", shortest, 1, length)
         vocab_size = _integer("vocab_size", vocab_size, 1, TOKEN_ID_LIMIT)
-        seed = _integer("seed", seed, 0)
+        seed = _integer("seed", seed, 0, (1 << 64) - 1)  # mixed as 64 bits: larger would alias
         self.layout = _layout(zarr_format, chunk_tokens, checksum, blosc_block_bytes)
         if not isinstance(repeat_tokens, bool):
             raise ConfigError(
@@ -231,9 +242,13 @@ class SyntheticFileSystem(AsyncFileSystem):
                 zip(SPLITS, ("tokens", "validation_tokens"), (tokens, validation_tokens))
             )
         }
-        if not isinstance(latency_s, (int, float)) or isinstance(latency_s, bool) or latency_s < 0:
+        if (
+            not isinstance(latency_s, (int, float))
+            or isinstance(latency_s, bool)
+            or not 0 <= latency_s < math.inf
+        ):
             raise ConfigError(
-                f"SyntheticFileSystem.latency_s must be a number >= 0, got {latency_s!r}"
+                f"SyntheticFileSystem.latency_s must be a finite number >= 0, got {latency_s!r}"
             )
         self.latency_s = float(latency_s)
         self.connection_bandwidth = _rate("connection_bandwidth", connection_bandwidth)
@@ -399,8 +414,21 @@ class SyntheticFileSystem(AsyncFileSystem):
         if children is None:
             raise FileNotFoundError(f"{PROTOCOL}://{key}: no such directory")
         base = self._strip_protocol(path).strip("/")
+        # A metadata object's size is known; a chunk's only once generated (info() generates it,
+        # as a read would): None, as fsspec's filesystems say of a size they do not know.
+        prefix = f"{key}/" if key else ""
         entries = [
-            {"name": f"{base}/{name}".strip("/"), "size": 0, "type": kind}
+            {
+                "name": f"{base}/{name}".strip("/"),
+                "size": (
+                    0
+                    if kind == "directory"
+                    else len(self._metadata[prefix + name])
+                    if prefix + name in self._metadata
+                    else None
+                ),
+                "type": kind,
+            }
             for name, kind in children
         ]
         return entries if detail else [entry["name"] for entry in entries]

@@ -111,13 +111,7 @@ def convert_distributed(
     )
     root = Location(os.fspath(output), options.storage_dict).root
     work = Location(work_dir or f"{root}.pieces", options.storage_dict)
-    if work.root == root or work.root.startswith(f"{root}/"):
-        # the commit would find the output taken (locally), or the dataset would hold the pieces
-        raise ConfigError(
-            f"work directory {display_url(work.root)} is inside the output "
-            f"{display_url(root)}, which must hold the dataset alone; pass a work_dir outside it"
-        )
-    resuming = _check_work_dir(work, plan)  # before anything is started, opened or removed
+    resuming = _check_work_dir(work, plan, root)  # before anything is started, opened or removed
     # an output that would be refused is refused before the cluster starts (read only)
     check_output(output, overwrite=options.overwrite, storage_options=options.storage_dict)
     with _task_runner(runner, ray_address, ray_init_options) as run:
@@ -266,9 +260,17 @@ class _ReadOptions:
     max_document_bytes: int
 
 
-def _check_work_dir(work: Location, plan: Plan) -> bool:
-    """Whether ``work`` holds this plan's pieces (a rerun resumes from them); refuse one that
-    holds another conversion's, or a ``pieces/`` folder of the user's. Reads only."""
+def _check_work_dir(work: Location, plan: Plan, output_root: str) -> bool:
+    """Whether ``work`` holds this plan's pieces (a rerun resumes from them); refuse one inside
+    the output, one that holds another conversion's, or a ``pieces/`` folder of the user's.
+    Reads only."""
+    if work.root == output_root or work.root.startswith(f"{output_root}/"):
+        # the commit would find the output taken (locally), or the dataset would hold the pieces
+        raise ConfigError(
+            f"work directory {display_url(work.root)} is inside the output "
+            f"{display_url(output_root)}, which must hold the dataset alone; pass a work_dir "
+            "outside it"
+        )
     raw = work.get("plan.json")
     if raw is None:
         theirs = [name for name in work.names(PIECES) if not is_piece_file(name)]
