@@ -470,3 +470,37 @@ def test_cli_converts_into_a_bucket(s3_server: object, tmp_path: Path) -> None:
         )
         np.testing.assert_array_equal(got["encoded_tokens"], want["encoded_tokens"])
         np.testing.assert_array_equal(got["seq_starts"], want["seq_starts"])
+
+
+def test_a_symlink_to_a_directory_of_the_corpus_does_not_hide_it(tmp_path: Path) -> None:
+    """A symlink inside the corpus to one of its directories is not walked (without
+    follow_symlinks), and the directory itself is read whatever order the walk meets them in."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(20):  # enough pairs that the filesystem lists some links before their targets
+        (corpus / f"real{i:02d}").mkdir()
+        (corpus / f"real{i:02d}" / "d.txt").write_text(f"doc {i:02d}\n")
+        (corpus / f"link{i:02d}").symlink_to(f"real{i:02d}", target_is_directory=True)
+    expected = [f"doc {i:02d}" for i in range(20)]
+    assert list(iter_documents([corpus])) == expected
+    followed = list(iter_documents([corpus], follow_symlinks=True))
+    assert followed == expected
+
+
+@pytest.mark.parametrize(
+    "record",
+    ['{"text": "b", "n": ' + "1" * 5000 + "}", "[" * 100_000 + "]" * 100_000],
+    ids=["huge-integer", "deep-nesting"],
+)
+def test_a_hostile_json_record_names_its_file_and_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], record: str
+) -> None:
+    (tmp_path / "a.jsonl").write_text('{"text": "a"}\n' + record + "\n")
+    with pytest.raises(ConfigError, match=r"a.jsonl:2: JSON record not readable"):
+        list(iter_documents([tmp_path / "a.jsonl"]))
+    assert main(["convert", str(tmp_path / "a.jsonl"), "-o", str(tmp_path / "o"), "--no-progress",
+                 "--workers", "1"]) == 1  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert (
+        err.startswith(f"asyncflat convert: error: {tmp_path / 'a.jsonl'}:2: ") and "\n" not in err
+    )

@@ -232,3 +232,17 @@ def test_loader_takes_only_integer_steps_and_builds_the_users_batch_type(corpus:
         targets, is_start = reference_collate(docs, 8, 32)
         np.testing.assert_array_equal(np.asarray(out.targets), targets)
         np.testing.assert_array_equal(np.asarray(out.is_seq_start), is_start)
+
+
+def test_a_malformed_data_file_is_one_error_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A data file streamed by datasets fails while it is read, not when it is opened."""
+    (tmp_path / "c.jsonl").write_text('{"text": "a"}\n{"text": bad}\n')
+    with pytest.raises(ConfigError, match=r"c.jsonl \[train\]: cannot read"):
+        convert_hf_dataset(tmp_path / "c.jsonl", tmp_path / "o", options=ConvertOptions(workers=1))
+    assert main(["convert", "--hf-dataset", str(tmp_path / "c.jsonl"), "-o", str(tmp_path / "o"),
+                 "--no-progress", "--workers", "1"]) == 1  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("asyncflat convert: error: ") and "Traceback" not in err
+    assert not (tmp_path / "o").exists()

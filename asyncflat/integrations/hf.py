@@ -99,7 +99,14 @@ def _iter_texts(dataset: Any, text_field: str, where: str) -> Iterator[str]:
     columns = dataset.column_names
     if columns is not None and text_field not in columns:
         raise ConfigError(f"{where}: no column {text_field!r} (columns: {', '.join(columns)})")
-    for batch in dataset.select_columns([text_field]).iter(batch_size=1000):
+    batches = iter(dataset.select_columns([text_field]).iter(batch_size=1000))
+    while True:
+        try:  # a streamed data file is parsed here: a malformed record fails in datasets/pyarrow
+            batch = next(batches, None)
+        except Exception as exc:  # datasets and pyarrow raise many kinds
+            raise ConfigError(f"{where}: cannot read: {type(exc).__name__}: {exc}") from exc
+        if batch is None:
+            return
         for value in batch[text_field]:
             if value is not None and not isinstance(value, str):
                 raise ConfigError(

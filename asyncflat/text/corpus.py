@@ -103,11 +103,13 @@ def _walk(root: Path, follow_symlinks: bool) -> list[Path]:
     found = []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=follow_symlinks):
         kept = []
-        for name in dirnames:
+        for name in sorted(dirnames):  # sorted: which alias of a directory is walked is fixed
             link = Path(dirpath, name)
+            if link.is_symlink() and not follow_symlinks:
+                if not _inside(link, real_root):
+                    _warn_outside(link, root)
+                continue  # not walked: it must not claim its target in seen_dirs
             real = os.path.realpath(link)
-            if link.is_symlink() and not follow_symlinks and not _inside(link, real_root):
-                _warn_outside(link, root)
             if real not in seen_dirs:  # a symlink cycle is walked once
                 seen_dirs.add(real)
                 kept.append(name)
@@ -202,6 +204,10 @@ def _json_text(line: str, where: Callable[[], str], text_field: str) -> str:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{where()}: invalid JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # an integer of 4,300+ digits, deep nesting
+        raise ConfigError(
+            f"{where()}: JSON record not readable: {type(exc).__name__}: {exc}"
+        ) from None
     if not isinstance(record, dict):
         raise ConfigError(
             f"{where()}: expected a JSON object with field {text_field!r}, "
