@@ -24,7 +24,7 @@ import zarr.storage._local as zarr_local
 
 from asyncflat.cli import main
 from asyncflat.errors import ConfigError
-from asyncflat.text.corpus import iter_documents
+from asyncflat.text.corpus import iter_documents, iter_range_documents
 from asyncflat.text.pool import tokenized_batches
 from asyncflat.text.tokenizer import TokenizerError, load_tokenizer
 from asyncflat.writer.convert import ConvertOptions, convert_files, convert_texts
@@ -504,3 +504,75 @@ def test_a_hostile_json_record_names_its_file_and_line(
     assert (
         err.startswith(f"asyncflat convert: error: {tmp_path / 'a.jsonl'}:2: ") and "\n" not in err
     )
+
+
+def test_a_corrupt_deflate_stream_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A gzip header, then a deflate block of the reserved type: zlib.error, not BadGzipFile."""
+    (tmp_path / "a.txt.gz").write_bytes(gzip.compress(b"hello\n")[:10] + b"\xff" * 16)
+    with pytest.raises(ConfigError, match=r"a.txt.gz: not a valid gzip file"):
+        list(iter_documents([tmp_path / "a.txt.gz"]))
+    assert main(["convert", str(tmp_path / "a.txt.gz"), "-o", str(tmp_path / "o"), "--no-progress",
+                 "--workers", "1"]) == 1  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"asyncflat convert: error: {tmp_path / 'a.txt.gz'}: not a valid gzip")
+
+
+def test_a_damaged_parquet_file_is_one_line_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"text": [f"document {i}" for i in range(100)]})
+    pq.write_table(table, tmp_path / "ok.parquet", compression="none", use_dictionary=False)
+    good = (tmp_path / "ok.parquet").read_bytes()
+    strings = good.index(b"document 50")  # plain-encoded page: bytes that decode to no UTF-8
+    damaged = {
+        "empty.parquet": b"",
+        "truncated.parquet": good[: len(good) // 2] + good[-8:],
+        "garbage.parquet": b"PAR1" + b"\0" * 100 + b"PAR1",
+        "utf8.parquet": good[:strings] + b"\xff" + good[strings + 1 :],
+    }
+    for name, data in damaged.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ConfigError, match=rf"{name}: not a readable parquet file"):
+            list(iter_documents([tmp_path / name]))
+        assert main(["convert", str(tmp_path / name), "-o", str(tmp_path / "o"), "--no-progress",
+                     "--workers", "1"]) == 1  # fmt: skip
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"asyncflat convert: error: {tmp_path / name}"), err
+        assert "\n" not in err
+
+
+@pytest.mark.parametrize("name", ["a.txt", "a.txt.gz", "a.jsonl"])
+def test_invalid_utf8_names_its_line(tmp_path: Path, name: str) -> None:
+    """Far into the file (past the text decoder's first blocks), after CRLF and lone-CR lines."""
+    line = '{"text": "ok"}' if name == "a.jsonl" else "ok"
+    head = ((line + "\r\n") * 3000).encode()
+    data = head + ((line + "\r") * 2000 + (line + "\n") * 1000 + line[:-2]).encode()
+    bad = data + b"\xff" + line[-2:].encode() + b"\n"
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(bad) if name.endswith(".gz") else bad)
+    where = rf"{name}:6001: not valid UTF-8 text: invalid start byte"
+    with pytest.raises(ConfigError, match=where):
+        list(iter_documents([path]))
+    if not name.endswith(".gz"):  # a byte range of the file names the line from its start
+        with pytest.raises(ConfigError, match=where):
+            list(iter_range_documents(path, len(head), len(bad)))
+
+
+def test_a_huge_max_document_bytes_is_refused_not_a_crash(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "in.txt").write_text("hello\n")
+    with pytest.raises(ConfigError, match=r"max_document_bytes must be at most 2\*\*40"):
+        ConvertOptions(max_document_bytes=1 << 70)
+    with pytest.raises(ConfigError, match=r"max_document_bytes must be at most 2\*\*40"):
+        list(iter_documents([tmp_path / "in.txt"], max_document_bytes=1 << 70))
+    assert main(["convert", str(tmp_path / "in.txt"), "-o", str(tmp_path / "o"), "--no-progress",
+                 "--workers", "1", "--max-document-bytes", str(1 << 70)]) == 1  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("asyncflat convert: error: ConvertOptions.max_document_bytes must be")
+    assert ConvertOptions(max_document_bytes=1 << 40).max_document_bytes == 1 << 40

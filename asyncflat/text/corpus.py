@@ -17,12 +17,15 @@ work (a file) in a task with exactly the single-machine semantics.
 
 from __future__ import annotations
 
+import codecs
+import contextlib
 import dataclasses
 import gzip
 import io
 import json
 import logging
 import os
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +34,7 @@ from asyncflat.errors import ConfigError
 
 __all__ = [
     "DEFAULT_MAX_DOCUMENT_BYTES",
+    "MAX_DOCUMENT_BYTES_LIMIT",
     "SUFFIXES",
     "InputProgress",
     "check_document_size",
@@ -48,6 +52,9 @@ SUFFIXES = (".txt.gz", ".jsonl.gz", ".txt", ".jsonl", ".parquet")
 #: The default bound on one document's UTF-8 size: a long book is a few MiB, and a document
 #: is tokenized whole in memory (several times its size for a Hugging Face tokenizer).
 DEFAULT_MAX_DOCUMENT_BYTES = 16 << 20
+#: The largest ``max_document_bytes`` accepted (1 TiB): a line is read with a bound derived from
+#: it, which must stay a C ``ssize_t``.
+MAX_DOCUMENT_BYTES_LIMIT = 1 << 40
 #: A ``.jsonl`` line may be this many times ``max_document_bytes`` (plus 1 MiB): JSON escapes
 #: (``\\u00e9``) make the record longer than its text.
 _JSON_RECORD_FACTOR = 4
@@ -261,6 +268,7 @@ def iter_file_documents(
             max_document_bytes,
             lambda lineno: f"{path}:{lineno}",
             tick,
+            lambda: gzip.open(path, "rb") if suffix.endswith(".gz") else open(path, "rb"),
         )
         if progress is not None:
             progress.done = start + path.stat().st_size
@@ -298,8 +306,14 @@ def iter_range_documents(
 
         raw.seek(start)
         text = _open_text(path, io.BufferedReader(_ByteRange(raw, end - start)))
+
+        def reopen() -> io.BufferedIOBase:
+            again = open(path, "rb")
+            again.seek(start)
+            return io.BufferedReader(_ByteRange(again, end - start, owned=True))
+
         yield from _text_documents(
-            path, text, suffix, text_field, txt_mode, max_document_bytes, name, None
+            path, text, suffix, text_field, txt_mode, max_document_bytes, name, None, reopen
         )
 
 
@@ -312,8 +326,10 @@ def _text_documents(
     max_document_bytes: int,
     name: Callable[[int], str],
     tick: Callable[[], None] | None,
+    reopen: Callable[[], Any],
 ) -> Iterator[str]:
-    """The documents of an open ``.txt`` / ``.jsonl`` text stream (closed afterwards)."""
+    """The documents of an open ``.txt`` / ``.jsonl`` text stream (closed afterwards);
+    ``reopen()`` gives its bytes again from the start, to find the line of invalid UTF-8."""
     try:
         with f:
             if txt_mode == "file" and suffix in (".txt", ".txt.gz"):
@@ -336,18 +352,51 @@ def _text_documents(
                             check_document_size(text, max_document_bytes, name(lineno))
                         yield text
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not valid UTF-8 text: {exc}") from None
-    except (gzip.BadGzipFile, EOFError) as exc:
+        # exc's position is in the decoder's last block: name the line from the bytes instead
+        with contextlib.closing(reopen()) as again:
+            lineno = _invalid_utf8_line(again)
+        byte = exc.object[exc.start : exc.start + 1]
+        raise ConfigError(
+            f"{name(lineno)}: not valid UTF-8 text: {exc.reason} ({byte!r})"
+        ) from None
+    except (gzip.BadGzipFile, EOFError, zlib.error) as exc:  # zlib: a corrupt deflate stream
         raise ConfigError(f"{path}: not a valid gzip file: {exc}") from None
+
+
+def _invalid_utf8_line(binary: Any) -> int:
+    """The line (from 1, universal newlines) of the first byte of ``binary`` that is not UTF-8."""
+    lines, pending, carried_cr = 1, b"", False
+    while True:
+        block = binary.read(1 << 20)
+        data = pending + block
+        try:
+            used, bad = codecs.utf_8_decode(data, "strict", not block)[1], False
+        except UnicodeDecodeError as exc:
+            used, bad = exc.start, True
+        good = data[:used]
+        lines += good.count(b"\n") + good.count(b"\r") - good.count(b"\r\n")
+        if carried_cr and good.startswith(b"\n"):
+            lines -= 1  # a \r\n split across blocks: counted once, as its \r
+        if good:
+            carried_cr = good.endswith(b"\r")
+        if bad or not block:
+            return lines
+        pending = data[used:]
 
 
 class _ByteRange(io.RawIOBase):
     """The next ``size`` bytes of an open binary file, as a stream of their own (the file
-    itself is left open)."""
+    itself is left open, unless ``owned``)."""
 
-    def __init__(self, raw: io.BufferedIOBase, size: int) -> None:
+    def __init__(self, raw: io.BufferedIOBase, size: int, *, owned: bool = False) -> None:
         self._raw = raw
         self._left = size
+        self._owned = owned
+
+    def close(self) -> None:
+        if self._owned:
+            self._raw.close()
+        super().close()
 
     def readable(self) -> bool:
         return True
@@ -411,9 +460,11 @@ def iter_documents(
 
 
 def check_max_document_bytes(value: Any) -> int:
-    """``value`` as a valid ``max_document_bytes`` (an integer >= 1), else ConfigError."""
+    """``value`` as a valid ``max_document_bytes`` (an integer in [1, 2**40]), else ConfigError."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"max_document_bytes must be an integer >= 1, got {value!r}")
+    if value > MAX_DOCUMENT_BYTES_LIMIT:
+        raise ConfigError(f"max_document_bytes must be at most 2**40, got {value!r}")
     return value
 
 
@@ -425,11 +476,18 @@ def open_parquet(path: Path, text_field: str) -> Any:
         raise ConfigError(
             f"{path}: reading parquet needs pyarrow: pip install 'asyncflat[convert]'"
         ) from exc
-    parquet = pq.ParquetFile(path)
+    try:
+        parquet = pq.ParquetFile(path)
+    except (ValueError, OSError) as exc:  # ArrowInvalid (a ValueError), ArrowIOError (OSError)
+        raise _unreadable_parquet(path, exc) from None
     names = parquet.schema_arrow.names
     if text_field not in names:
         raise ConfigError(f"{path}: no column {text_field!r} (columns: {', '.join(names)})")
     return parquet
+
+
+def _unreadable_parquet(path: Path, exc: Exception) -> ConfigError:
+    return ConfigError(f"{path}: not a readable parquet file: {type(exc).__name__}: {exc}")
 
 
 def iter_parquet_documents(
@@ -454,8 +512,15 @@ def iter_parquet_documents(
     batches = parquet.iter_batches(
         batch_size=_PARQUET_BATCH_ROWS, row_groups=groups, columns=[text_field]
     )
-    for batch in batches:
-        for value in batch.column(0).to_pylist():
+    while True:
+        try:  # a damaged page: ArrowInvalid, OSError, or bytes that are not UTF-8
+            batch = next(batches, None)
+            values = [] if batch is None else batch.column(0).to_pylist()
+        except (ValueError, OSError) as exc:
+            raise _unreadable_parquet(path, exc) from None
+        if batch is None:
+            return
+        for value in values:
             where = f"{path} row {row}"
             text = _text_value(value, where, text_field)
             check_document_size(text, max_document_bytes, where)

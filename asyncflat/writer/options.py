@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from asyncflat.errors import ConfigError
-from asyncflat.text.corpus import DEFAULT_MAX_DOCUMENT_BYTES
+from asyncflat.text.corpus import DEFAULT_MAX_DOCUMENT_BYTES, MAX_DOCUMENT_BYTES_LIMIT
 from asyncflat.text.tokenizer import Tokenizer
 
 __all__ = ["ConvertOptions", "positive_int"]
@@ -90,6 +90,8 @@ class ConvertOptions:
             )
         if not _is_int(self.max_document_bytes) or self.max_document_bytes < 1:
             self._fail("max_document_bytes must be an integer >= 1", self.max_document_bytes)
+        if self.max_document_bytes > MAX_DOCUMENT_BYTES_LIMIT:
+            self._fail("max_document_bytes must be at most 2**40", self.max_document_bytes)
 
     def _fail(self, rule: str, value: Any) -> None:
         raise ConfigError(f"ConvertOptions.{rule}, got {reprlib.repr(value)}")
