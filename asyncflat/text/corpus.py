@@ -147,16 +147,20 @@ def _inside(path: Path, real_root: str) -> bool:
     return os.path.commonpath([real, real_root]) == real_root
 
 
-def _open_text(path: Path, raw: io.BufferedIOBase | None = None) -> io.TextIOBase:
+def _open_text(
+    path: Path, raw: io.BufferedIOBase | None = None, *, at_start: bool = True
+) -> io.TextIOBase:
     """``path`` (or its already open ``raw`` bytes, which the caller closes) as UTF-8 text,
-    gunzipped for ``.gz``; lines split as Python's universal newlines."""
+    gunzipped for ``.gz``; lines split as Python's universal newlines. A byte-order mark at the
+    file's start (``at_start``: these bytes begin the file) is no text: it is dropped, so both
+    engines read a file alike however it is split."""
     gz = path.name.lower().endswith(".gz")
     binary: Any
     if raw is None:
         binary = gzip.open(path, "rb") if gz else open(path, "rb")
     else:
         binary = gzip.GzipFile(fileobj=raw, mode="rb") if gz else raw
-    return io.TextIOWrapper(binary, encoding="utf-8", newline="")
+    return io.TextIOWrapper(binary, encoding="utf-8-sig" if at_start else "utf-8", newline="")
 
 
 def check_document_size(text: str, limit: int, where: str, what: str = "document") -> None:
@@ -305,7 +309,7 @@ def iter_range_documents(
             return f"{path}:{before[0] + lineno}"
 
         raw.seek(start)
-        text = _open_text(path, io.BufferedReader(_ByteRange(raw, end - start)))
+        text = _open_text(path, io.BufferedReader(_ByteRange(raw, end - start)), at_start=not start)
 
         def reopen() -> io.BufferedIOBase:
             again = open(path, "rb")
