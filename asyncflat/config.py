@@ -114,7 +114,10 @@ def _float_field(owner: object, name: str, *, minimum: float, optional: bool = F
         raise ConfigError(
             f"{type(owner).__name__}.{name} must be a number, got {type(value).__name__} {value!r}"
         )
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an int past a float's range
+        number = float("inf")
     if not number >= minimum:  # also rejects NaN
         raise ConfigError(f"{type(owner).__name__}.{name} must be >= {minimum}, got {value!r}")
     object.__setattr__(owner, name, number)

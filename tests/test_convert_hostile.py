@@ -593,3 +593,14 @@ def test_a_byte_order_mark_at_a_files_start_is_no_text(tmp_path: Path, name: str
         split = data.index(b"\n") + 1
         ranges = [(0, split), (split, len(data))]
         assert [d for r in ranges for d in iter_range_documents(path, *r)] == ["a", "b\ufeff"]
+
+
+def test_a_generous_bound_reads_a_whole_file_document_in_pieces(tmp_path: Path) -> None:
+    """``txt_mode="file"`` read a document with one ``read(max_document_bytes + 1)``, which
+    allocated the whole bound up front: a MemoryError for any bound past the machine's memory."""
+    path = tmp_path / "a.txt"
+    path.write_text("é" * 600_000 + "\nend")  # more than a MiB read of characters: in pieces
+    (document,) = iter_documents([path], txt_mode="file", max_document_bytes=1 << 40)
+    assert document == "é" * 600_000 + "\nend"
+    with pytest.raises(ConfigError, match="over max_document_bytes"):
+        list(iter_documents([path], txt_mode="file", max_document_bytes=1_000_000))

@@ -1043,17 +1043,21 @@ def test_removing_pieces_from_a_work_dir_named_like_a_glob_touches_nothing_else(
         fs.rm("/runs", recursive=True)
 
 
-@pytest.mark.parametrize("inside", ["", "tmp", "a/b"])
+@pytest.mark.parametrize("inside", ["", "tmp", "a/b", "through a symlink"])
 def test_a_work_dir_inside_the_output_is_refused_before_any_work(
     corpus: Path, tmp_path: Path, inside: str
 ) -> None:
     """The pieces made the output exist, so the commit, after the whole run, failed with
     "already exists (pass overwrite=True ...)", and every rerun was refused."""
-    out = tmp_path / "out.zarr"
+    (tmp_path / "o").mkdir()
+    out = tmp_path / "o" / "out.zarr"
     work = str(out / inside) if inside else str(out)
+    if inside == "through a symlink":  # another spelling of the same place
+        (tmp_path / "alias").symlink_to(tmp_path / "o")
+        work = str(tmp_path / "alias" / "out.zarr" / "pieces")
     with pytest.raises(ConfigError, match="is inside the output"):
         convert_distributed([corpus], out, runner="local", work_dir=work)
-    assert list(tmp_path.iterdir()) == []
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("contents", ["my notes\n", '["step 1"]', '{"title": "my plan"}'])

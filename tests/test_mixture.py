@@ -697,3 +697,6 @@ def test_rows_and_passes_count_the_batches_delivered_not_those_built_ahead(
             loader.load(step)
         stats = loader.stats()
         assert sum(s.rows for s in stats.sources) == 4 * BATCH.batch
+        loader.encoded_rows(2)  # rows handed out without jax count too (not as a batch)
+        stats = loader.stats()
+        assert sum(s.rows for s in stats.sources) == 5 * BATCH.batch

@@ -81,8 +81,6 @@ class LoaderFigures:
     streams_per_host: int
     buffer_bytes_per_host: int
     read_amplification: float | None
-    #: Shuffle buffers held per stream: 2, more when one step reads several minipochs.
-    buffers_per_stream: int = 2
     #: Share of the split (tokens with packing, sequences without) an epoch never serves.
     dropped_fraction: float = 0.0
     #: The split's tokens as the loader holds them (uint32), to set the buffers against.
@@ -93,6 +91,8 @@ class LoaderFigures:
     #: Expected peak resident memory the loader adds on a host (``docs/tuning.md``): its
     #: buffers, the compressed bytes of the reads in flight, and a fixed part.
     memory_bytes_per_host: int = 0
+    #: Shuffle buffers held per stream: 2, more when one step reads several minipochs.
+    buffers_per_stream: int = 2
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

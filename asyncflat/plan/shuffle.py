@@ -257,7 +257,8 @@ class ShufflePlan:
 
     @property
     def buffer_bytes(self) -> int:
-        """Bytes of one full shuffle buffer (the engine holds two per served stream)."""
+        """Bytes of one full shuffle buffer (the engine holds :attr:`buffers_per_stream` per
+        served stream)."""
         return self.seqs_per_buffer * self.seq_len * 4
 
     def blocks_in_minipoch(self, minipoch: int) -> int:

@@ -176,6 +176,20 @@ def check_document_size(text: str, limit: int, where: str, what: str = "document
         )
 
 
+def _read_bounded(f: io.TextIOBase, most: int) -> str:
+    """Up to ``most`` characters of ``f``, read a MiB at a time: one ``read(most)`` allocates
+    ``most`` bytes at once (a ``MemoryError`` for a generous bound on a small file)."""
+    parts: list[str] = []
+    left = most
+    while left > 0:
+        part = f.read(min(1 << 20, left))
+        if not part:
+            break
+        parts.append(part)
+        left -= len(part)
+    return "".join(parts)
+
+
 def json_record_limit(max_document_bytes: int) -> int:
     """The longest ``.jsonl`` line read: room for JSON escapes of the text and other fields."""
     return _JSON_RECORD_FACTOR * max_document_bytes + (1 << 20)
@@ -337,7 +351,7 @@ def _text_documents(
     try:
         with f:
             if txt_mode == "file" and suffix in (".txt", ".txt.gz"):
-                text = f.read(max_document_bytes + 1)
+                text = _read_bounded(f, max_document_bytes + 1)
                 check_document_size(text, max_document_bytes, str(path))
                 yield text
             elif suffix in (".txt", ".txt.gz"):

@@ -443,6 +443,10 @@ def _target(
     return text.removeprefix("file://"), False
 
 
+#: Deletes in flight at once where a path is removed one literal object at a time.
+_LITERAL_DELETES = 16
+
+
 class _LiteralFsspecStore(FsspecStore):
     """An :class:`FsspecStore` whose deletes take its path literally: fsspec's ``rm`` expands
     glob characters, so removing the output ``runs/exp[12]`` (zarr's ``mode="w"``, an overwrite,
@@ -465,8 +469,15 @@ class _LiteralFsspecStore(FsspecStore):
             return
         self._check_writable()
         with contextlib.suppress(FileNotFoundError, *self.allowed_exceptions):
-            for found in await self.fs._find(path, withdirs=False):
-                await self.fs._rm_file(found)
+            found = await self.fs._find(path, withdirs=False)
+        limit = asyncio.Semaphore(_LITERAL_DELETES)
+
+        async def remove(one: str) -> None:
+            async with limit:
+                with contextlib.suppress(FileNotFoundError, *self.allowed_exceptions):
+                    await self.fs._rm_file(one)
+
+        await asyncio.gather(*(remove(one) for one in found))
 
 
 def _object_store(url: str, storage_options: dict[str, Any] | None, display: str) -> FsspecStore:

@@ -146,9 +146,12 @@ class Lifecycle(Generic[S]):
         return self._runner.run(server.rows(step), timeout=self.options.load_timeout_s)
 
     def encoded_rows(self, step: int) -> np.ndarray:
-        """This host's rows of ``step`` as stored (flat-tokens codes): what ``load`` decodes."""
-        rows = self.rows(step_argument(step))
+        """This host's rows of ``step`` as stored (flat-tokens codes): what ``load`` decodes.
+        They count as delivered rows (a mixture's per-source figures), not as a loaded batch."""
+        step = step_argument(step)
+        rows = self.rows(step)
         assert rows is not None  # (not ready_only)
+        self.server.delivered(step)
         return rows
 
     def build(self, step: int, *, ready_only: bool = False) -> Any:

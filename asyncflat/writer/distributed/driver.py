@@ -264,7 +264,14 @@ def _check_work_dir(work: Location, plan: Plan, output_root: str) -> bool:
     """Whether ``work`` holds this plan's pieces (a rerun resumes from them); refuse one inside
     the output, one that holds another conversion's, or a ``pieces/`` folder of the user's.
     Reads only."""
-    if work.root == output_root or work.root.startswith(f"{output_root}/"):
+    # locally as the paths resolve (a symlink may lead into the output; realpath resolves the
+    # parts that exist, so a work dir not made yet is placed too)
+    inner, outer = (
+        (os.path.realpath(work.root), os.path.realpath(output_root))
+        if work.local
+        else (work.root, output_root)
+    )
+    if inner == outer or inner.startswith(f"{outer.rstrip('/')}/"):
         # the commit would find the output taken (locally), or the dataset would hold the pieces
         raise ConfigError(
             f"work directory {display_url(work.root)} is inside the output "
