@@ -66,8 +66,8 @@ NEVER = np.iinfo(np.int64).max
 #: Memory the plan's index arrays may take: ``PLAN_BYTES_PER_BLOCK`` per read block of the
 #: streams the plan serves (the block order of those streams, uint32; nothing else is kept per
 #: block), up to the larger of ``PLAN_MEMORY_FLOOR`` and the shuffle buffers of every stream
-#: (``buffers_per_stream * streams * buffer_bytes``). Metadata asking for more (a hostile or mistaken shape) is
-#: refused before anything is allocated.
+#: (``buffers_per_stream * streams * buffer_bytes``). Metadata asking for more (a hostile or
+#: mistaken shape) is refused before anything is allocated.
 PLAN_BYTES_PER_BLOCK = 4
 PLAN_MEMORY_FLOOR = 512 << 20
 
@@ -186,9 +186,9 @@ class ShufflePlan:
                 f"{self.served_block_count} of them in the {len(self.served)} streams served "
                 f"here, whose shuffle plan needs {need} bytes, more than its budget of {budget} "
                 "bytes "
-                f"(the larger of {PLAN_MEMORY_FLOOR} and the shuffle buffers' buffers_per_stream * "
-                "streams * buffer_bytes); grow sequences_per_read_block or read_blocks_per_shuffle_buffer, "
-                "or check the dataset's shapes"
+                f"(the larger of {PLAN_MEMORY_FLOOR} and the shuffle buffers' buffers_per_stream "
+                "* streams * buffer_bytes); grow sequences_per_read_block or "
+                "read_blocks_per_shuffle_buffer, or check the dataset's shapes"
             )
         if self.step_count == 0:
             raise ConfigError(

@@ -177,7 +177,8 @@ class MixtureLoader:
 
     @property
     def buffer_bytes(self) -> tuple[int, ...]:
-        """Bytes of each source's shuffle buffers on this host (one pass: ``ShufflePlan.buffers_per_stream`` per stream)."""
+        """Bytes of each source's shuffle buffers on this host (one pass:
+        ``ShufflePlan.buffers_per_stream`` per stream)."""
         return tuple(s.buffer_bytes for s in self._sources)
 
     @property

@@ -16,8 +16,8 @@ __all__ = ["MixtureSourceStats", "MixtureStats", "mixture_stats"]
 class MixtureSourceStats(Readable):
     """One source's figures on this host: ``passes`` started (1 until it runs out once),
     ``rows`` loaded from it (a step loaded twice counts twice), the ``step_count`` of one pass,
-    its ``buffer_bytes`` (one pass: ``ShufflePlan.buffers_per_stream`` per stream) and its newest pass's ``engine`` figures
-    (waits, fills, bytes)."""
+    its ``buffer_bytes`` (one pass: ``ShufflePlan.buffers_per_stream`` per stream) and its
+    newest pass's ``engine`` figures (waits, fills, bytes)."""
 
     filespec: str
     passes: int
