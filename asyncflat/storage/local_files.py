@@ -22,6 +22,7 @@ from asyncflat.errors import CorruptChunkError, StorageError
 __all__ = [
     "file_kind",
     "file_on_the_way",
+    "has_glob",
     "is_remote",
     "is_url",
     "pread",
