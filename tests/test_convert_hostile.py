@@ -604,3 +604,26 @@ def test_a_generous_bound_reads_a_whole_file_document_in_pieces(tmp_path: Path) 
     assert document == "é" * 600_000 + "\nend"
     with pytest.raises(ConfigError, match="over max_document_bytes"):
         list(iter_documents([path], txt_mode="file", max_document_bytes=1_000_000))
+
+
+def test_a_lone_surrogate_in_a_json_record_names_its_line(tmp_path: Path) -> None:
+    """``"\\ud800"`` parses to half a UTF-16 pair, which no tokenizer can encode: it failed in the
+    tokenizer, naming documents but not the file or line. A whole pair is a character."""
+    path = tmp_path / "a.jsonl"
+    path.write_text('{"text": "ok \\ud83d\\ude00"}\n{"text": "a\\ud800b"}\n')
+    with pytest.raises(ConfigError, match=r"a\.jsonl:2: field 'text' holds a lone surrogate"):
+        list(iter_documents([path]))
+    path.write_text('{"text": "ok \\ud83d\\ude00"}\n')
+    assert list(iter_documents([path])) == ["ok \U0001f600"]
+
+
+def test_a_file_named_twice_is_read_twice_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("x\n")
+    with caplog.at_level("WARNING", logger="asyncflat.text.corpus"):
+        assert list(iter_documents([corpus, corpus / "a.txt"])) == ["x", "x"]
+    (warning,) = [r.getMessage() for r in caplog.records if "read twice" in r.getMessage()]
+    assert str(corpus / "a.txt") in warning

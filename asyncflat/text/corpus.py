@@ -100,7 +100,24 @@ def expand_inputs(
             raise ConfigError(f"input {path} is not a regular file or a directory")
         else:
             raise ConfigError(f"input {path} does not exist")
+    _warn_repeated(files)
     return files
+
+
+def _warn_repeated(files: list[Path]) -> None:
+    """One warning for each file that the inputs name more than once (given twice, inside a
+    directory also given, or a symlink to it): its documents are read each time, as given."""
+    first: dict[str, Path] = {}
+    for path in files:
+        real = os.path.realpath(path)
+        if real in first:
+            log.warning(
+                "input %s is %s again: its documents are read twice (as the inputs say)",
+                path,
+                first[real],
+            )
+        else:
+            first[real] = path
 
 
 def _walk(root: Path, follow_symlinks: bool) -> list[Path]:
@@ -245,7 +262,17 @@ def _json_text(line: str, where: Callable[[], str], text_field: str) -> str:
             "choose one with text_field / --text-field"
         )
     value = record[text_field]
-    return value if isinstance(value, str) else _text_value(value, where(), text_field)
+    if not isinstance(value, str):
+        return _text_value(value, where(), text_field)
+    if "\\u" in line and not value.isascii():  # only a JSON escape makes a lone surrogate
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ConfigError(
+                f"{where()}: field {text_field!r} holds a lone surrogate "
+                f"({value[exc.start]!r}, a \\u escape of half a UTF-16 pair): not text"
+            ) from None
+    return value
 
 
 def iter_file_documents(
