@@ -700,3 +700,20 @@ def test_rows_and_passes_count_the_batches_delivered_not_those_built_ahead(
         loader.encoded_rows(2)  # rows handed out without jax count too (not as a batch)
         stats = loader.stats()
         assert sum(s.rows for s in stats.sources) == 5 * BATCH.batch
+
+
+def test_a_source_of_weight_zero_in_every_stage_is_not_filled(stores: list[str]) -> None:
+    """No step reads it: its first buffer was still filled when the loader opened (reads and
+    two buffers' memory for nothing)."""
+    mixture = MixtureParams(
+        (MixtureSource(flat(stores[0]), 1), MixtureSource(flat(stores[1]), 0)), steps=6
+    )
+    options = EngineOptions(prefetch_to_device=0, fill_on_open="always")
+    with asyncflat.ShufflingLoader("train", mixture, BATCH, options=options) as loader:
+        for step in range(loader.step_count):
+            loader.load(step)
+        stats = loader.stats()
+    assert stats.sources[0].engine.fills_completed > 0
+    unread = stats.sources[1]
+    assert unread.rows == 0 and unread.engine.buffer_allocations == 0
+    assert unread.engine.fills_completed == unread.engine.fills_cancelled == 0

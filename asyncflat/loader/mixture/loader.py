@@ -147,7 +147,13 @@ class MixtureLoader:
             self._plans = await self._passes.open_first(len(self.streams))
             check_budget(self._sources, self.options.max_buffer_bytes)
             if self.epoch == 0:  # every source starts at step 0 of its first pass
-                self._passes.fill_on_open(self._source_options)
+                # (but a source of weight 0 in every stage, which no step reads)
+                unread = frozenset(
+                    i
+                    for i in range(len(self._sources))
+                    if all(weights[i] == 0 for _, weights in self.params.schedule())
+                )
+                self._passes.fill_on_open(self._source_options, unread)
             step_count = default_step_count(
                 self.params, self.assignment, self._sources, self.rows_per_stream
             )

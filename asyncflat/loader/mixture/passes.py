@@ -137,10 +137,12 @@ class Passes:
             source.buffer_bytes = plan.buffers_per_stream * streams * plan.buffer_bytes
         return plans
 
-    def fill_on_open(self, options: EngineOptions) -> None:
+    def fill_on_open(self, options: EngineOptions, unread: frozenset[int] = frozenset()) -> None:
         """Start step 0's fills of every source's first pass, as ``options`` say (on the loop,
-        before any load)."""
+        before any load), but those of the sources in ``unread`` (no step reads them)."""
         for source in self.sources:
+            if source.index in unread:
+                continue
             engine = source.engines.get(0)
             if engine is not None and fills_on_open(options, engine.source):
                 engine.opening.start(fill=True)
