@@ -288,6 +288,31 @@ def test_a_chunk_replaced_by_another_encoding_of_the_same_size_is_read_as_it_is_
     np.testing.assert_array_equal(after, encoded[CHUNK + 200 : CHUNK + 216])
 
 
+def read_chunk_1_outcome(path: Path, reader: str, how: str) -> BaseException | None:
+    """What reading rows of chunk 1 (``how``: ``rows`` a row read, ``fill`` a fill's read)
+    through ``reader`` (``zarr``, or ``plain``: the zarr-free reader) raises, if anything."""
+    from asyncflat.source.local_source import LocalTokenSource
+
+    async def main() -> BaseException | None:
+        if reader == "zarr":
+            source: Any = await ZarrTokenSource.open(str(path), "train")
+        else:
+            source = await LocalTokenSource.open_plain(str(path), "train")
+            assert source is not None, "the zarr-free reader should open this layout"
+        try:
+            if how == "rows":
+                await source.read_items(1, 200, np.empty(16, np.uint32))
+            else:
+                await source.read_tokens(CHUNK, CHUNK + 16)
+        except Exception as exc:
+            return exc
+        finally:
+            await source.aclose()
+        return None
+
+    return asyncio.run(asyncio.wait_for(main(), timeout=20))
+
+
 @pytest.mark.parametrize(
     "codec,reader,how",
     [
@@ -306,8 +331,6 @@ def test_a_symlink_loop_is_a_corrupt_chunk_on_every_path(
     """A chunk file that is a symlink loop is a damaged store on every read path: the same
     :class:`CorruptChunkError` naming the file (the row path raised StorageError, the store
     layer CorruptChunkError)."""
-    from asyncflat.source.local_source import LocalTokenSource
-
     path = tmp_path / "d.zarr"
     write(path, codec)
     target = chunk_path(path, 1)
@@ -319,24 +342,7 @@ def test_a_symlink_loop_is_a_corrupt_chunk_on_every_path(
         other.symlink_to(target)
         target.symlink_to(other)
 
-    async def main() -> BaseException | None:
-        if reader == "zarr":
-            source: Any = await ZarrTokenSource.open(str(path), "train")
-        else:
-            source = await LocalTokenSource.open_plain(str(path), "train")
-            assert source is not None, "the zarr-free reader should open this layout"
-        try:
-            if how == "rows":
-                await source.read_items(1, 200, np.empty(16, np.uint32))
-            else:
-                await source.read_tokens(CHUNK, CHUNK + 16)
-        except Exception as exc:
-            return exc
-        finally:
-            await source.aclose()
-        return None
-
-    outcome = asyncio.run(asyncio.wait_for(main(), timeout=20))
+    outcome = read_chunk_1_outcome(path, reader, how)
     assert isinstance(outcome, CorruptChunkError), repr(outcome)
     assert str(target) in str(outcome), str(outcome)
 
@@ -349,8 +355,6 @@ def test_a_chunk_directory_that_is_a_file_is_a_corrupt_chunk_naming_it(
     """A file where the layout has a directory (zarr 3's ``c/``) makes opening a chunk say
     "not a directory": a damaged store, named, on every read path (it was a bare
     ``StorageError`` quoting the errno)."""
-    from asyncflat.source.local_source import LocalTokenSource
-
     path = tmp_path / "d.zarr"
     with FlatTokensWriter(path, chunk_tokens=CHUNK) as writer:  # zarr 3: chunks under c/
         writer.append("train", random_sequences(11, 120))
@@ -360,24 +364,7 @@ def test_a_chunk_directory_that_is_a_file_is_a_corrupt_chunk_naming_it(
     chunks.rmdir()
     chunks.write_bytes(b"x")
 
-    async def main() -> BaseException | None:
-        if reader == "zarr":
-            source: Any = await ZarrTokenSource.open(str(path), "train")
-        else:
-            source = await LocalTokenSource.open_plain(str(path), "train")
-            assert source is not None, "the zarr-free reader should open this layout"
-        try:
-            if how == "rows":
-                await source.read_items(1, 200, np.empty(16, np.uint32))
-            else:
-                await source.read_tokens(CHUNK, CHUNK + 16)
-        except Exception as exc:
-            return exc
-        finally:
-            await source.aclose()
-        return None
-
-    outcome = asyncio.run(asyncio.wait_for(main(), timeout=20))
+    outcome = read_chunk_1_outcome(path, reader, how)
     assert isinstance(outcome, CorruptChunkError), repr(outcome)
     assert f"{chunks} is a file" in str(outcome), str(outcome)
 
