@@ -171,13 +171,18 @@ def _open_text(
     gunzipped for ``.gz``; lines split as Python's universal newlines. A byte-order mark at the
     file's start (``at_start``: these bytes begin the file) is no text: it is dropped, so both
     engines read a file alike however it is split."""
-    gz = path.name.lower().endswith(".gz")
     binary: Any
     if raw is None:
-        binary = gzip.open(path, "rb") if gz else open(path, "rb")
+        binary = _open_binary(path)
     else:
+        gz = path.name.lower().endswith(".gz")
         binary = gzip.GzipFile(fileobj=raw, mode="rb") if gz else raw
     return io.TextIOWrapper(binary, encoding="utf-8-sig" if at_start else "utf-8", newline="")
+
+
+def _open_binary(path: Path) -> Any:
+    """``path``'s bytes, gunzipped for ``.gz``."""
+    return gzip.open(path, "rb") if path.name.lower().endswith(".gz") else open(path, "rb")
 
 
 def check_document_size(text: str, limit: int, where: str, what: str = "document") -> None:
@@ -313,7 +318,7 @@ def iter_file_documents(
             max_document_bytes,
             lambda lineno: f"{path}:{lineno}",
             tick,
-            lambda: gzip.open(path, "rb") if suffix.endswith(".gz") else open(path, "rb"),
+            lambda: _open_binary(path),
         )
         if progress is not None:
             progress.done = start + path.stat().st_size
@@ -419,9 +424,7 @@ def _invalid_utf8_line(binary: Any) -> int:
         except UnicodeDecodeError as exc:
             used, bad = exc.start, True
         good = data[:used]
-        lines += good.count(b"\n") + good.count(b"\r") - good.count(b"\r\n")
-        if carried_cr and good.startswith(b"\n"):
-            lines -= 1  # a \r\n split across blocks: counted once, as its \r
+        lines += _line_endings(good, carried_cr)
         if good:
             carried_cr = good.endswith(b"\r")
         if bad or not block:
@@ -455,6 +458,14 @@ class _ByteRange(io.RawIOBase):
         return got
 
 
+def _line_endings(block: bytes, after_cr: bool) -> int:
+    """Universal line endings in ``block`` (``\\n``, ``\\r\\n``, a lone ``\\r``); ``after_cr``:
+    the bytes before it ended in ``\\r`` (a ``\\r\\n`` split between them counts once, as
+    its ``\\r``)."""
+    split_crlf = after_cr and block.startswith(b"\n")
+    return block.count(b"\n") + block.count(b"\r") - block.count(b"\r\n") - split_crlf
+
+
 def _count_lines(path: Path, end: int) -> int:
     """Lines in bytes ``[0, end)`` of ``raw`` split as universal newlines (``\\n``, ``\\r\\n``,
     a lone ``\\r``), ``end`` being just after a line ending; read in blocks, never whole lines."""
@@ -467,9 +478,7 @@ def _count_lines(path: Path, end: int) -> int:
             if not block:
                 break
             left -= len(block)
-            lines += block.count(b"\n") + block.count(b"\r") - block.count(b"\r\n")
-            if carried_cr and block.startswith(b"\n"):
-                lines -= 1  # a \r\n split across blocks: counted once, as its \r
+            lines += _line_endings(block, carried_cr)
             carried_cr = block.endswith(b"\r")
     return lines
 
