@@ -398,16 +398,21 @@ def test_local_tiktoken_file(corpus: Path, tmp_path: Path) -> None:
 WORKER_ENV = {"PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0", **MOTO_ENV}
 
 
+def import_ray(patch: pytest.MonkeyPatch) -> Any:
+    """Ray, first imported with its 'cluster' mode off: Ray reads the setting when first
+    imported, and a cluster started later in the process (the fixture below) then advertises
+    and binds the loopback address only, not the machine's."""
+    patch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    return pytest.importorskip("ray")
+
+
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[str]:
     """A local Ray cluster with 2 worker CPUs on 127.0.0.1, started once (only this module uses
     it) and stopped after the module, so its ~10 processes do not linger under later tests."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("RAY_USAGE_STATS_ENABLED", "0")
-        # Ray advertises (and binds) the loopback address only when its 'cluster' mode is off;
-        # it reads this when first imported.
-        patch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        ray = pytest.importorskip("ray")
+        ray = import_ray(patch)
         with warnings.catch_warnings():
             # Ray starts its processes with subprocess's preexec_fn, which runs jax's at-fork
             # hook; the child execs at once, so jax's deadlock warning does not apply.
@@ -1104,9 +1109,9 @@ def test_the_cli_refuses_an_output_before_it_starts_a_cluster(
 ) -> None:
     """``--engine ray`` made its Ray runner (``ray.init``: a local cluster's start, seconds)
     before the conversion checked the output, which it then refused."""
-    import ray
-
     from asyncflat.cli import main
+
+    ray = import_ray(monkeypatch)
 
     def no_cluster(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("a cluster was started before the output was checked")
