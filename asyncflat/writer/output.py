@@ -468,6 +468,7 @@ class _LiteralFsspecStore(FsspecStore):
             await super().delete_dir(prefix)
             return
         self._check_writable()
+        found: list[str] = []  # (nothing there: nothing to remove)
         with contextlib.suppress(FileNotFoundError, *self.allowed_exceptions):
             found = await self.fs._find(path, withdirs=False)
         limit = asyncio.Semaphore(_LITERAL_DELETES)
