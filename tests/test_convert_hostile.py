@@ -627,3 +627,15 @@ def test_a_file_named_twice_is_read_twice_with_a_warning(
         assert list(iter_documents([corpus, corpus / "a.txt"])) == ["x", "x"]
     (warning,) = [r.getMessage() for r in caplog.records if "read twice" in r.getMessage()]
     assert str(corpus / "a.txt") in warning
+
+
+def test_invalid_utf8_in_a_truncated_gz_is_still_one_error_line(tmp_path: Path) -> None:
+    """Naming the line of invalid UTF-8 re-reads the file: a .gz cut short after the bad byte
+    raised a bare EOFError there (the text reader had stopped at the bad byte first)."""
+    import gzip
+
+    data = gzip.compress(b'{"text":"a"}\n{"text":"\xff"}\n' + b'{"text":"b"}\n' * 20000)
+    path = tmp_path / "a.jsonl.gz"
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ConfigError, match=r"a\.jsonl\.gz: not a valid gzip file"):
+        list(iter_documents([path]))

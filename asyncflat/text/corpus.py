@@ -403,8 +403,11 @@ def _text_documents(
                         yield text
     except UnicodeDecodeError as exc:
         # exc's position is in the decoder's last block: name the line from the bytes instead
-        with contextlib.closing(reopen()) as again:
-            lineno = _invalid_utf8_line(again)
+        try:
+            with contextlib.closing(reopen()) as again:
+                lineno = _invalid_utf8_line(again)
+        except (gzip.BadGzipFile, EOFError, zlib.error) as bad:  # damaged past the bad byte
+            raise ConfigError(f"{path}: not a valid gzip file: {bad}") from None
         byte = exc.object[exc.start : exc.start + 1]
         raise ConfigError(
             f"{name(lineno)}: not valid UTF-8 text: {exc.reason} ({byte!r})"
