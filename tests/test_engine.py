@@ -737,6 +737,7 @@ def test_closing_stops_computing_the_block_order() -> None:
     assert stopped_in < 0.25, stopped_in
     assert isinstance(error, LoaderClosedError)
     assert "served_block_order" not in vars(plan)  # nothing half-computed is kept
+    assert "early_block_order" not in vars(plan)
 
 
 def test_a_load_whose_fills_cannot_all_start_holds_none_of_them(

@@ -12,6 +12,7 @@ import pytest
 from asyncflat import FlatTokensParams, ShufflePlan, TokenBatchParams
 from asyncflat.engine.fill import BufferPair, Fill, FillWriter, pad_rows, plan_units
 from asyncflat.engine.stats import FillProgress
+from asyncflat.plan.shuffle import block_deadlines
 
 SEQ_LEN = 8
 
@@ -40,7 +41,7 @@ def make_fill(plan: ShufflePlan, buffer: np.ndarray, index: int = 0, minipoch: i
         buffer=buffer,
         perm=perm,
         blocks=blocks,
-        deadlines=plan.block_deadlines(perm, minipoch, plan.first_step(minipoch)),
+        deadlines=block_deadlines(plan, perm, minipoch, plan.first_step(minipoch)),
         reason="prefetch",
         needed_from=plan.first_step(minipoch),
         pending=np.zeros(len(blocks), np.int64),

@@ -17,7 +17,7 @@ from asyncflat import (
     StepOutOfRangeError,
     TokenBatchParams,
 )
-from asyncflat.plan.shuffle import NEVER
+from asyncflat.plan.shuffle import NEVER, block_deadlines
 
 
 @st.composite
@@ -125,7 +125,7 @@ def test_block_deadlines_are_the_first_step_reading_each_block(
         for p in loc.position[mine].tolist():
             slot = perm[p] // plan.sequences_per_read_block
             expected[slot] = min(expected[slot], step)
-    np.testing.assert_array_equal(plan.block_deadlines(perm, minipoch, from_step), expected)
+    np.testing.assert_array_equal(block_deadlines(plan, perm, minipoch, from_step), expected)
 
 
 @settings(max_examples=60, deadline=None)

@@ -85,6 +85,7 @@ class Engine:
             queue=self._scheduler.put,
             ended=self._recorder.fill_ended,
             on_permutation_ready=self._permutation_ready,
+            order_wanted=lambda: self.opening.want_whole_order(),
             prefetch=options.prefetch,
         )
         self._rows = (
@@ -139,10 +140,10 @@ class Engine:
         self._loop = asyncio.get_running_loop()
         self._scheduler.start()
         t0 = time.perf_counter()
-        await self.planned()
+        loc = self.plan.locate(step, batch_indices)
+        await self.opening.planned(np.unique(loc.minipoch).tolist())
         async with self._gather_lock:
             self._check_open()  # closed while this gather queued behind another
-            loc = self.plan.locate(step, batch_indices)
             groups = self._groups(loc)
             with self._lock:
                 self._apply_unpins()
@@ -160,6 +161,7 @@ class Engine:
                 with self._lock:
                     self._fills.disown(fills)
         self.record_step(step, time.perf_counter() - t0)
+        self.opening.want_whole_order()  # its rows are served: the whole order's turn
         return out
 
     def try_gather(

@@ -22,10 +22,12 @@ buffer written for nothing, off the pool).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import itertools
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -35,7 +37,7 @@ from asyncflat.engine.loop import background_executor
 from asyncflat.engine.permutations import block_order_off_loop
 from asyncflat.engine.table import FillTable
 from asyncflat.plan.permutation import Stop, whole_permutation_size
-from asyncflat.plan.shuffle import NEVER, ShufflePlan
+from asyncflat.plan.shuffle import NEVER, ShufflePlan, block_deadlines
 
 __all__ = ["ORDER_PAGES_MIN", "ORDER_PAGES_PIECE_BYTES", "Opening"]
 
@@ -69,30 +71,84 @@ class Opening:
         self._plan, self._streams = plan, streams
         self._lock, self._fills = lock, fills
         self._start_reads, self._requeue, self._closed = start_reads, requeue, closed
+        #: blocks of some minipochs computed ahead of the whole order (see :meth:`_early_order`)
+        self._earlies: dict[tuple[int, ...], tuple[asyncio.Future[None], Stop]] = {}
         self._order: asyncio.Future[np.ndarray] | None = None
         self._planner: threading.Thread | None = None
         self._stop_planning = Stop()
+        #: set once something needs the whole block order (see :meth:`want_whole_order`)
+        self._whole_wanted = threading.Event()
+        self._order_writer: PageWriter | None = None  # started with the whole order
         self._task: asyncio.Task[None] | None = None
         #: step 0's fills started here; None until started, [] once a load has claimed them
         self._opened: list[Fill] | None = None
         self._page_writers: list[PageWriter] = []
 
     def start_planning(self, *, write_pages: bool = False) -> None:
-        """Start computing the block order on its own thread (idempotent). Not on the loop's
+        """Start computing the block order (idempotent): the blocks of minipoch 0 and the next
+        alone where the plan computes them early (:meth:`_early_order`), and the whole order
+        on a thread of its own once wanted (:meth:`want_whole_order`). Not on the loop's
         pools: a load waits for it, and its decodes must not queue behind it. With
         ``write_pages`` (a loader's opening: nothing else is on the pool yet), a large order's
-        array has its pages written on the pool meanwhile."""
-        if self._order is None:
-            pages = self._order_pages() if write_pages else None
-            self._order, self._planner = block_order_off_loop(
-                self._plan, self._stop_planning, pages
-            )
+        array has its pages written on the pool while the kernel compiles."""
+        if self._order is not None:
+            return
+        pages = self._order_pages() if write_pages else None
+        self._order, self._planner = block_order_off_loop(
+            self._plan, self._stop_planning, pages, self._whole_wanted
+        )
+        self._order.add_done_callback(self._order_landed)
+        early = self._plan.early_minipochs(0)
+        if early:
+            self._early_order(early)
+        else:
+            self.want_whole_order()
+
+    def _early_order(
+        self, minipochs: tuple[int, ...], needed: Iterable[int] = ()
+    ) -> asyncio.Future[None]:
+        """Compute the blocks of ``minipochs`` alone (``plan.compute_early_order``: for a
+        first load there, without the kernel) on the loop's background thread; a future
+        settled once done. One under way that covers ``needed`` serves instead; others still
+        computing are stopped: a first load elsewhere than minipoch 0 (a resume) waits for
+        its own only."""
+        for covered, (future, stop) in self._earlies.items():
+            if set(needed or minipochs) <= set(covered) and not stop.is_set():
+                return future
+        for future, stop in self._earlies.values():
+            if not future.done():
+                stop.set()
+        stop = Stop()
+        compute = functools.partial(self._plan.compute_early_order, minipochs, stop)
+        future = asyncio.get_running_loop().run_in_executor(background_executor(), compute)
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved
+        self._earlies[minipochs] = (future, stop)
+        return future
+
+    def _order_landed(self, order: asyncio.Future[np.ndarray]) -> None:
+        """The whole order is computed (or failed): start the prefetches that waited for it
+        (one that still cannot start waits again, or fails at its own load)."""
+        if not self._closed() and not order.cancelled() and order.exception() is None:
+            with self._lock:
+                self._fills.start_deferred_prefetches()
+
+    def want_whole_order(self) -> None:
+        """Let the whole block order be computed (on the loop; idempotent): at once where the
+        plan has no early blocks; else once a load or a prefetch needs a minipoch they lack,
+        a load returned, or the fills started on opening are done. Beside a first fill, its
+        kernel's import, compile and draws delay that fill by about their time on two
+        cores."""
+        if self._whole_wanted.is_set():
+            return
+        self._whole_wanted.set()
+        if self._order_writer is not None:
+            self._order_writer.start()
 
     def _order_pages(self) -> tuple[np.ndarray, threading.Event] | None:
         """The array of a whole permutation of at least :data:`ORDER_PAGES_MIN` entries, its
-        pages written on the CPU pool (:class:`~.fill.PageWriter`) while the kernel compiles:
-        left to the kernel, their first writes cost it 0.9 s of 2.4 s at 95M read blocks
-        (10^14 tokens) on two cores. None when the order needs no such array."""
+        pages to be written on the CPU pool (:class:`~.fill.PageWriter`) while the kernel
+        compiles: left to the kernel, their first writes cost it 0.9 s of 2.4 s at 95M read
+        blocks (10^14 tokens) on two cores. None when the order needs no such array."""
         plan = self._plan
         size = whole_permutation_size(plan.read_block_count, plan.streams, len(plan.served))
         if size < ORDER_PAGES_MIN:
@@ -104,15 +160,33 @@ class Opening:
         # In pieces larger than a buffer's: 91 jobs of 4 MiB slowed the construction of a loader
         # of 10^14 tokens from 30 to 90 ms on two cores, 12 of 32 MiB did not.
         writer = PageWriter(out, asyncio.Event(), ORDER_PAGES_PIECE_BYTES)
-        writer.start()
+        self._order_writer = writer
         self._page_writers.append(writer)
         return out, writer.finished
 
-    async def planned(self) -> None:
-        """Wait until the block order is computed (raises what computing it raised)."""
+    async def planned(self, minipochs: Iterable[int] | None = None) -> None:
+        """Wait until the blocks of ``minipochs`` are known (None: the whole order); raises
+        what computing the whole order raised."""
         self.start_planning()
         assert self._order is not None
+        if minipochs is not None and await self._early_known(sorted(set(minipochs))):
+            return
+        self.want_whole_order()
         await asyncio.shield(self._order)
+
+    async def _early_known(self, needed: list[int]) -> bool:
+        """Whether the blocks of ``needed`` are known, after computing them alone where the
+        plan computes them early and the whole order is not under way."""
+        known = self._plan.block_order_known
+        if all(map(known, needed)):
+            return True
+        early = self._plan.early_minipochs(needed[0]) if needed else ()
+        if not set(needed) <= set(early) or self._whole_wanted.is_set():
+            return False
+        # stopped for another load's, or failed: the whole order serves them
+        with contextlib.suppress(Exception):
+            await asyncio.shield(self._early_order(early, needed))
+        return all(map(known, needed))
 
     def start(self, *, fill: bool, write_pages: bool = False) -> None:
         """Start computing the block order (``write_pages``: see :meth:`start_planning`) and,
@@ -139,18 +213,24 @@ class Opening:
 
     async def _fill(self) -> None:
         try:
-            await self.planned()
+            if not await self._early_known([0]):
+                if self._plan.early_minipochs(0):
+                    return  # stopped for a first load elsewhere: it starts what it needs
+                await self.planned()
         except Exception:  # noqa: BLE001 - the first load raises it (it waits for it too)
             return
         with self._lock:
             if self._closed() or self._opened is not None:
                 return  # a load came first: it started what it needs
             self._start_reads()
-            self._opened = [
+            self._opened = opened = [
                 self._fills.ensure(stream, 0, 0, keep={0}, reason="open")
                 for stream in self._streams
                 if self._fills.get(stream, 0) is None
             ]
+        # done, failed or cancelled (each sets every event): the whole order's turn
+        await asyncio.gather(*(event.wait() for fill in opened for event in fill.ready))
+        self.want_whole_order()
 
     def claim(self, step: int | None) -> None:
         """A load of ``step`` is about to start its fills (under the engine's lock; None: no
@@ -182,7 +262,7 @@ class Opening:
     def _replan(self, fill: Fill, step: int) -> bool:
         """Plan ``fill`` from ``step`` on (its units requeued by their new first step); False
         when no step from there reads it."""
-        deadlines = self._plan.block_deadlines(fill.perm, fill.minipoch, step)
+        deadlines = block_deadlines(self._plan, fill.perm, fill.minipoch, step)
         if bool((deadlines == NEVER).all()):
             return False
         fill.deadlines = deadlines
@@ -195,6 +275,9 @@ class Opening:
         """Closing: stop computing the block order, start no fill (one already started is the
         fill table's to cancel) and write no more pages."""
         self._stop_planning.set()
+        self._whole_wanted.set()  # the thread waiting for it sees the stop
+        for _, stop in self._earlies.values():
+            stop.set()
         if self._task is not None:
             self._task.cancel()
         for writer in self._page_writers:

@@ -11,8 +11,8 @@ yielded every few hundred swaps, and the prefetch of ``m + 1`` starts once it is
 finish). A load that needs a fill whose permutation is not ready computes it at once, as
 before.
 
-The plan's block order of the host's streams (:func:`block_order_off_loop`) is computed on a
-thread of its own from construction on: the first load waits for it, construction does not.
+The plan's whole block order of the host's streams (:func:`block_order_off_loop`) is computed
+on a thread of its own once wanted (:class:`~asyncflat.engine.opening.Opening` says when).
 """
 
 from __future__ import annotations
@@ -36,15 +36,19 @@ _Key = tuple[int, int]
 
 
 def block_order_off_loop(
-    plan: ShufflePlan, stop: Stop, pages: tuple[np.ndarray, threading.Event] | None = None
+    plan: ShufflePlan,
+    stop: Stop,
+    pages: tuple[np.ndarray, threading.Event] | None = None,
+    wanted: threading.Event | None = None,
 ) -> tuple[asyncio.Future[np.ndarray], threading.Thread]:
-    """``plan.served_block_order``, computed on a thread of its own (call on the loop), and
-    that thread.
+    """``plan.served_block_order``, computed on a thread of its own (call on the loop) once
+    ``wanted`` is set (None: at once), and that thread.
 
     It takes time in proportion to the whole split (~10 ns a read block, with the GIL
-    released), so no loop pool runs it: a first load waits for it, and a load's decodes must
-    not queue behind it. Closing the engine sets ``stop`` (the kernel returns within tens of
-    microseconds) and waits for the thread, so it never outlives its loader.
+    released), so no loop pool runs it: a load that needs it waits for it, and a load's
+    decodes must not queue behind it. Closing the engine sets ``stop`` (the kernel returns
+    within tens of microseconds) and ``wanted``, and waits for the thread, so it never
+    outlives its loader.
 
     ``pages``: the whole permutation's array and an event set once its pages are written
     (:class:`~asyncflat.engine.fill.PageWriter`, on the CPU pool): the thread compiles the
@@ -65,13 +69,15 @@ def block_order_off_loop(
         result: np.ndarray = np.empty(0, np.uint32)
         error: BaseException | None = None
         try:
+            if wanted is not None:
+                wanted.wait()
             out = None
-            if pages is not None:
+            if pages is not None and not stop.is_set():
                 ensure_kernel()  # while the pages are written
                 out, written = pages
                 written.wait()  # set by the last page write, or by closing (PageWriter.stop)
-                if stop.is_set():  # closed while the pages were written: compute nothing
-                    raise Stopped("closed while the block order's pages were written")
+            if stop.is_set():  # closed meanwhile: compute nothing
+                raise Stopped("closed before the block order was computed")
             del pages
             result = plan.compute_block_order(stop, out)
             del out  # only the plan's order (a view of it, or a copy of its columns) is kept

@@ -28,7 +28,7 @@ from asyncflat.engine.fill import BufferPair, Fill, Unit, forget, plan_units
 from asyncflat.engine.permutations import RowPermutations
 from asyncflat.engine.stats import FillProgress
 from asyncflat.errors import LoaderClosedError
-from asyncflat.plan.shuffle import ShufflePlan
+from asyncflat.plan.shuffle import ShufflePlan, block_deadlines
 
 __all__ = ["FillTable"]
 
@@ -50,15 +50,19 @@ class FillTable:
         queue: Callable[[Unit], None],
         ended: Callable[..., None],
         on_permutation_ready: Callable[[int, int], None] | None = None,
+        order_wanted: Callable[[], None] | None = None,
         prefetch: bool = True,
     ) -> None:
         """``on_permutation_ready(stream, minipoch)`` runs on the loop when a buffer's
         permutation computed ahead lands; it must call :meth:`start_deferred_prefetch` (under
-        the lock that guards this table). By default that is called directly. Without
-        ``prefetch`` no permutation is computed ahead (no fill would use it)."""
+        the lock that guards this table). By default that is called directly.
+        ``order_wanted()`` is called when a prefetch waits for the plan's whole block order
+        (:meth:`start_deferred_prefetches` starts it once computed). Without ``prefetch`` no
+        permutation is computed ahead (no fill would use it)."""
         self.plan, self.streams, self._token_chunk = plan, streams, token_chunk
         self._prefetch = prefetch
         self._queue, self._ended = queue, ended
+        self._order_wanted = order_wanted
         self._fills: dict[int, dict[int, Fill]] = {s: {} for s in streams}
         self._buffers = {s: BufferPair(plan.seqs_per_buffer, plan.seq_len) for s in streams}
         #: (stream, minipoch) -> iterators positioned in it (or entering it next)
@@ -140,6 +144,12 @@ class FillTable:
         fill = self._usable(stream, minipoch)
         if fill is not None:
             return fill
+        if not self.plan.block_order_known(minipoch):
+            # Its blocks are not known yet: started when the whole order lands.
+            self._deferred[(stream, minipoch)] = keep
+            if self._order_wanted is not None:
+                self._order_wanted()
+            return None
         if not self.permutations.ready(stream, minipoch):
             # Its permutation is being computed off the loop: started when it lands.
             self._deferred[(stream, minipoch)] = keep
@@ -151,8 +161,14 @@ class FillTable:
         return self._put(stream, minipoch, index, self.plan.first_step(minipoch), "prefetch")
 
     def deferred(self) -> set[tuple[int, int]]:
-        """The (stream, minipoch) prefetches waiting for their permutation."""
+        """The (stream, minipoch) prefetches waiting for their permutation or blocks."""
         return set(self._deferred)
+
+    def start_deferred_prefetches(self) -> None:
+        """Start every deferred prefetch whose blocks are known now."""
+        for stream, minipoch in list(self._deferred):
+            if self.plan.block_order_known(minipoch):
+                self.start_deferred_prefetch(stream, minipoch)
 
     def start_deferred_prefetch(self, stream: int, minipoch: int) -> None:
         """Start the prefetch of (stream, minipoch) that waited for its permutation, if any."""
@@ -284,7 +300,7 @@ class FillTable:
             buffer=buffer[: plan.rows_in_buffer(minipoch)],
             perm=perm,
             blocks=blocks,
-            deadlines=plan.block_deadlines(perm, minipoch, from_step),
+            deadlines=block_deadlines(plan, perm, minipoch, from_step),
             reason=reason,
             needed_from=max(from_step, plan.first_step(minipoch)),
             pending=np.zeros(len(blocks), np.int64),

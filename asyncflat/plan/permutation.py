@@ -60,6 +60,7 @@ __all__ = [
     "kernel_status",
     "permutation",
     "permutation_columns",
+    "philox_key",
     "warm_up",
     "whole_permutation_size",
 ]
@@ -235,7 +236,7 @@ def permutation_columns(
     if out is not None:
         raise ConfigError("permutation_columns: out is for the whole permutation's path only")
     stop = stop or _NEVER
-    key = _philox_key(np.random.Philox(_as_int("seed", seed)))
+    key = philox_key(seed)
     rank = np.full(streams, -1, np.int32)
     rank[list(served)] = np.arange(len(served), dtype=np.int32)
     out = np.empty((rows, len(served)), np.uint32)
@@ -283,6 +284,13 @@ def _python_path(method: str, n: int, *, columns: bool = False) -> bool:
         compiled = _columns_kernel if columns else _kernel
         return n < PYTHON_BELOW or (compiled is None and n <= NO_COMPILE_MAX)
     return method == "python"
+
+
+def philox_key(seed: int) -> np.ndarray:
+    """The Philox key of ``np.random.Philox(seed)`` (uint64[2]): with it a draw's counter
+    names any draw of the stream (``np.random.Philox(key=..., counter=i // 4)`` starts at draw
+    ``i`` for ``i % 4 == 0``), which the kernel and :mod:`~asyncflat.plan.entries` rely on."""
+    return _philox_key(np.random.Philox(_as_int("seed", seed)))
 
 
 def _philox_key(bit_generator: np.random.Philox) -> np.ndarray:

@@ -56,9 +56,24 @@ import numpy as np
 
 from asyncflat.config import FlatTokensParams, TokenBatchParams
 from asyncflat.errors import ConfigError, DatasetTooLargeError, StepOutOfRangeError
-from asyncflat.plan.permutation import Stop, permutation, permutation_columns
+from asyncflat.plan.entries import permutation_entries
+from asyncflat.plan.permutation import (
+    NO_COMPILE_MAX,
+    Stop,
+    permutation,
+    permutation_columns,
+)
 
-__all__ = ["EPOCH_SEED_STRIDE", "NEVER", "RowLocation", "ShufflePlan", "epoch_seed"]
+__all__ = [
+    "EARLY_ENTRIES_MAX",
+    "EARLY_MINIPOCHS",
+    "EPOCH_SEED_STRIDE",
+    "NEVER",
+    "RowLocation",
+    "ShufflePlan",
+    "block_deadlines",
+    "epoch_seed",
+]
 
 #: Deadline of a block that no step at or after the plan's starting step needs.
 NEVER = np.iinfo(np.int64).max
@@ -70,6 +85,14 @@ NEVER = np.iinfo(np.int64).max
 #: mistaken shape) is refused before anything is allocated.
 PLAN_BYTES_PER_BLOCK = 4
 PLAN_MEMORY_FLOOR = 512 << 20
+
+#: Minipochs whose blocks a plan computes first, before the whole block order
+#: (:meth:`ShufflePlan.compute_early_order`): the first one a loader serves, and the one it
+#: prefetches while serving it.
+EARLY_MINIPOCHS = 2
+#: Entries of the block order computed that way at most (their walk costs a few microseconds
+#: of Python for each of ~ln(n) moves of each); beyond, the whole order comes first.
+EARLY_ENTRIES_MAX = 256
 
 #: Distance between the seeds of consecutive epochs (see the module docstring).
 EPOCH_SEED_STRIDE = 1 << 64
@@ -313,8 +336,7 @@ class ShufflePlan:
     def served_block_order(self) -> np.ndarray:
         """The served streams' part of the global shuffle of read blocks, computed once:
         ``uint32[blocks_per_stream, len(served)]``, ``[k, c]`` = ``block_order[k * streams +
-        served[c]]``, the k-th block of stream ``served[c]``. Every swap is drawn (~10 ns a block
-        of the split), only served entries kept, the GIL released (:meth:`compute_block_order`)."""
+        served[c]]``, the k-th block of stream ``served[c]`` (:meth:`compute_block_order`)."""
         return self.compute_block_order()
 
     def compute_block_order(
@@ -328,6 +350,27 @@ class ShufflePlan:
             self.__dict__["served_block_order"] = order
         return self.__dict__["served_block_order"]
 
+    def early_minipochs(self, minipoch: int) -> tuple[int, ...]:
+        """The minipochs whose blocks :meth:`compute_early_order` computes for a first load
+        in ``minipoch``: it and the next (:data:`EARLY_MINIPOCHS`), when the whole order needs
+        the compiled kernel and they are at most :data:`EARLY_ENTRIES_MAX` entries; else ()."""
+        minipochs = tuple(range(minipoch, min(minipoch + EARLY_MINIPOCHS, self.minipoch_count)))
+        entries = sum(map(self.blocks_in_minipoch, minipochs)) * len(self.served)
+        small = self.read_block_count <= NO_COMPILE_MAX
+        return () if small or entries > EARLY_ENTRIES_MAX else minipochs
+
+    def compute_early_order(self, minipochs: tuple[int, ...], stop: Stop | None = None) -> None:
+        """The blocks of ``minipochs`` (from :meth:`early_minipochs`) alone, for
+        :meth:`buffer_blocks`: no kernel, a fraction of the whole order's time
+        (:mod:`~asyncflat.plan.entries`). Any thread."""
+        known = dict(self.__dict__.get("early_block_order", {}))
+        self.__dict__["early_block_order"] = known | _early_blocks(self, minipochs, stop)
+
+    def block_order_known(self, minipoch: int) -> bool:
+        """Whether :meth:`buffer_blocks` of ``minipoch`` needs no computing."""
+        early = self.__dict__.get("early_block_order", {})
+        return "served_block_order" in self.__dict__ or minipoch in early
+
     @property
     def block_order(self) -> np.ndarray:
         """The whole global shuffle of read blocks (uint32[read_block_count]): the served order
@@ -337,12 +380,15 @@ class ShufflePlan:
         return permutation(self.epoch_seed, self.read_block_count)
 
     def buffer_blocks(self, stream: int, minipoch: int) -> np.ndarray:
-        """Global read-block ids of buffer (stream, minipoch), in buffer order (int64)."""
-        self._check_stream(stream)
-        column = self._column(stream)
-        first = minipoch * self.read_blocks_per_shuffle_buffer
-        rows = self.served_block_order[first : first + self.blocks_in_minipoch(minipoch)]
-        return rows[:, column].astype(np.int64)
+        """Global read-block ids of buffer (stream, minipoch), in buffer order (int64): from
+        the early rows while the whole order is not computed (else it is computed now)."""
+        column, first = self._column(stream), minipoch * self.read_blocks_per_shuffle_buffer
+        early = self.__dict__.get("early_block_order", {}).get(minipoch)
+        if early is not None and "served_block_order" not in self.__dict__:
+            return early[:, column].astype(np.int64)
+        return self.served_block_order[
+            first : first + self.blocks_in_minipoch(minipoch), column
+        ].astype(np.int64)
 
     def row_permutation(self, stream: int, minipoch: int, *, yield_gil: bool = False) -> np.ndarray:
         """``perm``: buffer row served at each position of buffer (stream, minipoch).
@@ -352,25 +398,6 @@ class ShufflePlan:
         self._check_stream(stream)
         seed = self.epoch_seed + 1 + minipoch * self.streams + stream
         return permutation(seed, self.rows_in_buffer(minipoch), yield_gil=yield_gil)
-
-    def block_deadlines(self, perm: np.ndarray, minipoch: int, from_step: int = 0) -> np.ndarray:
-        """For each block slot of a buffer, the first step >= ``from_step`` that reads it.
-
-        ``perm`` is the buffer's row permutation. Position p is served at step
-        ``(minipoch*seqs_per_buffer + p) // bips`` and reads slot ``perm[p] // spb``; a slot's
-        deadline is the minimum over its positions. Slots no step >= from_step reads get NEVER.
-        A fill fetches blocks in deadline order, so the next step's rows arrive first.
-        """
-        bips, spb = self.rows_per_stream_step, self.sequences_per_read_block
-        base_q = minipoch * self.seqs_per_buffer
-        first_pos = max(0, from_step * bips - base_q)
-        positions = np.arange(first_pos, self.served_rows(minipoch), dtype=np.int64)
-        first_position = np.full(len(perm) // spb, NEVER, dtype=np.int64)
-        np.minimum.at(first_position, perm[positions] // spb, positions)
-        read = first_position != NEVER
-        deadlines = first_position  # reused: steps where read, NEVER elsewhere
-        deadlines[read] = (base_q + first_position[read]) // bips
-        return deadlines
 
     # -- validation helpers -------------------------------------------------------------------
 
@@ -384,6 +411,7 @@ class ShufflePlan:
 
     def _column(self, stream: int) -> int:
         """The column of ``stream`` in :attr:`served_block_order`."""
+        self._check_stream(stream)
         if self.served_streams is None:
             return stream
         column = bisect.bisect_left(self.served_streams, stream)
@@ -392,6 +420,40 @@ class ShufflePlan:
                 f"stream {stream} is not among the streams this plan serves {self.served_streams}"
             )
         return column
+
+
+def block_deadlines(
+    plan: ShufflePlan, perm: np.ndarray, minipoch: int, from_step: int = 0
+) -> np.ndarray:
+    """For each block slot of a buffer of ``plan``, the first step >= ``from_step`` that reads it.
+
+    ``perm`` is the buffer's row permutation. Position p is served at step
+    ``(minipoch*seqs_per_buffer + p) // bips`` and reads slot ``perm[p] // spb``; a slot's
+    deadline is the minimum over its positions. Slots no step >= from_step reads get NEVER.
+    A fill fetches blocks in deadline order, so the next step's rows arrive first.
+    """
+    bips, spb = plan.rows_per_stream_step, plan.sequences_per_read_block
+    base_q = minipoch * plan.seqs_per_buffer
+    first_pos = max(0, from_step * bips - base_q)
+    positions = np.arange(first_pos, plan.served_rows(minipoch), dtype=np.int64)
+    first_position = np.full(len(perm) // spb, NEVER, dtype=np.int64)
+    np.minimum.at(first_position, perm[positions] // spb, positions)
+    read = first_position != NEVER
+    deadlines = first_position  # reused: steps where read, NEVER elsewhere
+    deadlines[read] = (base_q + first_position[read]) // bips
+    return deadlines
+
+
+def _early_blocks(
+    plan: ShufflePlan, minipochs: tuple[int, ...], stop: Stop | None
+) -> dict[int, np.ndarray]:
+    """``{m: uint32[blocks_in_minipoch(m), len(served)]}``: rows of the served block order."""
+    rbpsb = plan.read_blocks_per_shuffle_buffer
+    rows = [np.arange(plan.blocks_in_minipoch(m)) + m * rbpsb for m in minipochs]
+    positions = (np.concatenate(rows)[:, None] * plan.streams + plan.served).ravel()
+    entries = permutation_entries(plan.epoch_seed, plan.read_block_count, positions, stop=stop)
+    found = np.split(entries.reshape(-1, len(plan.served)), np.cumsum([len(r) for r in rows]))
+    return dict(zip(minipochs, found))
 
 
 def _check_served(served: tuple[int, ...] | None, streams: int) -> None:

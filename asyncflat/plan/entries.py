@@ -1,0 +1,201 @@
+"""A few entries of :func:`~asyncflat.plan.permutation.permutation` without the whole of it.
+
+A loader's first batch needs the read blocks of its first buffers: 16 entries, say, of a block
+order of 14 million at 1.5x10^13 tokens. The whole order needs the compiled kernel (importing
+llvmlite and compiling: 0.1-0.3 s) and then time in proportion to the split; the entries alone
+need neither. Walking the Fisher-Yates swaps backward (``i = 0 .. n-1``), the value that ends at
+position ``p`` started at the position reached by following ``p`` through them: a swap of
+``(i, r[i])`` moves a tracked position that is ``i`` to ``r[i]`` and one that is ``r[i]`` to
+``i``. Each tracked position moves about ``ln(n)`` times, so the walk costs one Philox draw and
+one modulo per position (numpy, the GIL released, pieces drawn on several threads) and a scan
+for the rare swaps that touch a tracked position.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from asyncflat.config import available_cpus
+from asyncflat.errors import ConfigError
+from asyncflat.plan.permutation import DRAW_PIECE, Stop, Stopped, philox_key
+
+__all__ = ["ENTRIES_THREADS_MAX", "permutation_entries"]
+
+#: threads that draw the swap targets at most (each piece of ``DRAW_PIECE`` positions on one)
+ENTRIES_THREADS_MAX = 8
+# the value filter: a table of 2**16 flags, small enough to stay in a core's cache
+_FILTER_MASK = (1 << 16) - 1
+# values _matches compares one by one (each a pass over the piece), not through the table
+_COMPARED_MAX = 4
+# positions of the first piece: its swaps touch each other's positions, so a tracked position
+# there brings many more (the pieces then grow by half each, up to ``piece``)
+_FIRST_PIECE = 1024
+# positions drawn at a time inside a piece: arrays that stay in a core's cache and come from
+# the heap (fresh pages for each piece's temporaries tripled its time on a 2-core VM)
+_SUB = 1 << 14
+_RAMP = np.arange(_SUB, dtype=np.uint64)
+
+_Piece = tuple[int, np.ndarray, frozenset[int]]  # lo, r[lo:hi], the snapshot it was matched to
+
+
+def permutation_entries(
+    seed: int,
+    n: int,
+    positions: Iterable[int],
+    *,
+    stop: Stop | None = None,
+    threads: int | None = None,
+    piece: int = DRAW_PIECE,
+) -> np.ndarray:
+    """``permutation(seed, n)[positions]`` (uint32), without computing the permutation.
+
+    ``positions``: distinct, in ``[0, n)``; a few hundred at most (each moves ~``ln(n)``
+    times, at a few microseconds of Python a move). Takes ~8 ns a position of ``n`` on one
+    core, split over ``threads`` (default: the CPUs available, at most
+    :data:`ENTRIES_THREADS_MAX`). ``piece``: positions drawn at a time (a multiple of 4: a
+    piece starts on a Philox block). ``stop``: as for
+    :func:`~asyncflat.plan.permutation.permutation`.
+    """
+    wanted = [int(p) for p in positions]
+    if not 0 <= n < 1 << 32:
+        raise ConfigError(f"permutation_entries: n must be in [0, 2**32), got {n}")
+    if len(set(wanted)) != len(wanted) or not all(0 <= p < n for p in wanted):
+        raise ConfigError(
+            f"permutation_entries: positions must be distinct and in [0, {n}), got {wanted!r}"
+        )
+    if piece < 4 or piece % 4:
+        raise ConfigError(f"permutation_entries: piece must be a positive multiple of 4: {piece}")
+    # each tracked position's current place, walking the swaps backward -> its slot in wanted
+    where = {p: slot for slot, p in enumerate(wanted)}
+    pieces = _swap_targets(philox_key(seed), n, piece, threads or available_cpus(), stop, where)
+    for (lo, targets, snapshot), matched in pieces:
+        for i, j in _touching(targets, lo, where, matched, snapshot):
+            moved_i, moved_j = where.pop(i, None), where.pop(j, None)
+            if moved_i is not None:
+                where[j] = moved_i
+            if moved_j is not None:
+                where[i] = moved_j
+    out = np.empty(len(wanted), np.uint32)
+    for place, slot in where.items():
+        out[slot] = place
+    return out
+
+
+def _swap_targets(
+    key: np.ndarray, n: int, piece: int, threads: int, stop: Stop | None, where: dict[int, int]
+) -> Iterator[tuple[_Piece, np.ndarray]]:
+    """``((lo, r[lo:hi], snapshot), matched)`` for each piece in order, ``r[i] = draw_i % (i +
+    1)`` (uint64), drawn a few pieces ahead on a pool of ``threads`` (numpy releases the GIL).
+    ``matched``: the indices of the piece holding one of ``snapshot``, the positions tracked
+    (the keys of ``where``) when the piece was handed to the pool. A piece's array is reused
+    once the caller asks for the next one."""
+    workers = max(1, min(threads, ENTRIES_THREADS_MAX, -(-n // piece)))
+    free = [np.empty(piece, np.uint64) for _ in range(workers + 2)]  # in flight, and the caller's
+    ahead: collections.deque[tuple[_Piece, np.ndarray, Future[np.ndarray]]]
+    ahead = collections.deque()
+    bounds = _pieces(n, piece)
+    with ThreadPoolExecutor(workers, "asyncflat-entries") as pool:
+        try:
+            while True:
+                while len(ahead) <= workers and (lo_hi := next(bounds, None)) is not None:
+                    lo, hi = lo_hi
+                    snapshot = frozenset(where)
+                    values = np.fromiter(snapshot, np.uint64, len(snapshot))
+                    buffer = free.pop()
+                    future = pool.submit(_draw, key, lo, buffer[: hi - lo], values)
+                    ahead.append(((lo, buffer[: hi - lo], snapshot), buffer, future))
+                if not ahead:
+                    return
+                if stop is not None and stop.is_set():
+                    raise Stopped("the permutation's entries were stopped before they were done")
+                taken, buffer, future = ahead.popleft()
+                yield taken, future.result()
+                free.append(buffer)  # the caller is done with it: it asked for the next
+        finally:
+            for *_, future in ahead:
+                future.cancel()
+
+
+def _pieces(n: int, piece: int) -> Iterator[tuple[int, int]]:
+    """``(lo, hi)`` of the pieces: from :data:`_FIRST_PIECE` positions growing by half each
+    (multiples of 4) up to ``piece``."""
+    lo, size = 0, min(piece, _FIRST_PIECE)
+    while lo < n:
+        yield lo, min(n, lo + size)
+        lo += size
+        size = min(piece, size + size // 8 * 4)
+
+
+def _draw(key: np.ndarray, lo: int, targets: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Fill ``targets`` with ``r[lo:lo + len(targets)]``; the indices where it holds one of
+    ``values``."""
+    generator = np.random.Philox(key=key, counter=lo // 4)
+    bounds, low = np.empty(_SUB, np.uint64), np.empty(_SUB, np.uint64)
+    table = _filter_table(values)
+    found = []
+    for start in range(0, len(targets), _SUB):
+        part = targets[start : start + _SUB]
+        size = len(part)
+        part[:] = generator.random_raw(size)
+        np.add(_RAMP[:size], np.uint64(lo + start + 1), out=bounds[:size])
+        np.remainder(part, bounds[:size], out=part)
+        np.bitwise_and(part, np.uint64(_FILTER_MASK), out=low[:size])
+        hits = np.flatnonzero(table[low[:size].view(np.intp)])
+        if hits.size:
+            found.append(hits + start)
+    matched = np.concatenate(found) if found else np.empty(0, np.intp)
+    return matched[np.isin(targets[matched], values)]
+
+
+def _filter_table(values: np.ndarray) -> np.ndarray:
+    table = np.zeros(_FILTER_MASK + 1, bool)
+    table[(values & np.uint64(_FILTER_MASK)).view(np.intp)] = True
+    return table
+
+
+def _touching(
+    targets: np.ndarray,
+    lo: int,
+    where: dict[int, int],
+    matched: np.ndarray,
+    snapshot: frozenset[int],
+) -> list[tuple[int, int]]:
+    """The swaps ``(i, r[i])`` of one piece (``targets = r[lo:hi]``) that may touch a tracked
+    position, in order: those whose ``i`` or ``r[i]`` is tracked, or may become tracked by an
+    earlier swap of the piece (a superset: the caller's moves are exact). ``matched``: where
+    the piece holds a position of ``snapshot`` (found on the pool)."""
+    hi = lo + len(targets)
+    seen = set(where)
+    found: set[int] = set()
+    new = set(matched.tolist())
+    new.update(v - lo for v in seen if lo <= v < hi)
+    frontier = [v for v in seen if v not in snapshot]  # tracked since the snapshot
+    while True:
+        if frontier:
+            new.update(_matches(targets, np.array(frontier, np.uint64)).tolist())
+            new.update(v - lo for v in frontier if lo <= v < hi)
+        new -= found
+        if not new:
+            return [(lo + k, int(targets[k])) for k in sorted(found)]
+        found |= new
+        frontier = []
+        for k in new:  # a swap of the piece moves a tracked position to its i or its r[i]
+            for v in (lo + k, int(targets[k])):
+                if v not in seen:
+                    seen.add(v)
+                    frontier.append(v)
+        new = set()
+
+
+def _matches(targets: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Indices of ``targets`` equal to one of ``values``: a comparison each for a few, else
+    the filter table first and an exact check of the few it lets through."""
+    if len(values) <= _COMPARED_MAX:
+        return np.concatenate([np.flatnonzero(targets == v) for v in values.tolist()])
+    table = _filter_table(values)
+    candidates = np.flatnonzero(table[(targets & np.uint64(_FILTER_MASK)).view(np.intp)])
+    return candidates[np.isin(targets[candidates], values)]

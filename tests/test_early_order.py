@@ -1,0 +1,247 @@
+"""A first load waits for the blocks of its own minipochs, not for the whole block order.
+
+Where the whole order needs the compiled kernel (more than 2**16 read blocks), the blocks of a
+first load's minipoch and the next are computed alone (``permutation_entries``: the
+Fisher-Yates swaps walked backward for those few positions), and the whole order is computed
+once a load returned, the opening's fills are done, or something needs a later minipoch:
+
+* ``permutation_entries`` equals the permutation at any positions, for any size, seed, piece
+  size and thread count, and stops when asked;
+* the plan's early blocks equal the whole order's, and which minipochs get them;
+* a loader, a resumed one and a mixture serve the batches of those minipochs, equal to the
+  reference's, while computing the whole order is held back; a later minipoch waits for it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import jax
+import numpy as np
+import pytest
+from conftest import oracle, random_sequences, wait_until
+
+import asyncflat
+from asyncflat import (
+    FlatTokensParams,
+    MixtureLoader,
+    MixtureParams,
+    MixtureSource,
+    ShufflePlan,
+    ShufflingLoader,
+    TokenBatchParams,
+)
+from asyncflat.errors import ConfigError
+from asyncflat.plan.entries import permutation_entries
+from asyncflat.plan.permutation import NO_COMPILE_MAX, Stop, Stopped, permutation
+from asyncflat.plan.shuffle import EARLY_ENTRIES_MAX
+
+pytestmark = pytest.mark.timeout(120)
+
+SINGLE = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+# 4-token rows, one row a read block: 2**16 + some read blocks from ~270K tokens
+BATCH = TokenBatchParams(len=4, batch=4)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 97, 1024, 5000, 70_001])
+@pytest.mark.parametrize("seed", [0, 11, 2**64 + 3])
+def test_entries_equal_the_permutation_at_their_positions(n: int, seed: int) -> None:
+    full = permutation(seed, n)
+    rng = np.random.default_rng(n)
+    for positions in (
+        list(range(min(n, 16))),
+        rng.choice(n, size=min(n, 40), replace=False).tolist(),
+        list(range(max(0, n - 8), n)),
+    ):
+        for piece, threads in ((1 << 18, 2), (64, 3), (4, 1)):
+            if piece == 4 and n > 5000:
+                continue  # ~18k pieces
+            got = permutation_entries(seed, n, positions, piece=piece, threads=threads)
+            np.testing.assert_array_equal(got, full[positions], f"{positions[:4]} {piece}")
+            assert got.dtype == np.uint32
+
+
+def test_entries_refuse_what_is_not_a_set_of_positions() -> None:
+    with pytest.raises(ConfigError, match="distinct"):
+        permutation_entries(0, 10, [1, 1])
+    with pytest.raises(ConfigError, match=r"in \[0, 10\)"):
+        permutation_entries(0, 10, [10])
+    with pytest.raises(ConfigError, match="multiple of 4"):
+        permutation_entries(0, 10, [1], piece=6)
+    with pytest.raises(ConfigError, match="2\\*\\*32"):
+        permutation_entries(0, 1 << 32, [1])
+
+
+def test_entries_stop_when_asked() -> None:
+    stop = Stop()
+    threading.Timer(0.05, stop.set).start()
+    started = time.perf_counter()
+    with pytest.raises(Stopped):
+        permutation_entries(0, 4_000_000_000, range(16), stop=stop)  # minutes, unstopped
+    assert time.perf_counter() - started < 5
+
+
+def big_plan(served: tuple[int, ...] | None = None, streams: int = 2) -> ShufflePlan:
+    params = FlatTokensParams("fake://tokens", streams, 4, 1, seed=5, sequence_packing=True)
+    rows = (NO_COMPILE_MAX + 300) * 2
+    batch = TokenBatchParams(len=4, batch=max(4, streams))
+    return ShufflePlan.create(
+        params, batch, token_count=rows * 4, sequence_count=rows, served_streams=served
+    )
+
+
+@pytest.mark.parametrize("served", [None, (1,)])
+def test_early_blocks_are_the_whole_orders(served: tuple[int, ...] | None) -> None:
+    plan = big_plan(served)
+    assert plan.read_block_count > NO_COMPILE_MAX
+    last = plan.minipoch_count - 1
+    assert plan.early_minipochs(0) == (0, 1)
+    assert plan.early_minipochs(last) == (last,)
+    fresh = ShufflePlan.create(  # nothing computed yet
+        FlatTokensParams("fake://tokens", 2, 4, 1, seed=5, sequence_packing=True),
+        BATCH,
+        token_count=plan.token_count,
+        sequence_count=plan.seq_count,
+        served_streams=served,
+    )
+    for minipochs in ((0, 1), (7, 8), (last,)):
+        fresh.compute_early_order(minipochs)
+    for m in (0, 1, 7, 8, last):
+        assert fresh.block_order_known(m)
+        for stream in plan.served:
+            np.testing.assert_array_equal(
+                fresh.buffer_blocks(stream, m), plan.buffer_blocks(stream, m)
+            )
+    assert not fresh.block_order_known(2)
+    assert "served_block_order" not in vars(fresh)  # none of it needed the whole order
+
+
+def test_early_blocks_only_where_the_whole_order_needs_the_kernel() -> None:
+    small = ShufflePlan.create(
+        FlatTokensParams("fake://tokens", 2, 4, 1, seed=5, sequence_packing=True),
+        BATCH,
+        token_count=4 * 1000,
+        sequence_count=1000,
+    )
+    assert small.early_minipochs(0) == ()
+    # 2 minipochs x 4 blocks x the streams served, at most EARLY_ENTRIES_MAX entries
+    streams = EARLY_ENTRIES_MAX // 4
+    assert big_plan(streams=streams).early_minipochs(0) == ()
+    assert big_plan(tuple(range(streams // 2)), streams).early_minipochs(0) == (0, 1)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = str(tmp_path_factory.mktemp("early-order") / "data.zarr")
+    seqs = random_sequences(13, 6700, max_len=80)
+    asyncflat.write_flat_tokens(path, {"train": seqs}, chunk_tokens=1 << 14)
+    return path
+
+
+def params(path: str, seed: int = 5) -> FlatTokensParams:
+    return FlatTokensParams(path, 2, 4, 1, seed, True)
+
+
+#: how long computing a whole order is held back at most: a load that waited for it took this
+HELD_S = 60
+
+
+@pytest.fixture
+def held_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[tuple[threading.Event, threading.Event]]:
+    """Computing a whole block order waits for the first event; the second says one was
+    asked for."""
+    release, asked = threading.Event(), threading.Event()
+    compute = ShufflePlan.compute_block_order
+
+    def held(plan: ShufflePlan, *args: object, **kwargs: object) -> np.ndarray:
+        if "served_block_order" not in vars(plan):
+            asked.set()
+            release.wait(HELD_S)
+        return compute(plan, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ShufflePlan, "compute_block_order", held)
+    yield release, asked
+    release.set()
+
+
+def check(path: str, batch: object, step: int, seed: int = 5) -> None:
+    want = oracle(path, params(path, seed), BATCH).batch(step)
+    np.testing.assert_array_equal(np.asarray(batch.targets), want[0], f"step {step}")  # type: ignore[attr-defined]
+    np.testing.assert_array_equal(np.asarray(batch.is_seq_start), want[1])  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("first", [0, 2 * 7], ids=["fresh", "resume"])
+def test_a_first_load_is_served_before_the_whole_order(
+    dataset: str, held_order: tuple[threading.Event, threading.Event], first: int
+) -> None:
+    """Steps of the first load's minipoch and the next are right while the whole order is
+    held back; it is asked for once a load returned, and a later minipoch waits for it."""
+    release, asked = held_order
+    with ShufflingLoader("train", params(dataset), BATCH, SINGLE) as loader:
+        assert loader.plan.read_block_count > NO_COMPILE_MAX
+        started = time.perf_counter()
+        for step in range(first, first + 4):  # two steps a minipoch
+            check(dataset, loader.load(step), step)
+        assert time.perf_counter() - started < HELD_S / 2  # none waited for the whole order
+        assert asked.wait(10)
+        later: list[object] = []
+        waiting = threading.Thread(target=lambda: later.append(loader.load(first + 4)))
+        waiting.start()
+        waiting.join(0.5)
+        assert waiting.is_alive() and not later  # minipoch + 2 needs the whole order
+        release.set()
+        waiting.join(30)
+        check(dataset, later[0], first + 4)
+        check(dataset, loader.load(first + 40), first + 40)
+
+
+def test_a_prefetch_held_for_the_whole_order_starts_once_it_lands(
+    dataset: str, held_order: tuple[threading.Event, threading.Event]
+) -> None:
+    """Serving minipoch 1 makes minipoch 2's prefetch due; its blocks wait for the whole
+    order, and it starts as that lands, before any load asks for minipoch 2."""
+    release, asked = held_order
+    with ShufflingLoader("train", params(dataset), BATCH, SINGLE) as loader:
+        for step in range(4):
+            loader.load(step)
+        assert asked.wait(10)
+
+        def prefetched() -> set[int]:
+            stats = loader.stats().as_dict()
+            fills = stats["fills"] + stats["active_fills"]
+            return {f["minipoch"] for f in fills if f["reason"] == "prefetch"}
+
+        time.sleep(0.2)
+        assert 2 not in prefetched()  # its blocks are not known
+        release.set()
+        wait_until(lambda: 2 in prefetched(), "minipoch 2's prefetch")
+        check(dataset, loader.load(4), 4)
+
+
+def test_a_mixtures_first_steps_are_served_before_the_whole_orders(
+    dataset: str,
+    held_order: tuple[threading.Event, threading.Event],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each source's engine serves its first minipochs from early blocks; the batches equal
+    those of the same mixture whose sources compute their whole orders first."""
+    release, _ = held_order
+    mixture = MixtureParams(
+        (MixtureSource(params(dataset, 5), 0.5), MixtureSource(params(dataset, 9), 0.5)),
+        seed=1,
+        block_rows=2,
+    )
+    with MixtureLoader("train", mixture, BATCH, SINGLE) as loader:
+        started = time.perf_counter()
+        early = [loader.load(step) for step in range(3)]  # whole orders held back
+        assert time.perf_counter() - started < HELD_S / 2
+        release.set()
+    monkeypatch.setattr(ShufflePlan, "early_minipochs", lambda plan, minipoch: ())
+    with MixtureLoader("train", mixture, BATCH, SINGLE) as loader:
+        for step, batch in enumerate(early):
+            want = loader.load(step)
+            np.testing.assert_array_equal(np.asarray(batch.targets), np.asarray(want.targets))
