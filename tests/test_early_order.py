@@ -25,6 +25,7 @@ from conftest import oracle, random_sequences, wait_until
 
 import asyncflat
 from asyncflat import (
+    EngineOptions,
     FlatTokensParams,
     MixtureLoader,
     MixtureParams,
@@ -197,6 +198,19 @@ def test_a_first_load_is_served_before_the_whole_order(
         waiting.join(30)
         check(dataset, later[0], first + 4)
         check(dataset, loader.load(first + 40), first + 40)
+
+
+def test_the_whole_order_waits_for_a_load(
+    dataset: str, held_order: tuple[threading.Event, threading.Event]
+) -> None:
+    """Nothing asks for the whole order before a load returned (or the opening's fills are
+    done: none here), so it never competes with a first load's fills."""
+    _, asked = held_order
+    options = EngineOptions(fill_on_open="never")
+    with ShufflingLoader("train", params(dataset), BATCH, SINGLE, options=options) as loader:
+        assert not asked.wait(0.5)
+        check(dataset, loader.load(1), 1)
+        assert asked.wait(10)
 
 
 def test_a_prefetch_held_for_the_whole_order_starts_once_it_lands(

@@ -135,9 +135,11 @@ class Opening:
     def want_whole_order(self) -> None:
         """Let the whole block order be computed (on the loop; idempotent): at once where the
         plan has no early blocks; else once a load or a prefetch needs a minipoch they lack,
-        a load returned, or the fills started on opening are done. Beside a first fill, its
-        kernel's import, compile and draws delay that fill by about their time on two
-        cores."""
+        a load returned, or the fills started on opening are done. The trainer cannot need
+        it sooner (minipoch 2's prefetch, at the earliest), and beside a first fill its
+        kernel's import (holding the GIL), compile and draws delay that fill by about their
+        time on two cores. A load far ahead right after the first (a jump to the end of the
+        split) waits for all of it."""
         if self._whole_wanted.is_set():
             return
         self._whole_wanted.set()
