@@ -291,3 +291,18 @@ def test_the_openings_fills_are_awaited_without_a_task_per_block(
 
         wait_until(opened, "the opening's fills")
         assert pending["most"] < 256, pending
+
+
+def test_computing_no_early_minipochs_computes_nothing() -> None:
+    """Where the whole order comes first, ``early_minipochs`` is () and computing the early
+    blocks of it does nothing (it raised numpy's 'need at least one array' ValueError)."""
+    small = ShufflePlan.create(
+        FlatTokensParams("fake://tokens", 2, 4, 1, seed=5, sequence_packing=True),
+        BATCH,
+        token_count=4 * 1000,
+        sequence_count=1000,
+    )
+    assert small.early_minipochs(0) == ()
+    small.compute_early_order(small.early_minipochs(0))
+    assert not small.block_order_known(0)
+    assert "served_block_order" not in vars(small)

@@ -448,6 +448,8 @@ def _early_blocks(
     plan: ShufflePlan, minipochs: tuple[int, ...], stop: Stop | None
 ) -> dict[int, np.ndarray]:
     """``{m: uint32[blocks_in_minipoch(m), len(served)]}``: rows of the served block order."""
+    if not minipochs:  # early_minipochs' answer where the whole order comes first
+        return {}
     rbpsb = plan.read_blocks_per_shuffle_buffer
     rows = [np.arange(plan.blocks_in_minipoch(m)) + m * rbpsb for m in minipochs]
     positions = (np.concatenate(rows)[:, None] * plan.streams + plan.served).ravel()
