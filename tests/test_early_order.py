@@ -306,3 +306,28 @@ def test_computing_no_early_minipochs_computes_nothing() -> None:
     small.compute_early_order(small.early_minipochs(0))
     assert not small.block_order_known(0)
     assert "served_block_order" not in vars(small)
+
+
+def test_early_blocks_computed_on_two_threads_at_once_are_both_kept() -> None:
+    """``compute_early_order`` runs on any thread: two calls at once each keep their blocks
+    (each merged what was known when it started, so the last to finish dropped the other's)."""
+    rows = 20_000_000  # ~0.2 s a call: the two overlap
+    plan = ShufflePlan.create(
+        FlatTokensParams("fake://tokens", 2, 4, 1, seed=5, sequence_packing=True),
+        BATCH,
+        token_count=rows * 4,
+        sequence_count=rows,
+    )
+    barrier = threading.Barrier(2)
+
+    def compute(minipochs: tuple[int, ...]) -> None:
+        barrier.wait()
+        plan.compute_early_order(minipochs)
+
+    threads = [threading.Thread(target=compute, args=(m,)) for m in ((0, 1), (7, 8))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(plan.block_order_known(m) for m in (0, 1, 7, 8))
+    assert "served_block_order" not in vars(plan)

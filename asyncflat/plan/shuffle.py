@@ -51,6 +51,7 @@ import bisect
 import dataclasses
 import functools
 import math
+import threading
 
 import numpy as np
 
@@ -93,6 +94,9 @@ EARLY_MINIPOCHS = 2
 #: Entries of the block order computed that way at most (their walk costs a few microseconds
 #: of Python for each of ~ln(n) moves of each); beyond, the whole order comes first.
 EARLY_ENTRIES_MAX = 256
+
+# guards the merge of a plan's early blocks (ShufflePlan.compute_early_order: any thread)
+_EARLY_LOCK = threading.Lock()
 
 #: Distance between the seeds of consecutive epochs (see the module docstring).
 EPOCH_SEED_STRIDE = 1 << 64
@@ -363,8 +367,7 @@ class ShufflePlan:
         """The blocks of ``minipochs`` (from :meth:`early_minipochs`) alone, for
         :meth:`buffer_blocks`: no kernel, a fraction of the whole order's time
         (:mod:`~asyncflat.plan.entries`). Any thread."""
-        known = dict(self.__dict__.get("early_block_order", {}))
-        self.__dict__["early_block_order"] = known | _early_blocks(self, minipochs, stop)
+        _keep_early(self, _early_blocks(self, minipochs, stop))
 
     def block_order_known(self, minipoch: int) -> bool:
         """Whether :meth:`buffer_blocks` of ``minipoch`` needs no computing."""
@@ -456,6 +459,14 @@ def _early_blocks(
     entries = permutation_entries(plan.epoch_seed, plan.read_block_count, positions, stop=stop)
     found = np.split(entries.reshape(-1, len(plan.served)), np.cumsum([len(r) for r in rows]))
     return dict(zip(minipochs, found))
+
+
+def _keep_early(plan: ShufflePlan, found: dict[int, np.ndarray]) -> None:
+    """Add ``found`` to the plan's early blocks; under a lock, since two threads' calls of
+    ``compute_early_order`` would each keep what was known when it read it."""
+    with _EARLY_LOCK:
+        known = plan.__dict__.get("early_block_order", {})
+        plan.__dict__["early_block_order"] = known | found
 
 
 def _check_served(served: tuple[int, ...] | None, streams: int) -> None:
