@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import itertools
 import logging
 import threading
@@ -34,7 +33,7 @@ import numpy as np
 from asyncflat.engine.fill import Fill, PageWriter, Unit, first_need
 from asyncflat.engine.lock import OwnedLock
 from asyncflat.engine.loop import background_executor
-from asyncflat.engine.permutations import block_order_off_loop
+from asyncflat.engine.permutations import block_order_off_loop, on_own_thread
 from asyncflat.engine.table import FillTable
 from asyncflat.plan.permutation import Stop, whole_permutation_size
 from asyncflat.plan.shuffle import NEVER, ShufflePlan, block_deadlines
@@ -74,7 +73,8 @@ class Opening:
         #: blocks of some minipochs computed ahead of the whole order (see :meth:`_early_order`)
         self._earlies: dict[tuple[int, ...], tuple[asyncio.Future[None], Stop]] = {}
         self._order: asyncio.Future[np.ndarray] | None = None
-        self._planner: threading.Thread | None = None
+        #: the threads computing the block order: the whole order's, and early blocks'
+        self._threads: list[threading.Thread] = []
         self._stop_planning = Stop()
         #: set once something needs the whole block order (see :meth:`want_whole_order`)
         self._whole_wanted = threading.Event()
@@ -94,9 +94,10 @@ class Opening:
         if self._order is not None:
             return
         pages = self._order_pages() if write_pages else None
-        self._order, self._planner = block_order_off_loop(
+        self._order, planner = block_order_off_loop(
             self._plan, self._stop_planning, pages, self._whole_wanted
         )
+        self._threads.append(planner)
         self._order.add_done_callback(self._order_landed)
         early = self._plan.early_minipochs(0)
         if early:
@@ -108,8 +109,9 @@ class Opening:
         self, minipochs: tuple[int, ...], needed: Iterable[int] = ()
     ) -> asyncio.Future[None]:
         """Compute the blocks of ``minipochs`` alone (``plan.compute_early_order``: for a
-        first load there, without the kernel) on the loop's background thread; a future
-        settled once done. One under way that covers ``needed`` serves instead; others still
+        first load there, without the kernel) on a thread of its own (0.2 s at 14.3M read
+        blocks, seconds at 10^8: not on the loop's background thread, whose jobs must each be
+        short); a future settled once done. One under way that covers ``needed`` serves instead; others still
         computing are stopped: a first load elsewhere than minipoch 0 (a resume) waits for
         its own only."""
         for covered, (future, stop) in self._earlies.items():
@@ -119,9 +121,9 @@ class Opening:
             if not future.done():
                 stop.set()
         stop = Stop()
-        compute = functools.partial(self._plan.compute_early_order, minipochs, stop)
-        future = asyncio.get_running_loop().run_in_executor(background_executor(), compute)
-        future.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved
+        compute = self._plan.compute_early_order
+        future, thread = on_own_thread("asyncflat-early-blocks", compute, minipochs, stop)
+        self._threads.append(thread)
         self._earlies[minipochs] = (future, stop)
         return future
 
@@ -148,9 +150,9 @@ class Opening:
 
     def _order_pages(self) -> tuple[np.ndarray, threading.Event] | None:
         """The array of a whole permutation of at least :data:`ORDER_PAGES_MIN` entries, its
-        pages to be written on the CPU pool (:class:`~.fill.PageWriter`) while the kernel
-        compiles: left to the kernel, their first writes cost it 0.9 s of 2.4 s at 95M read
-        blocks (10^14 tokens) on two cores. None when the order needs no such array."""
+        pages to be written (:class:`~.fill.PageWriter`) once the order is wanted, while the
+        kernel compiles: left to the kernel, their first writes cost it 0.9 s of 2.4 s at 95M
+        read blocks (10^14 tokens) on two cores. None when the order needs no such array."""
         plan = self._plan
         size = whole_permutation_size(plan.read_block_count, plan.streams, len(plan.served))
         if size < ORDER_PAGES_MIN:
@@ -160,8 +162,12 @@ class Opening:
         except MemoryError:  # computing the order allocates it again, and fails there
             return None
         # In pieces larger than a buffer's: 91 jobs of 4 MiB slowed the construction of a loader
-        # of 10^14 tokens from 30 to 90 ms on two cores, 12 of 32 MiB did not.
-        writer = PageWriter(out, asyncio.Event(), ORDER_PAGES_PIECE_BYTES)
+        # of 10^14 tokens from 30 to 90 ms on two cores, 12 of 32 MiB did not. On the CPU pool
+        # where a first load waits for the order; after a first load's early blocks, on the
+        # loop's background thread, one piece at a time: the next loads' decodes must not queue
+        # behind them.
+        executor = background_executor() if plan.early_minipochs(0) else None
+        writer = PageWriter(out, asyncio.Event(), ORDER_PAGES_PIECE_BYTES, executor=executor)
         self._order_writer = writer
         self._page_writers.append(writer)
         return out, writer.finished
@@ -217,7 +223,7 @@ class Opening:
         try:
             if not await self._early_known([0]):
                 if self._plan.early_minipochs(0):
-                    return  # stopped for a first load elsewhere: it starts what it needs
+                    return  # stopped for a first load elsewhere, or failed: it starts its own
                 await self.planned()
         except Exception:  # noqa: BLE001 - the first load raises it (it waits for it too)
             return
@@ -292,10 +298,10 @@ class Opening:
         self._page_writers = []
 
     async def aclose(self) -> None:
-        """Closing: as :meth:`cancel`, then wait for the block order's thread (stopped within
-        tens of microseconds; it must not outlive the loader)."""
+        """Closing: as :meth:`cancel`, then wait for the block order's threads (stopped within
+        milliseconds; they must not outlive the loader)."""
         self.cancel()
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
-        if self._planner is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._planner.join)
+        for thread in self._threads:
+            await asyncio.get_running_loop().run_in_executor(None, thread.join)

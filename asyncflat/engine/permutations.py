@@ -22,6 +22,7 @@ import contextlib
 import functools
 import threading
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -30,9 +31,53 @@ from asyncflat.errors import AsyncflatError, LoaderClosedError
 from asyncflat.plan.permutation import Stop, Stopped, ensure_kernel
 from asyncflat.plan.shuffle import ShufflePlan
 
-__all__ = ["RowPermutations", "block_order_off_loop"]
+__all__ = ["RowPermutations", "block_order_off_loop", "on_own_thread"]
+
+_T = TypeVar("_T")
 
 _Key = tuple[int, int]
+
+
+def on_own_thread(
+    name: str, compute: Callable[..., _T], *args: object
+) -> tuple[asyncio.Future[_T], threading.Thread]:
+    """``compute(*args)`` on a thread of its own (call on the loop): a future of its result,
+    and that thread. For work that takes time in proportion to the whole split (~10 ns a read
+    block, the GIL released): no loop pool runs it, so a load's decodes never queue behind it.
+    A :class:`Stopped` computation (closing) fails the future with ``LoaderClosedError``. The
+    thread is the loop's own (:func:`adopt_thread`): its engine joins it as it closes, so it
+    never outlives its loader. ``args`` are the thread's: it drops them once run."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[_T] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run(*args: object) -> None:
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            result = compute(*args)
+        except Stopped:  # closing stopped it: a load still waiting learns the engine closed
+            error = LoaderClosedError("the engine was closed")
+        except Exception as exc:  # noqa: BLE001  (handed to the load that waits)
+            error = exc
+        except BaseException as exc:  # noqa: BLE001  (a SystemExit on the loop would stop it)
+            error = AsyncflatError(f"{name} stopped: {exc!r}")
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+            loop.call_soon_threadsafe(settle, result, error)
+
+    # A failure nobody collects (the loader closed first) is not an unretrieved exception.
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
+    thread = threading.Thread(target=run, args=args, name=name, daemon=True)
+    adopt_thread(thread)  # joined as the engine closes: a close() there must not wait for that
+    thread.start()
+    return future, thread
 
 
 def block_order_off_loop(
@@ -41,63 +86,31 @@ def block_order_off_loop(
     pages: tuple[np.ndarray, threading.Event] | None = None,
     wanted: threading.Event | None = None,
 ) -> tuple[asyncio.Future[np.ndarray], threading.Thread]:
-    """``plan.served_block_order``, computed on a thread of its own (call on the loop) once
-    ``wanted`` is set (None: at once), and that thread.
-
-    It takes time in proportion to the whole split (~10 ns a read block, with the GIL
-    released), so no loop pool runs it: a load that needs it waits for it, and a load's
-    decodes must not queue behind it. Closing the engine sets ``stop`` (the kernel returns
-    within tens of microseconds) and ``wanted``, and waits for the thread, so it never
-    outlives its loader.
+    """``plan.served_block_order``, computed on a thread of its own (:func:`on_own_thread`)
+    once ``wanted`` is set (None: at once), and that thread. Closing the engine sets ``stop``
+    (the kernel returns within tens of microseconds) and ``wanted``.
 
     ``pages``: the whole permutation's array and an event set once its pages are written
-    (:class:`~asyncflat.engine.fill.PageWriter`, on the CPU pool): the thread compiles the
-    kernel meanwhile, then computes the order in it.
+    (:class:`~asyncflat.engine.fill.PageWriter`): the thread compiles the kernel meanwhile,
+    then computes the order in it.
     """
-    loop = asyncio.get_running_loop()
-    order: asyncio.Future[np.ndarray] = loop.create_future()
 
-    def settle(result: np.ndarray, error: BaseException | None) -> None:
-        if order.done():
-            return
-        if error is not None:
-            order.set_exception(error)
-        else:
-            order.set_result(result)
+    def compute(pages: tuple[np.ndarray, threading.Event] | None) -> np.ndarray:
+        if wanted is not None:
+            wanted.wait()
+        out = None
+        if pages is not None and not stop.is_set():
+            ensure_kernel()  # while the pages are written
+            out, written = pages
+            written.wait()  # set by the last page write, or by closing (PageWriter.stop)
+        if stop.is_set():  # closed meanwhile: compute nothing
+            raise Stopped("closed before the block order was computed")
+        del pages  # only the plan's order (a view of it, or a copy of its columns) is kept
+        return plan.compute_block_order(stop, out)
 
-    def compute(pages: tuple[np.ndarray, threading.Event] | None) -> None:
-        result: np.ndarray = np.empty(0, np.uint32)
-        error: BaseException | None = None
-        try:
-            if wanted is not None:
-                wanted.wait()
-            out = None
-            if pages is not None and not stop.is_set():
-                ensure_kernel()  # while the pages are written
-                out, written = pages
-                written.wait()  # set by the last page write, or by closing (PageWriter.stop)
-            if stop.is_set():  # closed meanwhile: compute nothing
-                raise Stopped("closed before the block order was computed")
-            del pages
-            result = plan.compute_block_order(stop, out)
-            del out  # only the plan's order (a view of it, or a copy of its columns) is kept
-        except Stopped:  # closing stopped it: a load still waiting learns the engine closed
-            error = LoaderClosedError("the engine was closed")
-        except Exception as exc:  # noqa: BLE001  (handed to the load that waits)
-            error = exc
-        except BaseException as exc:  # noqa: BLE001  (a SystemExit on the loop would stop it)
-            error = AsyncflatError(f"computing the block order of the plan stopped: {exc!r}")
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
-            loop.call_soon_threadsafe(settle, result, error)
-
-    # A failure no load collects (the loader closed first) is not an unretrieved exception.
-    order.add_done_callback(lambda f: f.cancelled() or f.exception())
     # ``pages`` as an argument: the thread drops it once run (the Thread object is kept until
     # closing, and the whole array must not live on where only some columns are kept).
-    thread = threading.Thread(target=compute, args=(pages,), name="asyncflat-plan", daemon=True)
-    adopt_thread(thread)  # joined as the engine closes: a close() there must not wait for that
-    thread.start()
-    return order, thread
+    return on_own_thread("asyncflat-plan", compute, pages)
 
 
 class RowPermutations:

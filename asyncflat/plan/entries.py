@@ -61,6 +61,8 @@ def permutation_entries(
     :func:`~asyncflat.plan.permutation.permutation`.
     """
     wanted = [int(p) for p in positions]
+    if seed < 0:
+        raise ConfigError(f"permutation_entries: seed must be >= 0, got {seed}")
     if not 0 <= n < 1 << 32:
         raise ConfigError(f"permutation_entries: n must be in [0, 2**32), got {n}")
     if len(set(wanted)) != len(wanted) or not all(0 <= p < n for p in wanted):
