@@ -14,6 +14,7 @@ for the rare swaps that touch a tracked position.
 from __future__ import annotations
 
 import collections
+import heapq
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -34,9 +35,11 @@ _COMPARED_MAX = 4
 # positions of the first piece: its swaps touch each other's positions, so a tracked position
 # there brings many more (the pieces then grow by half each, up to ``piece``)
 _FIRST_PIECE = 1024
-# positions drawn at a time inside a piece: arrays that stay in a core's cache and come from
-# the heap (fresh pages for each piece's temporaries tripled its time on a 2-core VM)
-_SUB = 1 << 14
+# positions drawn at a time inside a piece: 512 KB arrays, from the heap once one was freed
+# (fresh pages for each piece's temporaries tripled its time on a 2-core VM), few enough
+# calls that the threads' GIL handovers cost little (at 2^14 a piece, 14.3M positions took
+# 0.16-0.21 s on two threads there, at 2^16 0.13-0.19 s, at 2^18 0.35-0.38 s)
+_SUB = 1 << 16
 _RAMP = np.arange(_SUB, dtype=np.uint64)
 
 _Piece = tuple[int, np.ndarray, frozenset[int]]  # lo, r[lo:hi], the snapshot it was matched to
@@ -75,12 +78,7 @@ def permutation_entries(
     where = {p: slot for slot, p in enumerate(wanted)}
     pieces = _swap_targets(philox_key(seed), n, piece, threads or available_cpus(), stop, where)
     for (lo, targets, snapshot), matched in pieces:
-        for i, j in _touching(targets, lo, where, matched, snapshot):
-            moved_i, moved_j = where.pop(i, None), where.pop(j, None)
-            if moved_i is not None:
-                where[j] = moved_i
-            if moved_j is not None:
-                where[i] = moved_j
+        _walk(targets, lo, where, matched, snapshot)
     out = np.empty(len(wanted), np.uint32)
     for place, slot in where.items():
         out[slot] = place
@@ -149,8 +147,7 @@ def _draw(key: np.ndarray, lo: int, targets: np.ndarray, values: np.ndarray) -> 
         hits = np.flatnonzero(table[low[:size].view(np.intp)])
         if hits.size:
             found.append(hits + start)
-    matched = np.concatenate(found) if found else np.empty(0, np.intp)
-    return matched[np.isin(targets[matched], values)]
+    return _exact(targets, np.concatenate(found) if found else np.empty(0, np.intp), values)
 
 
 def _filter_table(values: np.ndarray) -> np.ndarray:
@@ -159,38 +156,40 @@ def _filter_table(values: np.ndarray) -> np.ndarray:
     return table
 
 
-def _touching(
+def _walk(
     targets: np.ndarray,
     lo: int,
     where: dict[int, int],
     matched: np.ndarray,
     snapshot: frozenset[int],
-) -> list[tuple[int, int]]:
-    """The swaps ``(i, r[i])`` of one piece (``targets = r[lo:hi]``) that may touch a tracked
-    position, in order: those whose ``i`` or ``r[i]`` is tracked, or may become tracked by an
-    earlier swap of the piece (a superset: the caller's moves are exact). ``matched``: where
-    the piece holds a position of ``snapshot`` (found on the pool)."""
+) -> None:
+    """Apply to ``where`` the swaps ``(i, r[i])`` of one piece (``targets = r[lo:hi]``) that
+    touch a tracked position, in order. Candidates: where the piece holds a position of the
+    ``snapshot`` (``matched``, found on the pool) or of one tracked since it, a tracked
+    position inside the piece, and after each swap that moves a position, where the rest of
+    the piece holds its new place (a comparison over the rest: ~ln(hi / lo) such moves a
+    tracked position, so pieces grow from a small first one, :func:`_pieces`)."""
     hi = lo + len(targets)
-    seen = set(where)
-    found: set[int] = set()
-    new = set(matched.tolist())
-    new.update(v - lo for v in seen if lo <= v < hi)
-    frontier = [v for v in seen if v not in snapshot]  # tracked since the snapshot
-    while True:
-        if frontier:
-            new.update(_matches(targets, np.array(frontier, np.uint64)).tolist())
-            new.update(v - lo for v in frontier if lo <= v < hi)
-        new -= found
-        if not new:
-            return [(lo + k, int(targets[k])) for k in sorted(found)]
-        found |= new
-        frontier = []
-        for k in new:  # a swap of the piece moves a tracked position to its i or its r[i]
-            for v in (lo + k, int(targets[k])):
-                if v not in seen:
-                    seen.add(v)
-                    frontier.append(v)
-        new = set()
+    since = [v for v in where if v not in snapshot]
+    candidates = matched.tolist() + [v - lo for v in where if lo <= v < hi]
+    if since:
+        candidates += _matches(targets, np.array(since, np.uint64)).tolist()
+    heapq.heapify(candidates)
+    done = -1
+    while candidates:
+        k = heapq.heappop(candidates)
+        if k <= done:
+            continue  # a candidate found twice
+        done, i, j = k, lo + k, int(targets[k])
+        moved_i, moved_j = where.pop(i, None), where.pop(j, None) if j != i else None
+        if moved_i is not None:  # its value moves to j (i's own swap takes it)
+            where[j] = moved_i
+        if moved_j is not None:
+            where[i] = moved_j
+        for place in (j,) * (moved_i is not None) + (i,) * (moved_j is not None):
+            later = np.flatnonzero(targets[k + 1 :] == place)
+            for hit in (later + k + 1).tolist():
+                heapq.heappush(candidates, hit)
 
 
 def _matches(targets: np.ndarray, values: np.ndarray) -> np.ndarray:
@@ -200,4 +199,12 @@ def _matches(targets: np.ndarray, values: np.ndarray) -> np.ndarray:
         return np.concatenate([np.flatnonzero(targets == v) for v in values.tolist()])
     table = _filter_table(values)
     candidates = np.flatnonzero(table[(targets & np.uint64(_FILTER_MASK)).view(np.intp)])
-    return candidates[np.isin(targets[candidates], values)]
+    return _exact(targets, candidates, values)
+
+
+def _exact(targets: np.ndarray, candidates: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """The ``candidates`` (indices of ``targets``) that hold one of ``values``: a set's
+    lookups, since ``np.isin`` costs ~0.5 ms even for a hundred candidates."""
+    wanted = set(values.tolist())
+    held = targets[candidates].tolist()
+    return np.array([k for k, v in zip(candidates.tolist(), held) if v in wanted], np.intp)
