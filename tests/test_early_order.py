@@ -56,6 +56,7 @@ def test_entries_equal_the_permutation_at_their_positions(n: int, seed: int) -> 
         list(range(min(n, 16))),
         rng.choice(n, size=min(n, 40), replace=False).tolist(),
         list(range(max(0, n - 8), n)),
+        rng.choice(n, size=min(n, 256), replace=False).tolist(),  # EARLY_ENTRIES_MAX of them
     ):
         for piece, threads in ((1 << 18, 2), (64, 3), (4, 1)):
             if piece == 4 and n > 5000:
