@@ -354,3 +354,43 @@ def test_closing_stops_the_early_blocks_and_leaves_no_thread() -> None:
     loader.close()
     assert time.perf_counter() - started < 1.0
     assert library_threads() == []
+
+
+def test_a_load_waiting_for_its_early_blocks_is_not_stopped_by_another(
+    dataset: str,
+    held_order: tuple[threading.Event, threading.Event],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two first loads at once in different minipochs (two threads): each is served from its
+    own early blocks. The second's request stopped the blocks the first waited for, and the
+    first waited for the whole order (held back here: it never returned)."""
+    release, _ = held_order
+    compute, other = ShufflePlan.compute_early_order, threading.Event()
+
+    def ordered(plan: ShufflePlan, minipochs: tuple[int, ...], *args: object) -> None:
+        if minipochs[0] == 0:
+            other.wait(10)  # until the other load's request is under way
+        else:
+            other.set()
+        compute(plan, minipochs, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ShufflePlan, "compute_early_order", ordered)
+    options = EngineOptions(fill_on_open="never")
+    with ShufflingLoader("train", params(dataset), BATCH, SINGLE, options=options) as loader:
+        batches: dict[int, object] = {}
+        threads = {
+            step: threading.Thread(target=lambda s=step: batches.update({s: loader.load(s)}))
+            for step in (0, 2 * 7)
+        }
+        threads[0].start()
+        time.sleep(0.3)  # waiting for minipoch 0's blocks
+        threads[2 * 7].start()
+        for thread in threads.values():
+            thread.join(HELD_S / 3)
+        served = sorted(batches)
+        release.set()
+        for thread in threads.values():
+            thread.join(30)
+        assert served == [0, 2 * 7]  # neither waited for the whole order
+        for step, batch in batches.items():
+            check(dataset, batch, step)

@@ -22,6 +22,7 @@ buffer written for nothing, off the pool).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -72,6 +73,8 @@ class Opening:
         self._start_reads, self._requeue, self._closed = start_reads, requeue, closed
         #: blocks of some minipochs computed ahead of the whole order (see :meth:`_early_order`)
         self._earlies: dict[tuple[int, ...], tuple[asyncio.Future[None], Stop]] = {}
+        #: loads waiting for each of them: a newer request never stops one a load waits for
+        self._early_waits: collections.Counter[asyncio.Future[None]] = collections.Counter()
         self._order: asyncio.Future[np.ndarray] | None = None
         #: the threads computing the block order: the whole order's, and early blocks'
         self._threads: list[threading.Thread] = []
@@ -112,13 +115,14 @@ class Opening:
         first load there, without the kernel) on a thread of its own (0.2 s at 14.3M read
         blocks, seconds at 10^8: not on the loop's background thread, whose jobs must each be
         short); a future settled once done. One under way that covers ``needed`` serves instead; others still
-        computing are stopped: a first load elsewhere than minipoch 0 (a resume) waits for
-        its own only."""
+        computing that no load waits for are stopped: a first load elsewhere than minipoch 0
+        (a resume) waits for its own only, and never makes another load wait for the whole
+        order."""
         for covered, (future, stop) in self._earlies.items():
             if set(needed or minipochs) <= set(covered) and not stop.is_set():
                 return future
         for future, stop in self._earlies.values():
-            if not future.done():
+            if not future.done() and not self._early_waits[future]:
                 stop.set()
         stop = Stop()
         compute = self._plan.compute_early_order
@@ -182,9 +186,10 @@ class Opening:
         self.want_whole_order()
         await asyncio.shield(self._order)
 
-    async def _early_known(self, needed: list[int]) -> bool:
+    async def _early_known(self, needed: list[int], *, load: bool = True) -> bool:
         """Whether the blocks of ``needed`` are known, after computing them alone where the
-        plan computes them early and the whole order is not under way."""
+        plan computes them early and the whole order is not under way. ``load``: a load waits
+        for them (no later request stops them; the opening's fills do not hold them)."""
         known = self._plan.block_order_known
         if all(map(known, needed)):
             return True
@@ -192,8 +197,13 @@ class Opening:
         if not set(needed) <= set(early) or self._whole_wanted.is_set():
             return False
         # stopped for another load's, or failed: the whole order serves them
-        with contextlib.suppress(Exception):
-            await asyncio.shield(self._early_order(early, needed))
+        future = self._early_order(early, needed)
+        self._early_waits[future] += load
+        try:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(future)
+        finally:
+            self._early_waits[future] -= load
         return all(map(known, needed))
 
     def start(self, *, fill: bool, write_pages: bool = False) -> None:
@@ -221,7 +231,7 @@ class Opening:
 
     async def _fill(self) -> None:
         try:
-            if not await self._early_known([0]):
+            if not await self._early_known([0], load=False):
                 if self._plan.early_minipochs(0):
                     return  # stopped for a first load elsewhere, or failed: it starts its own
                 await self.planned()
