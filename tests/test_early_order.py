@@ -394,3 +394,47 @@ def test_a_load_waiting_for_its_early_blocks_is_not_stopped_by_another(
         assert served == [0, 2 * 7]  # neither waited for the whole order
         for step, batch in batches.items():
             check(dataset, batch, step)
+
+
+def test_a_loader_collected_on_a_thread_of_its_early_blocks_closes_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A forgotten loader (only a garbage cycle holds it) collected on one of the threads
+    that draw its early blocks: its close() must not wait for its loop, which waits for that
+    very thread (it waited out the loop's 15 s join timeout)."""
+    import gc
+
+    from helpers.resources import library_threads
+
+    from asyncflat.testing import SyntheticCounts  # registers synthetic://
+
+    armed, took = threading.Event(), []
+    philox = np.random.Philox
+
+    def collecting(*args: object, **kwargs: object) -> np.random.Philox:
+        if armed.is_set() and threading.current_thread().name.startswith("asyncflat-entries"):
+            armed.clear()
+            started = time.perf_counter()
+            gc.collect()  # a collection that happens to run there
+            took.append(time.perf_counter() - started)
+        return philox(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(np.random, "Philox", collecting)
+    storage = {"tokens": 2 * 10**12, "chunk_tokens": 1 << 22, "counts": SyntheticCounts()}
+    big = FlatTokensParams("synthetic://early-gc", 1, 16, 8, 0, True, storage_options=storage)
+    loader = ShufflingLoader("train", big, TokenBatchParams(len=2048, batch=8), SINGLE)
+    wait_until(
+        lambda: any(t.name == "asyncflat-early-blocks" for t in threading.enumerate()),
+        "the early blocks' thread",
+    )
+    cycle: list[object] = [loader]
+    cycle.append(cycle)
+    gc.disable()  # collected on the drawing thread only
+    try:
+        del loader, cycle
+        armed.set()
+        wait_until(lambda: took, "a collection on a drawing thread", 30)
+    finally:
+        gc.enable()
+    assert took[0] < 5, took
+    wait_until(lambda: library_threads() == [], "no thread of the loader left")

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 from asyncflat.errors import LoaderClosedError, LoadTimeoutError, LoopReentryError
 
-__all__ = ["LoopThread", "background_executor"]
+__all__ = ["LoopThread", "background_executor", "thread_adopter"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -63,10 +63,25 @@ def adopt_thread(thread: threading.Thread) -> None:
     closes) among the loop's own, like its pools' threads: a ``close()`` that runs there (a
     garbage collection) schedules the shutdown instead of waiting for the loop, which waits
     for this thread. A no-op on a loop this module did not start."""
+    own = _running_loops_own()
+    if own is not None:
+        own.add(thread)
+
+
+def thread_adopter() -> Callable[[], None]:
+    """A callable (make it on the running loop) that counts the thread it is called on among
+    the loop's own, as :func:`adopt_thread` does: for the pool threads that a thread of the
+    loop's starts (the early blocks' draws), joined with it."""
+    own = _running_loops_own()
+    return (lambda: None) if own is None else lambda: own.add(threading.current_thread())
+
+
+def _running_loops_own() -> weakref.WeakSet[threading.Thread] | None:
+    """The running loop's own threads, or None (no running loop, or not one of this
+    module's)."""
     with contextlib.suppress(RuntimeError, TypeError):  # no running loop; not weakly held
-        own = _own_threads.get(asyncio.get_running_loop())
-        if own is not None:
-            own.add(thread)
+        return _own_threads.get(asyncio.get_running_loop())
+    return None
 
 
 def background_executor() -> concurrent.futures.Executor | None:

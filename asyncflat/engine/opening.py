@@ -33,7 +33,7 @@ import numpy as np
 
 from asyncflat.engine.fill import Fill, PageWriter, Unit, first_need
 from asyncflat.engine.lock import OwnedLock
-from asyncflat.engine.loop import background_executor
+from asyncflat.engine.loop import background_executor, thread_adopter
 from asyncflat.engine.permutations import block_order_off_loop, on_own_thread
 from asyncflat.engine.table import FillTable
 from asyncflat.plan.permutation import Stop, whole_permutation_size
@@ -126,7 +126,10 @@ class Opening:
                 stop.set()
         stop = Stop()
         compute = self._plan.compute_early_order
-        future, thread = on_own_thread("asyncflat-early-blocks", compute, minipochs, stop)
+        # its draws' pool threads are the loop's own too: a close() a garbage collection runs
+        # there must not wait for the loop, which waits for them (it stalled 15 s)
+        args = (minipochs, stop, thread_adopter())
+        future, thread = on_own_thread("asyncflat-early-blocks", compute, *args)
         self._threads.append(thread)
         self._earlies[minipochs] = (future, stop)
         return future

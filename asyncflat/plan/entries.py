@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import collections
 import heapq
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -53,6 +53,7 @@ def permutation_entries(
     stop: Stop | None = None,
     threads: int | None = None,
     piece: int = DRAW_PIECE,
+    on_thread: Callable[[], object] | None = None,
 ) -> np.ndarray:
     """``permutation(seed, n)[positions]`` (uint32), without computing the permutation.
 
@@ -61,7 +62,8 @@ def permutation_entries(
     core, split over ``threads`` (default: the CPUs available, at most
     :data:`ENTRIES_THREADS_MAX`). ``piece``: positions drawn at a time (a multiple of 4: a
     piece starts on a Philox block). ``stop``: as for
-    :func:`~asyncflat.plan.permutation.permutation`.
+    :func:`~asyncflat.plan.permutation.permutation`. ``on_thread``: called first on each
+    thread that draws (an event loop counts them as its own, :func:`~asyncflat.engine.loop.adopt_thread`).
     """
     wanted = [int(p) for p in positions]
     if seed < 0:
@@ -76,7 +78,8 @@ def permutation_entries(
         raise ConfigError(f"permutation_entries: piece must be a positive multiple of 4: {piece}")
     # each tracked position's current place, walking the swaps backward -> its slot in wanted
     where = {p: slot for slot, p in enumerate(wanted)}
-    pieces = _swap_targets(philox_key(seed), n, piece, threads or available_cpus(), stop, where)
+    threads = threads or available_cpus()
+    pieces = _swap_targets(philox_key(seed), n, piece, threads, stop, where, on_thread)
     for (lo, targets, snapshot), matched in pieces:
         _walk(targets, lo, where, matched, snapshot)
     out = np.empty(len(wanted), np.uint32)
@@ -86,7 +89,13 @@ def permutation_entries(
 
 
 def _swap_targets(
-    key: np.ndarray, n: int, piece: int, threads: int, stop: Stop | None, where: dict[int, int]
+    key: np.ndarray,
+    n: int,
+    piece: int,
+    threads: int,
+    stop: Stop | None,
+    where: dict[int, int],
+    on_thread: Callable[[], object] | None = None,
 ) -> Iterator[tuple[_Piece, np.ndarray]]:
     """``((lo, r[lo:hi], snapshot), matched)`` for each piece in order, ``r[i] = draw_i % (i +
     1)`` (uint64), drawn a few pieces ahead on a pool of ``threads`` (numpy releases the GIL).
@@ -98,7 +107,7 @@ def _swap_targets(
     ahead: collections.deque[tuple[_Piece, np.ndarray, Future[np.ndarray]]]
     ahead = collections.deque()
     bounds = _pieces(n, piece)
-    with ThreadPoolExecutor(workers, "asyncflat-entries") as pool:
+    with ThreadPoolExecutor(workers, "asyncflat-entries", on_thread) as pool:
         try:
             while True:
                 while len(ahead) <= workers and (lo_hi := next(bounds, None)) is not None:

@@ -52,6 +52,7 @@ import dataclasses
 import functools
 import math
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -94,6 +95,9 @@ EARLY_MINIPOCHS = 2
 #: Entries of the block order computed that way at most (their walk costs a few microseconds
 #: of Python for each of ~ln(n) moves of each); beyond, the whole order comes first.
 EARLY_ENTRIES_MAX = 256
+
+#: called first on each thread that draws early blocks (see ``permutation_entries``)
+OnThread = Callable[[], object] | None
 
 # guards the merge of a plan's early blocks (ShufflePlan.compute_early_order: any thread)
 _EARLY_LOCK = threading.Lock()
@@ -363,11 +367,12 @@ class ShufflePlan:
         small = self.read_block_count <= NO_COMPILE_MAX
         return () if small or entries > EARLY_ENTRIES_MAX else minipochs
 
-    def compute_early_order(self, minipochs: tuple[int, ...], stop: Stop | None = None) -> None:
-        """The blocks of ``minipochs`` (from :meth:`early_minipochs`) alone, for
-        :meth:`buffer_blocks`: no kernel, a fraction of the whole order's time
-        (:mod:`~asyncflat.plan.entries`). Any thread."""
-        _keep_early(self, _early_blocks(self, minipochs, stop))
+    def compute_early_order(
+        self, minipochs: tuple[int, ...], stop: Stop | None = None, on_thread: OnThread = None
+    ) -> None:
+        """The blocks of ``minipochs`` (:meth:`early_minipochs`) alone, without the kernel; any
+        thread. ``stop``, ``on_thread``: see :func:`~asyncflat.plan.entries.permutation_entries`."""
+        _keep_early(self, _early_blocks(self, minipochs, stop, on_thread))
 
     def block_order_known(self, minipoch: int) -> bool:
         """Whether :meth:`buffer_blocks` of ``minipoch`` needs no computing."""
@@ -448,7 +453,10 @@ def block_deadlines(
 
 
 def _early_blocks(
-    plan: ShufflePlan, minipochs: tuple[int, ...], stop: Stop | None
+    plan: ShufflePlan,
+    minipochs: tuple[int, ...],
+    stop: Stop | None,
+    on_thread: OnThread = None,
 ) -> dict[int, np.ndarray]:
     """``{m: uint32[blocks_in_minipoch(m), len(served)]}``: rows of the served block order."""
     if not minipochs:  # early_minipochs' answer where the whole order comes first
@@ -456,7 +464,9 @@ def _early_blocks(
     rbpsb = plan.read_blocks_per_shuffle_buffer
     rows = [np.arange(plan.blocks_in_minipoch(m)) + m * rbpsb for m in minipochs]
     positions = (np.concatenate(rows)[:, None] * plan.streams + plan.served).ravel()
-    entries = permutation_entries(plan.epoch_seed, plan.read_block_count, positions, stop=stop)
+    entries = permutation_entries(
+        plan.epoch_seed, plan.read_block_count, positions, stop=stop, on_thread=on_thread
+    )
     found = np.split(entries.reshape(-1, len(plan.served)), np.cumsum([len(r) for r in rows]))
     return dict(zip(minipochs, found))
 
