@@ -92,8 +92,8 @@ class Opening:
         alone where the plan computes them early (:meth:`_early_order`), and the whole order
         on a thread of its own once wanted (:meth:`want_whole_order`). Not on the loop's
         pools: a load waits for it, and its decodes must not queue behind it. With
-        ``write_pages`` (a loader's opening: nothing else is on the pool yet), a large order's
-        array has its pages written on the pool while the kernel compiles."""
+        ``write_pages`` (a loader's opening), a large order's array has its pages written once
+        the order is wanted, while the kernel compiles (:meth:`_order_pages`)."""
         if self._order is not None:
             return
         pages = self._order_pages() if write_pages else None
@@ -114,10 +114,10 @@ class Opening:
         """Compute the blocks of ``minipochs`` alone (``plan.compute_early_order``: for a
         first load there, without the kernel) on a thread of its own (0.2 s at 14.3M read
         blocks, seconds at 10^8: not on the loop's background thread, whose jobs must each be
-        short); a future settled once done. One under way that covers ``needed`` serves instead; others still
-        computing that no load waits for are stopped: a first load elsewhere than minipoch 0
-        (a resume) waits for its own only, and never makes another load wait for the whole
-        order."""
+        short); a future settled once done. One under way that covers ``needed`` serves
+        instead; others still computing that no load waits for are stopped: a first load
+        elsewhere than minipoch 0 (a resume) waits for its own only, and never makes another
+        load wait for the whole order."""
         for covered, (future, stop) in self._earlies.items():
             if set(needed or minipochs) <= set(covered) and not stop.is_set():
                 return future
