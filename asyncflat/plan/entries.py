@@ -58,12 +58,12 @@ def permutation_entries(
     """``permutation(seed, n)[positions]`` (uint32), without computing the permutation.
 
     ``positions``: distinct, in ``[0, n)``; a few hundred at most (each moves ~``ln(n)``
-    times, at a few microseconds of Python a move). Takes ~8 ns a position of ``n`` on one
-    core, split over ``threads`` (default: the CPUs available, at most
-    :data:`ENTRIES_THREADS_MAX`). ``piece``: positions drawn at a time (a multiple of 4: a
-    piece starts on a Philox block). ``stop``: as for
+    times, at a few microseconds of Python a move). Takes 10-15 ns a position of ``n`` on one
+    core of a 2-core VM (a Philox draw, a modulo, a filter), split over ``threads`` (default:
+    the CPUs available, at most :data:`ENTRIES_THREADS_MAX`). ``piece``: positions drawn at a
+    time (a multiple of 4: a piece starts on a Philox block). ``stop``: as for
     :func:`~asyncflat.plan.permutation.permutation`. ``on_thread``: called first on each
-    thread that draws (an event loop counts them as its own, :func:`~asyncflat.engine.loop.adopt_thread`).
+    thread that draws (an event loop's owner may count them as its own).
     """
     wanted = [int(p) for p in positions]
     if seed < 0:
@@ -103,7 +103,8 @@ def _swap_targets(
     (the keys of ``where``) when the piece was handed to the pool. A piece's array is reused
     once the caller asks for the next one."""
     workers = max(1, min(threads, ENTRIES_THREADS_MAX, -(-n // piece)))
-    free = [np.empty(piece, np.uint64) for _ in range(workers + 2)]  # in flight, and the caller's
+    # the pieces in flight, and the one the caller reads
+    free = [np.empty(min(piece, n), np.uint64) for _ in range(workers + 2)]
     ahead: collections.deque[tuple[_Piece, np.ndarray, Future[np.ndarray]]]
     ahead = collections.deque()
     bounds = _pieces(n, piece)
