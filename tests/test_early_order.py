@@ -88,13 +88,18 @@ def test_entries_stop_when_asked() -> None:
     assert time.perf_counter() - started < 5
 
 
-def big_plan(served: tuple[int, ...] | None = None, streams: int = 2) -> ShufflePlan:
+def plan_of(rows: int, served: tuple[int, ...] | None = None, streams: int = 2) -> ShufflePlan:
+    """A plan (nothing computed) of ``rows`` 4-token rows, one a read block, 4 a buffer."""
     params = FlatTokensParams("fake://tokens", streams, 4, 1, seed=5, sequence_packing=True)
-    rows = (NO_COMPILE_MAX + 300) * 2
     batch = TokenBatchParams(len=4, batch=max(4, streams))
     return ShufflePlan.create(
         params, batch, token_count=rows * 4, sequence_count=rows, served_streams=served
     )
+
+
+def big_plan(served: tuple[int, ...] | None = None, streams: int = 2) -> ShufflePlan:
+    """A plan whose whole order needs the kernel: 2 x (2**16 + 300) read blocks."""
+    return plan_of((NO_COMPILE_MAX + 300) * 2, served, streams)
 
 
 @pytest.mark.parametrize("served", [None, (1,)])
@@ -104,13 +109,7 @@ def test_early_blocks_are_the_whole_orders(served: tuple[int, ...] | None) -> No
     last = plan.minipoch_count - 1
     assert plan.early_minipochs(0) == (0, 1)
     assert plan.early_minipochs(last) == (last,)
-    fresh = ShufflePlan.create(  # nothing computed yet
-        FlatTokensParams("fake://tokens", 2, 4, 1, seed=5, sequence_packing=True),
-        BATCH,
-        token_count=plan.token_count,
-        sequence_count=plan.seq_count,
-        served_streams=served,
-    )
+    fresh = big_plan(served)  # nothing computed yet
     for minipochs in ((0, 1), (7, 8), (last,)):
         fresh.compute_early_order(minipochs)
     for m in (0, 1, 7, 8, last):
@@ -124,12 +123,7 @@ def test_early_blocks_are_the_whole_orders(served: tuple[int, ...] | None) -> No
 
 
 def test_early_blocks_only_where_the_whole_order_needs_the_kernel() -> None:
-    small = ShufflePlan.create(
-        FlatTokensParams("fake://tokens", 2, 4, 1, seed=5, sequence_packing=True),
-        BATCH,
-        token_count=4 * 1000,
-        sequence_count=1000,
-    )
+    small = plan_of(1000)
     assert small.early_minipochs(0) == ()
     # 2 minipochs x 4 blocks x the streams served, at most EARLY_ENTRIES_MAX entries
     streams = EARLY_ENTRIES_MAX // 4
@@ -299,12 +293,7 @@ def test_the_openings_fills_are_awaited_without_a_task_per_block(
 def test_computing_no_early_minipochs_computes_nothing() -> None:
     """Where the whole order comes first, ``early_minipochs`` is () and computing the early
     blocks of it does nothing (it raised numpy's 'need at least one array' ValueError)."""
-    small = ShufflePlan.create(
-        FlatTokensParams("fake://tokens", 2, 4, 1, seed=5, sequence_packing=True),
-        BATCH,
-        token_count=4 * 1000,
-        sequence_count=1000,
-    )
+    small = plan_of(1000)
     assert small.early_minipochs(0) == ()
     small.compute_early_order(small.early_minipochs(0))
     assert not small.block_order_known(0)
@@ -314,13 +303,7 @@ def test_computing_no_early_minipochs_computes_nothing() -> None:
 def test_early_blocks_computed_on_two_threads_at_once_are_both_kept() -> None:
     """``compute_early_order`` runs on any thread: two calls at once each keep their blocks
     (each merged what was known when it started, so the last to finish dropped the other's)."""
-    rows = 20_000_000  # ~0.2 s a call: the two overlap
-    plan = ShufflePlan.create(
-        FlatTokensParams("fake://tokens", 2, 4, 1, seed=5, sequence_packing=True),
-        BATCH,
-        token_count=rows * 4,
-        sequence_count=rows,
-    )
+    plan = plan_of(20_000_000)  # ~0.2 s a call: the two overlap
     barrier = threading.Barrier(2)
 
     def compute(minipochs: tuple[int, ...]) -> None:
