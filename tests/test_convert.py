@@ -207,8 +207,10 @@ def test_tiktoken_without_cached_files_fails_offline(
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty-cache"))
     with pytest.raises(ConfigError, match="not in tiktoken's cache"):
         load_tokenizer("tiktoken:cl100k_base")
-    with pytest.raises(ConfigError, match="tiktoken:no_such_encoding"):
+    with pytest.raises(ConfigError, match="tiktoken:no_such_encoding") as unknown:
         load_tokenizer("tiktoken:no_such_encoding")
+    # one line naming the encodings it knows, not tiktoken's three
+    assert "\n" not in str(unknown.value) and "cl100k_base" in str(unknown.value)
 
 
 # -- parallelism, crash safety, CLI -----------------------------------------------------------

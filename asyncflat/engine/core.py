@@ -84,7 +84,7 @@ class Engine:
             source.token_chunk,
             queue=self._scheduler.put,
             ended=self._recorder.fill_ended,
-            on_permutation_ready=self._permutation_ready,
+            on_permutation_ready=self._prefetch_deferred,
             order_wanted=lambda: self.opening.want_whole_order(),
             prefetch=options.prefetch,
         )
@@ -116,6 +116,7 @@ class Engine:
             start_reads=self._scheduler.start,
             requeue=self._scheduler.requeue,
             closed=lambda: self._closed,
+            prefetch_deferred=self._prefetch_deferred,
         )
 
     def open(self, *, fill: bool, write_pages: bool = False) -> None:
@@ -318,12 +319,16 @@ class Engine:
             groups[(stream, minipoch)] = slice(lo, hi)
         return groups
 
-    def _permutation_ready(self, stream: int, minipoch: int) -> None:
+    def _prefetch_deferred(self, *key: int) -> None:
+        """Start the deferred prefetch of ``key`` (stream, minipoch), or every one now due."""
         if self._closed:
             return
         with self._lock:
             self._apply_unpins()
-            self._fills.start_deferred_prefetch(stream, minipoch)
+            if key:
+                self._fills.start_deferred_prefetch(*key)
+            else:
+                self._fills.start_deferred_prefetches()
 
     def _start_prefetches(self, groups: Groups) -> None:
         if self._closed:

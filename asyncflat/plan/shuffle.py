@@ -359,8 +359,8 @@ class ShufflePlan:
         return self.__dict__["served_block_order"]
 
     def early_minipochs(self, minipoch: int) -> tuple[int, ...]:
-        """The minipochs whose blocks :meth:`compute_early_order` computes for a first load
-        in ``minipoch``: it and the next (:data:`EARLY_MINIPOCHS`), when the whole order needs
+        """The minipochs :meth:`compute_early_order` computes for a load in ``minipoch`` while
+        the whole order is unknown: it and the next (:data:`EARLY_MINIPOCHS`), where that needs
         the compiled kernel and they are at most :data:`EARLY_ENTRIES_MAX` entries; else ()."""
         minipochs = tuple(range(minipoch, min(minipoch + EARLY_MINIPOCHS, self.minipoch_count)))
         entries = sum(map(self.blocks_in_minipoch, minipochs)) * len(self.served)

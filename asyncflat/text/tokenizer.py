@@ -126,8 +126,11 @@ class TiktokenTokenizer:
             self._encoding = tiktoken.get_encoding(name)
         except ConfigError:
             raise
-        except ValueError as exc:  # unknown encoding name
-            raise ConfigError(f"tokenizer {spec!r}: {exc}") from exc
+        except ValueError as exc:  # unknown encoding name (tiktoken's message spans 3 lines)
+            known = ", ".join(tiktoken.list_encoding_names())
+            raise ConfigError(
+                f"tokenizer {spec!r}: tiktoken has no encoding {name!r} (it knows: {known})"
+            ) from exc
         finally:
             tiktoken.load.read_file = original
         self.spec = spec
