@@ -213,6 +213,30 @@ def test_tiktoken_without_cached_files_fails_offline(
     assert "\n" not in str(unknown.value) and "cl100k_base" in str(unknown.value)
 
 
+def test_a_known_tiktoken_encoding_that_fails_to_load_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An encoding tiktoken knows whose ranks do not load (a plugin's corrupt ranks file) is
+    reported with tiktoken's reason, not as an encoding tiktoken has not."""
+    import tiktoken
+    import tiktoken.load
+    import tiktoken.registry
+
+    ranks = tmp_path / "broken.tiktoken"
+    ranks.write_text("not base64 at all\n")
+
+    def broken() -> dict[str, object]:
+        bpe = tiktoken.load.load_tiktoken_bpe(str(ranks))  # a local path: no download
+        return {"name": "broken", "pat_str": r"\S+", "mergeable_ranks": bpe, "special_tokens": {}}
+
+    tiktoken.list_encoding_names()  # the registry is filled on first use
+    monkeypatch.setitem(tiktoken.registry.ENCODING_CONSTRUCTORS, "broken_ranks", broken)
+    with pytest.raises(ConfigError, match="tiktoken:broken_ranks") as failed:
+        load_tokenizer("tiktoken:broken_ranks")
+    assert "Error parsing line" in str(failed.value)
+    assert "has no encoding" not in str(failed.value)
+
+
 # -- parallelism, crash safety, CLI -----------------------------------------------------------
 
 

@@ -126,10 +126,14 @@ class TiktokenTokenizer:
             self._encoding = tiktoken.get_encoding(name)
         except ConfigError:
             raise
-        except ValueError as exc:  # unknown encoding name (tiktoken's message spans 3 lines)
-            known = ", ".join(tiktoken.list_encoding_names())
+        except ValueError as exc:
+            known = tiktoken.list_encoding_names()
+            if name in known:  # it exists but did not load (its ranks): say why
+                raise ConfigError(f"tokenizer {spec!r}: {exc}") from exc
+            # an unknown name (tiktoken's message spans 3 lines)
             raise ConfigError(
-                f"tokenizer {spec!r}: tiktoken has no encoding {name!r} (it knows: {known})"
+                f"tokenizer {spec!r}: tiktoken has no encoding {name!r} "
+                f"(it knows: {', '.join(known)})"
             ) from exc
         finally:
             tiktoken.load.read_file = original
