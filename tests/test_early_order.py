@@ -35,6 +35,7 @@ from asyncflat import (
     ShufflingLoader,
     TokenBatchParams,
 )
+from asyncflat.engine.opening import EARLY_REQUESTS_MAX
 from asyncflat.errors import ConfigError
 from asyncflat.plan.entries import permutation_entries
 from asyncflat.plan.permutation import NO_COMPILE_MAX, Stop, Stopped, permutation
@@ -374,6 +375,52 @@ def test_a_load_waiting_for_its_early_blocks_is_not_stopped_by_another(
         for thread in threads.values():
             thread.join(30)
         assert served == [0, 2 * 7]  # neither waited for the whole order
+        for step, batch in batches.items():
+            check(dataset, batch, step)
+
+
+def test_loads_jumping_to_many_minipochs_compute_few_early_blocks_at_once(
+    dataset: str,
+    held_order: tuple[threading.Event, threading.Event],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Loads of five far minipochs at once, before the whole order lands: at most
+    EARLY_REQUESTS_MAX compute their own blocks (each draws every swap of the split); the
+    others wait for the whole order, which serves them all as it lands."""
+    release, asked = held_order
+    gate, compute = threading.Event(), ShufflePlan.compute_early_order
+
+    def gated(plan: ShufflePlan, minipochs: tuple[int, ...], *args: object) -> None:
+        if minipochs[0] != 0:
+            gate.wait(HELD_S)
+        compute(plan, minipochs, *args)  # type: ignore[arg-type]
+
+    def computing() -> int:
+        return sum(t.name == "asyncflat-early-blocks" for t in threading.enumerate())
+
+    monkeypatch.setattr(ShufflePlan, "compute_early_order", gated)
+    with ShufflingLoader("train", params(dataset), BATCH, SINGLE) as loader:
+        check(dataset, loader.load(0), 0)
+        assert asked.wait(10)
+        wait_until(lambda: computing() == 0, "the opening's early blocks")
+        batches: dict[int, object] = {}
+        steps = (10, 20, 30, 40, 50)  # minipochs 5, 10, 15, 20, 25
+        threads = [
+            threading.Thread(target=lambda s=step: batches.update({s: loader.load(s)}))
+            for step in steps
+        ]
+        try:
+            for thread in threads:
+                thread.start()
+            wait_until(lambda: computing() >= EARLY_REQUESTS_MAX, "the early requests")
+            time.sleep(0.3)
+            assert computing() == EARLY_REQUESTS_MAX and not batches
+            release.set()  # the whole order lands: every load is served by it
+            for thread in threads:
+                thread.join(30)
+        finally:
+            gate.set()
+        assert sorted(batches) == list(steps)
         for step, batch in batches.items():
             check(dataset, batch, step)
 

@@ -38,7 +38,7 @@ from asyncflat.engine.table import FillTable
 from asyncflat.plan.permutation import Stop, whole_permutation_size
 from asyncflat.plan.shuffle import NEVER, ShufflePlan, block_deadlines
 
-__all__ = ["ORDER_PAGES_MIN", "ORDER_PAGES_PIECE_BYTES", "Opening"]
+__all__ = ["EARLY_REQUESTS_MAX", "ORDER_PAGES_MIN", "ORDER_PAGES_PIECE_BYTES", "Opening"]
 
 log = logging.getLogger("asyncflat.engine")
 
@@ -46,6 +46,12 @@ log = logging.getLogger("asyncflat.engine")
 ORDER_PAGES_MIN = 1 << 20
 #: bytes one job writes of the block order's array
 ORDER_PAGES_PIECE_BYTES = 32 << 20
+#: early requests that loads wait for, computing at once at most: each draws every swap of the
+#: split on up to 8 threads, so loads jumping to many minipochs before the whole order lands
+#: slowed each other and the order, which serves them all at once (8 jumps from 8 threads at
+#: 62.5M read blocks on two cores: the order 2.5-3.6 s against 1.5-2.7 s, each load 6.5-7.8 s
+#: against 4.9-6.7 s, without a bound); a load beyond them waits for the whole order
+EARLY_REQUESTS_MAX = 2
 
 
 class Opening:
@@ -112,16 +118,20 @@ class Opening:
 
     def _early_order(
         self, minipochs: tuple[int, ...], needed: Iterable[int] = ()
-    ) -> asyncio.Future[None]:
+    ) -> asyncio.Future[None] | None:
         """Compute the blocks of ``minipochs`` alone (``plan.compute_early_order``: for a
         load there, without the kernel) on a thread of its own (0.2 s at 14.3M read blocks,
         seconds at 10^8: not on the loop's background thread, whose jobs must each be short);
         a future settled once done. One under way that covers ``needed`` serves instead;
         others still computing that no load waits for are stopped: a load elsewhere (a
-        resume, a jump) waits for its own only, and never makes another wait for more."""
+        resume, a jump) waits for its own only, and never makes another wait for more. None
+        where :data:`EARLY_REQUESTS_MAX` others that loads wait for are under way."""
         for covered, (future, stop) in self._earlies.items():
             if set(needed or minipochs) <= set(covered) and not stop.is_set():
                 return future
+        waited = [f for f, _ in self._earlies.values() if not f.done() and self._early_waits[f]]
+        if len(waited) >= EARLY_REQUESTS_MAX:
+            return None
         for future, stop in self._earlies.values():
             if not future.done() and not self._early_waits[future]:
                 stop.set()
@@ -131,7 +141,7 @@ class Opening:
         # there must not wait for the loop, which waits for them (it stalled 15 s)
         args = (minipochs, stop, thread_adopter())
         future, thread = on_own_thread("asyncflat-early-blocks", compute, *args)
-        self._threads.append(thread)
+        self._threads = [*(t for t in self._threads if t.is_alive()), thread]
         self._earlies[minipochs] = (future, stop)
         return future
 
@@ -141,6 +151,7 @@ class Opening:
         if not self._closed() and not order.cancelled() and order.exception() is None:
             for _, stop in self._earlies.values():  # moot now: their loads woke with it
                 stop.set()
+            self._earlies.clear()
             self._prefetch_deferred()
 
     def want_whole_order(self) -> None:
@@ -204,13 +215,17 @@ class Opening:
         assert self._order is not None
         if not set(needed) <= set(early) or self._order.done():
             return False
-        # stopped for another load's, or failed: the whole order serves them
         future = self._early_order(early, needed)
+        if future is None:
+            return False  # enough others under way: the whole order serves it
+        # stopped for another load's, or failed: the whole order serves them
         self._early_waits[future] += load
         try:  # neither is cancelled with this task, nor raises here
             await asyncio.wait((future, self._order), return_when=asyncio.FIRST_COMPLETED)
         finally:
             self._early_waits[future] -= load
+            if self._early_waits[future] <= 0:
+                del self._early_waits[future]
         return all(map(known, needed))
 
     def start(self, *, fill: bool, write_pages: bool = False) -> None:
