@@ -160,8 +160,8 @@ class Opening:
         a load returned, or the fills started on opening are done. The trainer cannot need
         it sooner (minipoch 2's prefetch, at the earliest), and beside a first fill its
         kernel's import (holding the GIL), compile and draws delay that fill by about their
-        time on two cores. Until it lands, a load of a minipoch it alone would give (a jump
-        to the end of the split) computes that minipoch's blocks alone (:meth:`_early_known`)."""
+        time on two cores. Until it lands, a load of a minipoch whose blocks are not known
+        (a jump to the end of the split) computes them alone (:meth:`_early_known`)."""
         if self._whole_wanted.is_set():
             return
         self._whole_wanted.set()
@@ -203,11 +203,11 @@ class Opening:
         await asyncio.shield(self._order)
 
     async def _early_known(self, needed: list[int], *, load: bool = True) -> bool:
-        """Whether the blocks of ``needed`` are known, after computing them alone where the
-        plan computes them early, or the whole order landing first, whichever comes first.
+        """Whether the blocks of ``needed`` are known, after waiting for them computed alone
+        (where the plan computes them early) or for the whole order, whichever lands first.
         ``load``: a load waits for them (no later request stops them; the opening's fills do
         not hold them). A jump to the end of 10^14 tokens right after the first load took
-        1.7-1.8 s on two cores, against 2.9-3.0 s waiting for the whole order."""
+        1.7-1.8 s on two cores, against 2.7-2.9 s waiting for the whole order."""
         known = self._plan.block_order_known
         if all(map(known, needed)):
             return True
@@ -218,7 +218,6 @@ class Opening:
         future = self._early_order(early, needed)
         if future is None:
             return False  # enough others under way: the whole order serves it
-        # stopped for another load's, or failed: the whole order serves them
         self._early_waits[future] += load
         try:  # neither is cancelled with this task, nor raises here
             await asyncio.wait((future, self._order), return_when=asyncio.FIRST_COMPLETED)
@@ -226,7 +225,7 @@ class Opening:
             self._early_waits[future] -= load
             if self._early_waits[future] <= 0:
                 del self._early_waits[future]
-        return all(map(known, needed))
+        return all(map(known, needed))  # else stopped or failed: the whole order serves them
 
     def start(self, *, fill: bool, write_pages: bool = False) -> None:
         """Start computing the block order (``write_pages``: see :meth:`start_planning`) and,
