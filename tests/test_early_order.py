@@ -425,6 +425,50 @@ def test_loads_jumping_to_many_minipochs_compute_few_early_blocks_at_once(
             check(dataset, batch, step)
 
 
+def test_a_load_waiting_for_its_own_blocks_outlives_a_failed_whole_order(
+    dataset: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole order fails (say a MemoryError at 10^14 tokens) while a load waits for its
+    own minipochs' blocks, computed alone: those still serve it (it raised the order's error)."""
+    fail, gate = threading.Event(), threading.Event()
+    compute = ShufflePlan.compute_early_order
+
+    def failing(plan: ShufflePlan, *args: object, **kwargs: object) -> np.ndarray:
+        fail.wait(HELD_S)
+        raise RuntimeError("the whole order failed")
+
+    def gated(plan: ShufflePlan, minipochs: tuple[int, ...], *args: object) -> None:
+        if minipochs[0] != 0:
+            gate.wait(HELD_S)
+        compute(plan, minipochs, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ShufflePlan, "compute_block_order", failing)
+    monkeypatch.setattr(ShufflePlan, "compute_early_order", gated)
+    with ShufflingLoader("train", params(dataset), BATCH, SINGLE) as loader:
+        check(dataset, loader.load(0), 0)
+        outcome: list[object] = []
+
+        def load() -> None:
+            try:
+                outcome.append(loader.load(10))  # minipoch 5: beyond the opening's blocks
+            except Exception as exc:  # asserted below
+                outcome.append(exc)
+
+        waiting = threading.Thread(target=load)
+        try:
+            waiting.start()
+            time.sleep(0.3)  # waiting for its own blocks
+            fail.set()
+            time.sleep(0.3)  # the whole order failed meanwhile
+            gate.set()
+            waiting.join(30)
+        finally:
+            fail.set()
+            gate.set()
+        assert len(outcome) == 1 and not isinstance(outcome[0], Exception), outcome
+        check(dataset, outcome[0], 10)
+
+
 def test_a_loader_collected_on_a_thread_of_its_early_blocks_closes_at_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
