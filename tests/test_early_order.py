@@ -35,7 +35,7 @@ from asyncflat import (
     ShufflingLoader,
     TokenBatchParams,
 )
-from asyncflat.engine.opening import EARLY_REQUESTS_MAX
+from asyncflat.engine.opening import EARLY_REQUESTS_BESIDE_ORDER_MAX, EARLY_REQUESTS_MAX
 from asyncflat.errors import ConfigError
 from asyncflat.plan.entries import permutation_entries
 from asyncflat.plan.permutation import NO_COMPILE_MAX, Stop, Stopped, permutation
@@ -379,14 +379,17 @@ def test_a_load_waiting_for_its_early_blocks_is_not_stopped_by_another(
             check(dataset, batch, step)
 
 
+@pytest.mark.parametrize("wanted", [True, False], ids=["beside_the_order", "first_loads"])
 def test_loads_jumping_to_many_minipochs_compute_few_early_blocks_at_once(
     dataset: str,
     held_order: tuple[threading.Event, threading.Event],
     monkeypatch: pytest.MonkeyPatch,
+    wanted: bool,
 ) -> None:
-    """Loads of five far minipochs at once, before the whole order lands: at most
-    EARLY_REQUESTS_MAX compute their own blocks (each draws every swap of the split); the
-    others wait for the whole order, which serves them all as it lands."""
+    """Loads of five far minipochs at once: at most EARLY_REQUESTS_MAX compute their own
+    blocks (each draws every swap of the split), EARLY_REQUESTS_BESIDE_ORDER_MAX once the
+    whole order is wanted (a load returned); the others wait for the whole order, which
+    serves them all as it lands."""
     release, asked = held_order
     gate, compute = threading.Event(), ShufflePlan.compute_early_order
 
@@ -399,9 +402,12 @@ def test_loads_jumping_to_many_minipochs_compute_few_early_blocks_at_once(
         return sum(t.name == "asyncflat-early-blocks" for t in threading.enumerate())
 
     monkeypatch.setattr(ShufflePlan, "compute_early_order", gated)
-    with ShufflingLoader("train", params(dataset), BATCH, SINGLE) as loader:
-        check(dataset, loader.load(0), 0)
-        assert asked.wait(10)
+    most = EARLY_REQUESTS_BESIDE_ORDER_MAX if wanted else EARLY_REQUESTS_MAX
+    options = EngineOptions(fill_on_open="never")  # nothing but a load asks for the order
+    with ShufflingLoader("train", params(dataset), BATCH, SINGLE, options=options) as loader:
+        if wanted:
+            check(dataset, loader.load(0), 0)
+        assert asked.wait(10 if wanted else 0.3) == wanted
         wait_until(lambda: computing() == 0, "the opening's early blocks")
         batches: dict[int, object] = {}
         steps = (10, 20, 30, 40, 50)  # minipochs 5, 10, 15, 20, 25
@@ -412,9 +418,9 @@ def test_loads_jumping_to_many_minipochs_compute_few_early_blocks_at_once(
         try:
             for thread in threads:
                 thread.start()
-            wait_until(lambda: computing() >= EARLY_REQUESTS_MAX, "the early requests")
+            wait_until(lambda: computing() >= most, "the early requests")
             time.sleep(0.3)
-            assert computing() == EARLY_REQUESTS_MAX and not batches
+            assert computing() == most and not batches
             release.set()  # the whole order lands: every load is served by it
             for thread in threads:
                 thread.join(30)

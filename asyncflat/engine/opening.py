@@ -39,7 +39,13 @@ from asyncflat.engine.table import FillTable
 from asyncflat.plan.permutation import Stop, whole_permutation_size
 from asyncflat.plan.shuffle import NEVER, ShufflePlan, block_deadlines
 
-__all__ = ["EARLY_REQUESTS_MAX", "ORDER_PAGES_MIN", "ORDER_PAGES_PIECE_BYTES", "Opening"]
+__all__ = [
+    "EARLY_REQUESTS_BESIDE_ORDER_MAX",
+    "EARLY_REQUESTS_MAX",
+    "ORDER_PAGES_MIN",
+    "ORDER_PAGES_PIECE_BYTES",
+    "Opening",
+]
 
 log = logging.getLogger("asyncflat.engine")
 
@@ -47,12 +53,17 @@ log = logging.getLogger("asyncflat.engine")
 ORDER_PAGES_MIN = 1 << 20
 #: bytes one job writes of the block order's array
 ORDER_PAGES_PIECE_BYTES = 32 << 20
-#: early requests that loads wait for, computing at once at most: each draws every swap of the
-#: split on up to 8 threads, so loads jumping to many minipochs before the whole order lands
-#: slowed each other and the order, which serves them all at once (8 jumps from 8 threads at
-#: 62.5M read blocks on two cores: the order 2.5-3.6 s against 1.5-2.7 s, each load 6.5-7.8 s
-#: against 4.9-6.7 s, without a bound); a load beyond them waits for the whole order
+#: early requests that loads wait for, computing at once at most (two first loads at once: two
+#: threads resuming, say); a load beyond them waits for the whole order. Each draws every swap
+#: of the split on up to 8 threads, so loads jumping to many minipochs before the whole order
+#: lands slowed each other and the order, which serves them all at once (8 jumps from 8
+#: threads at 62.5M read blocks on two cores, unbounded: the order 2.5-3.6 s against 1.5-2.7 s,
+#: each load 6.5-7.8 s against 4.9-6.7 s)
 EARLY_REQUESTS_MAX = 2
+#: the same while the whole order is computed, beside it (8 jumps at 95M read blocks, two
+#: cores, median load: 4.1-4.5 s with 2, 3.6-4.0 s with 1, 3.5-3.6 s waiting for the order; one
+#: jump: 1.7-1.8 s against 2.7-2.9 s)
+EARLY_REQUESTS_BESIDE_ORDER_MAX = 1
 
 
 class Opening:
@@ -126,12 +137,14 @@ class Opening:
         a future settled once done. One under way that covers ``needed`` serves instead;
         others still computing that no load waits for are stopped: a load elsewhere (a
         resume, a jump) waits for its own only, and never makes another wait for more. None
-        where :data:`EARLY_REQUESTS_MAX` others that loads wait for are under way."""
+        where :data:`EARLY_REQUESTS_MAX` others that loads wait for are under way
+        (:data:`EARLY_REQUESTS_BESIDE_ORDER_MAX` once the whole order is wanted)."""
         for covered, (future, stop) in self._earlies.items():
             if set(needed or minipochs) <= set(covered) and not stop.is_set():
                 return future
         waited = [f for f, _ in self._earlies.values() if not f.done() and self._early_waits[f]]
-        if len(waited) >= EARLY_REQUESTS_MAX:
+        beside = self._whole_wanted.is_set()
+        if len(waited) >= (EARLY_REQUESTS_BESIDE_ORDER_MAX if beside else EARLY_REQUESTS_MAX):
             return None
         for future, stop in self._earlies.values():
             if not future.done() and not self._early_waits[future]:
