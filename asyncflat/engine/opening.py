@@ -62,7 +62,7 @@ ORDER_PAGES_PIECE_BYTES = 32 << 20
 EARLY_REQUESTS_MAX = 2
 #: the same while the whole order is computed, beside it (8 jumps at 95M read blocks, two
 #: cores, median load: 4.1-4.5 s with 2, 3.6-4.0 s with 1, 3.5-3.6 s waiting for the order; one
-#: jump: 1.7-1.8 s against 2.7-2.9 s)
+#: jump: 1.5-2.0 s against 2.4-3.0 s)
 EARLY_REQUESTS_BESIDE_ORDER_MAX = 1
 
 
@@ -222,7 +222,7 @@ class Opening:
         (the whole order failing first, for them still).
         ``load``: a load waits for them (no later request stops them; the opening's fills do
         not hold them). A jump to the end of 10^14 tokens right after the first load took
-        1.7-1.8 s on two cores, against 2.7-2.9 s waiting for the whole order."""
+        1.5-2.0 s on two cores, against 2.4-3.0 s waiting for the whole order."""
         known = self._plan.block_order_known
         if all(map(known, needed)):
             return True
