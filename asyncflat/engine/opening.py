@@ -219,9 +219,8 @@ class Opening:
     async def _early_known(self, needed: list[int], *, load: bool = True) -> bool:
         """Whether the blocks of ``needed`` are known, after waiting for them computed alone
         (where the plan computes them early) or for the whole order, whichever lands first
-        (the whole order failing first, for them still).
-        ``load``: a load waits for them (no later request stops them; the opening's fills do
-        not hold them). A jump to the end of 10^14 tokens right after the first load took
+        (if the whole order fails, for them still). ``load``: a load waits for them (no later
+        request stops them; the opening's fills do not hold them). A jump to the end of 10^14 tokens right after the first load took
         1.5-2.0 s on two cores, against 2.4-3.0 s waiting for the whole order."""
         known = self._plan.block_order_known
         if all(map(known, needed)):
