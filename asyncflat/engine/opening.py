@@ -170,8 +170,8 @@ class Opening:
 
     def want_whole_order(self) -> None:
         """Let the whole block order be computed (on the loop; idempotent): at once where the
-        plan has no early blocks; else once a load or a prefetch needs a minipoch they lack,
-        a load returned, or the fills started on opening are done. The trainer cannot need
+        plan has no early blocks; else once a load or a prefetch needs a minipoch whose
+        blocks it cannot get alone, a load returned, or the fills started on opening are done. The trainer cannot need
         it sooner (minipoch 2's prefetch, at the earliest), and beside a first fill its
         kernel's import (holding the GIL), compile and draws delay that fill by about their
         time on two cores. Until it lands, a load of a minipoch whose blocks are not known
