@@ -35,7 +35,7 @@ from asyncflat import (
     ShufflingLoader,
     TokenBatchParams,
 )
-from asyncflat.engine.opening import EARLY_REQUESTS_BESIDE_ORDER_MAX, EARLY_REQUESTS_MAX
+from asyncflat.engine.opening import EARLY_REQUESTS_MAX
 from asyncflat.errors import ConfigError
 from asyncflat.plan.entries import permutation_entries
 from asyncflat.plan.permutation import NO_COMPILE_MAX, Stop, Stopped, permutation
@@ -319,20 +319,29 @@ def test_early_blocks_computed_on_two_threads_at_once_are_both_kept() -> None:
     assert "served_block_order" not in vars(plan)
 
 
+def early_threads() -> int:
+    """The threads computing early blocks now (one a request)."""
+    return sum(t.name == "asyncflat-early-blocks" for t in threading.enumerate())
+
+
+def computing_early_blocks(label: str) -> ShufflingLoader:
+    """A loader of 2x10^12 synthetic tokens (122M read blocks: ~2 s of draws), returned once
+    its early blocks are being computed."""
+    from asyncflat.testing import SyntheticCounts  # registers synthetic://
+
+    storage = {"tokens": 2 * 10**12, "chunk_tokens": 1 << 22, "counts": SyntheticCounts()}
+    big = FlatTokensParams(f"synthetic://{label}", 1, 16, 8, 0, True, storage_options=storage)
+    loader = ShufflingLoader("train", big, TokenBatchParams(len=2048, batch=8), SINGLE)
+    wait_until(lambda: early_threads() > 0, "the early blocks' thread")
+    return loader
+
+
 def test_closing_stops_the_early_blocks_and_leaves_no_thread() -> None:
     """A loader closed while its early blocks are computed (122M read blocks: ~2 s of draws)
     stops them within a piece, and no thread of it is left."""
     from helpers.resources import library_threads
 
-    from asyncflat.testing import SyntheticCounts  # registers synthetic://
-
-    storage = {"tokens": 2 * 10**12, "chunk_tokens": 1 << 22, "counts": SyntheticCounts()}
-    big = FlatTokensParams("synthetic://early", 1, 16, 8, 0, True, storage_options=storage)
-    loader = ShufflingLoader("train", big, TokenBatchParams(len=2048, batch=8), SINGLE)
-    wait_until(
-        lambda: any(t.name == "asyncflat-early-blocks" for t in threading.enumerate()),
-        "the early blocks' thread",
-    )
+    loader = computing_early_blocks("early")
     started = time.perf_counter()
     loader.close()
     assert time.perf_counter() - started < 1.0
@@ -387,9 +396,9 @@ def test_loads_jumping_to_many_minipochs_compute_few_early_blocks_at_once(
     wanted: bool,
 ) -> None:
     """Loads of five far minipochs at once: at most EARLY_REQUESTS_MAX compute their own
-    blocks (each draws every swap of the split), EARLY_REQUESTS_BESIDE_ORDER_MAX once the
-    whole order is wanted (a load returned); the others wait for the whole order, which
-    serves them all as it lands."""
+    blocks (each draws every swap of the split), one fewer once the whole order's walk is
+    wanted (a load returned); the others wait for the whole order, which serves them all as
+    it lands."""
     release, asked = held_order
     gate, compute = threading.Event(), ShufflePlan.compute_early_order
 
@@ -398,17 +407,14 @@ def test_loads_jumping_to_many_minipochs_compute_few_early_blocks_at_once(
             gate.wait(HELD_S)
         compute(plan, minipochs, *args)  # type: ignore[arg-type]
 
-    def computing() -> int:
-        return sum(t.name == "asyncflat-early-blocks" for t in threading.enumerate())
-
     monkeypatch.setattr(ShufflePlan, "compute_early_order", gated)
-    most = EARLY_REQUESTS_BESIDE_ORDER_MAX if wanted else EARLY_REQUESTS_MAX
+    most = EARLY_REQUESTS_MAX - wanted
     options = EngineOptions(fill_on_open="never")  # nothing but a load asks for the order
     with ShufflingLoader("train", params(dataset), BATCH, SINGLE, options=options) as loader:
         if wanted:
             check(dataset, loader.load(0), 0)
         assert asked.wait(10 if wanted else 0.3) == wanted
-        wait_until(lambda: computing() == 0, "the opening's early blocks")
+        wait_until(lambda: early_threads() == 0, "the opening's early blocks")
         batches: dict[int, object] = {}
         steps = (10, 20, 30, 40, 50)  # minipochs 5, 10, 15, 20, 25
         threads = [
@@ -418,9 +424,9 @@ def test_loads_jumping_to_many_minipochs_compute_few_early_blocks_at_once(
         try:
             for thread in threads:
                 thread.start()
-            wait_until(lambda: computing() >= most, "the early requests")
+            wait_until(lambda: early_threads() >= most, "the early requests")
             time.sleep(0.3)
-            assert computing() == most and not batches
+            assert early_threads() == most and not batches
             release.set()  # the whole order lands: every load is served by it
             for thread in threads:
                 thread.join(30)
@@ -485,8 +491,6 @@ def test_a_loader_collected_on_a_thread_of_its_early_blocks_closes_at_once(
 
     from helpers.resources import library_threads
 
-    from asyncflat.testing import SyntheticCounts  # registers synthetic://
-
     armed, took = threading.Event(), []
     philox = np.random.Philox
 
@@ -499,13 +503,7 @@ def test_a_loader_collected_on_a_thread_of_its_early_blocks_closes_at_once(
         return philox(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(np.random, "Philox", collecting)
-    storage = {"tokens": 2 * 10**12, "chunk_tokens": 1 << 22, "counts": SyntheticCounts()}
-    big = FlatTokensParams("synthetic://early-gc", 1, 16, 8, 0, True, storage_options=storage)
-    loader = ShufflingLoader("train", big, TokenBatchParams(len=2048, batch=8), SINGLE)
-    wait_until(
-        lambda: any(t.name == "asyncflat-early-blocks" for t in threading.enumerate()),
-        "the early blocks' thread",
-    )
+    loader = computing_early_blocks("early-gc")
     cycle: list[object] = [loader]
     cycle.append(cycle)
     gc.disable()  # collected on the drawing thread only

@@ -39,13 +39,7 @@ from asyncflat.engine.table import FillTable
 from asyncflat.plan.permutation import Stop, whole_permutation_size
 from asyncflat.plan.shuffle import NEVER, ShufflePlan, block_deadlines
 
-__all__ = [
-    "EARLY_REQUESTS_BESIDE_ORDER_MAX",
-    "EARLY_REQUESTS_MAX",
-    "ORDER_PAGES_MIN",
-    "ORDER_PAGES_PIECE_BYTES",
-    "Opening",
-]
+__all__ = ["EARLY_REQUESTS_MAX", "ORDER_PAGES_MIN", "ORDER_PAGES_PIECE_BYTES", "Opening"]
 
 log = logging.getLogger("asyncflat.engine")
 
@@ -53,17 +47,15 @@ log = logging.getLogger("asyncflat.engine")
 ORDER_PAGES_MIN = 1 << 20
 #: bytes one job writes of the block order's array
 ORDER_PAGES_PIECE_BYTES = 32 << 20
-#: early requests that loads wait for, computing at once at most (two first loads at once: two
-#: threads resuming, say); a load beyond them waits for the whole order. Each draws every swap
-#: of the split on up to 8 threads, so loads jumping to many minipochs before the whole order
-#: lands slowed each other and the order, which serves them all at once (8 jumps from 8
-#: threads at 62.5M read blocks on two cores, unbounded: the order 2.5-3.6 s against 1.5-2.7 s,
-#: each load 6.5-7.8 s against 4.9-6.7 s)
+#: walks of the whole split's draws at once at most: early requests that loads wait for, and
+#: the whole order's computation once wanted (two first loads at once before it: two threads
+#: resuming, say; one jump beside it). A load beyond them waits for the whole order, which
+#: serves every load at once: loads jumping to many minipochs slowed each other and the order
+#: (8 jumps from 8 threads at 62.5M read blocks on two cores, unbounded: the order 2.5-3.6 s
+#: against 1.5-2.7 s, each load 6.5-7.8 s against 4.9-6.7 s; at 95M, median load 4.1-4.5 s
+#: with two requests beside the order, 3.6-4.0 s with one, 3.5-3.6 s waiting for the order;
+#: one jump: 1.5-2.0 s against 2.4-3.0 s)
 EARLY_REQUESTS_MAX = 2
-#: the same while the whole order is computed, beside it (8 jumps at 95M read blocks, two
-#: cores, median load: 4.1-4.5 s with 2, 3.6-4.0 s with 1, 3.5-3.6 s waiting for the order; one
-#: jump: 1.5-2.0 s against 2.4-3.0 s)
-EARLY_REQUESTS_BESIDE_ORDER_MAX = 1
 
 
 class Opening:
@@ -137,14 +129,12 @@ class Opening:
         a future settled once done. One under way that covers ``needed`` serves instead;
         others still computing that no load waits for are stopped: a load elsewhere (a
         resume, a jump) waits for its own only, and never makes another wait for more. None
-        where :data:`EARLY_REQUESTS_MAX` others that loads wait for are under way
-        (:data:`EARLY_REQUESTS_BESIDE_ORDER_MAX` once the whole order is wanted)."""
+        where :data:`EARLY_REQUESTS_MAX` walks of the split are under way."""
         for covered, (future, stop) in self._earlies.items():
             if set(needed or minipochs) <= set(covered) and not stop.is_set():
                 return future
         waited = [f for f, _ in self._earlies.values() if not f.done() and self._early_waits[f]]
-        beside = self._whole_wanted.is_set()
-        if len(waited) >= (EARLY_REQUESTS_BESIDE_ORDER_MAX if beside else EARLY_REQUESTS_MAX):
+        if len(waited) + self._whole_wanted.is_set() >= EARLY_REQUESTS_MAX:
             return None
         for future, stop in self._earlies.values():
             if not future.done() and not self._early_waits[future]:
@@ -171,10 +161,10 @@ class Opening:
     def want_whole_order(self) -> None:
         """Let the whole block order be computed (on the loop; idempotent): at once where the
         plan has no early blocks; else once a load or a prefetch needs a minipoch whose
-        blocks it cannot get alone, a load returned, or the fills started on opening are done. The trainer cannot need
-        it sooner (minipoch 2's prefetch, at the earliest), and beside a first fill its
-        kernel's import (holding the GIL), compile and draws delay that fill by about their
-        time on two cores. Until it lands, a load of a minipoch whose blocks are not known
+        blocks it cannot get alone, a load returned, or the fills started on opening are
+        done. The trainer cannot need it sooner (minipoch 2's prefetch, at the earliest), and
+        beside a first fill its kernel's import (holding the GIL), compile and draws delay
+        that fill by about their time on two cores. Until it lands, a load of a minipoch whose blocks are not known
         (a jump to the end of the split) computes them alone (:meth:`_early_known`)."""
         if self._whole_wanted.is_set():
             return
@@ -220,8 +210,9 @@ class Opening:
         """Whether the blocks of ``needed`` are known, after waiting for them computed alone
         (where the plan computes them early) or for the whole order, whichever lands first
         (if the whole order fails, for them still). ``load``: a load waits for them (no later
-        request stops them; the opening's fills do not hold them). A jump to the end of 10^14 tokens right after the first load took
-        1.5-2.0 s on two cores, against 2.4-3.0 s waiting for the whole order."""
+        request stops them; the opening's fills do not hold them). A jump to the end of 10^14
+        tokens right after the first load took 1.5-2.0 s on two cores, against 2.4-3.0 s
+        waiting for the whole order."""
         known = self._plan.block_order_known
         if all(map(known, needed)):
             return True
