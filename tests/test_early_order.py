@@ -23,6 +23,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import oracle, random_sequences, wait_until
+from helpers.fake_source import SEQ_LEN, FakeSource, make_data
 
 import asyncflat
 from asyncflat import (
@@ -35,6 +36,7 @@ from asyncflat import (
     ShufflingLoader,
     TokenBatchParams,
 )
+from asyncflat.engine import Engine
 from asyncflat.engine.opening import EARLY_REQUESTS_MAX
 from asyncflat.errors import ConfigError
 from asyncflat.plan.entries import permutation_entries
@@ -515,3 +517,39 @@ def test_a_loader_collected_on_a_thread_of_its_early_blocks_closes_at_once(
         gc.enable()
     assert took[0] < 5, took
     wait_until(lambda: library_threads() == [], "no thread of the loader left")
+
+
+def test_a_first_load_elsewhere_before_the_opening_asks_leaves_it_no_walk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A first load in minipoch 5 that asks for its blocks in the opening's own turn of the
+    loop, before the fills on opening first ran, stops the opening's request; those fills then
+    start no request of their own (it read the whole split's draws beside the load's for a
+    step 0 no load asked for): two walks of the split, and the load is right."""
+    asked: list[tuple[int, ...]] = []
+    compute = ShufflePlan.compute_early_order
+
+    def recorded(plan: ShufflePlan, minipochs: tuple[int, ...], *args: object) -> None:
+        asked.append(minipochs)
+        compute(plan, minipochs, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ShufflePlan, "compute_early_order", recorded)
+    source = FakeSource(*make_data(rows=NO_COMPILE_MAX + 4000), chunk=SEQ_LEN * 64)
+    params = FlatTokensParams(source.name, 2, 4, 1, seed=5, sequence_packing=True)
+    batch = TokenBatchParams(len=SEQ_LEN, batch=4)
+    counts = {"token_count": source.token_count, "sequence_count": source.sequence_count}
+    plan = ShufflePlan.create(params, batch, **counts)
+    assert plan.early_minipochs(0) == (0, 1) and plan.step_count > 10
+    engine = Engine(plan, source, range(2), EngineOptions(fill_on_open="always"))
+
+    async def first_load() -> np.ndarray:
+        try:
+            engine.open(fill=True)
+            return await engine.gather(10, np.arange(4))  # minipoch 5: two steps a minipoch
+        finally:
+            await engine.aclose()  # joins every thread that computed early blocks
+
+    rows = asyncio.run(asyncio.wait_for(first_load(), 60))
+    want = oracle((source.tokens, source.starts), plan).encoded_batch(10)
+    np.testing.assert_array_equal(rows, want)
+    assert asked == [(0, 1), (5, 6)]

@@ -121,7 +121,7 @@ class Opening:
             self.want_whole_order()
 
     def _early_order(
-        self, minipochs: tuple[int, ...], needed: Iterable[int] = ()
+        self, minipochs: tuple[int, ...], needed: Iterable[int] = (), *, start: bool = True
     ) -> asyncio.Future[None] | None:
         """Compute the blocks of ``minipochs`` alone (``plan.compute_early_order``: for a
         load there, without the kernel) on a thread of its own (0.2 s at 14.3M read blocks,
@@ -129,10 +129,13 @@ class Opening:
         a future settled once done. One under way that covers ``needed`` serves instead;
         others still computing that no load waits for are stopped: a load elsewhere (a
         resume, a jump) waits for its own only, and never makes another wait for more. None
-        where :data:`EARLY_REQUESTS_MAX` walks of the split are under way."""
+        where :data:`EARLY_REQUESTS_MAX` walks of the split are under way, or where none
+        under way serves and ``start`` is false."""
         for covered, (future, stop) in self._earlies.items():
             if set(needed or minipochs) <= set(covered) and not stop.is_set():
                 return future
+        if not start:
+            return None
         waited = [f for f, _ in self._earlies.values() if not f.done() and self._early_waits[f]]
         if len(waited) + self._whole_wanted.is_set() >= EARLY_REQUESTS_MAX:
             return None
@@ -210,7 +213,8 @@ class Opening:
         """Whether the blocks of ``needed`` are known, after waiting for them computed alone
         (where the plan computes them early) or for the whole order, whichever lands first
         (if the whole order fails, for them still). ``load``: a load waits for them (no later
-        request stops them; the opening's fills do not hold them). A jump to the end of 10^14
+        request stops them); else the opening's fills, which hold none and start none (a first
+        load elsewhere stopped theirs, perhaps before they first asked). A jump to the end of 10^14
         tokens right after the first load took 1.5-2.0 s on two cores, against 2.4-3.0 s
         waiting for the whole order."""
         known = self._plan.block_order_known
@@ -220,7 +224,7 @@ class Opening:
         assert self._order is not None
         if not set(needed) <= set(early) or self._order.done():
             return False
-        future = self._early_order(early, needed)
+        future = self._early_order(early, needed, start=load)
         if future is None:
             return False  # enough others under way: the whole order serves it
         self._early_waits[future] += load
