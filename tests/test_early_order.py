@@ -15,6 +15,7 @@ once a load returned, the opening's fills are done, or something needs a later m
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -553,3 +554,33 @@ def test_a_first_load_elsewhere_before_the_opening_asks_leaves_it_no_walk(
     want = oracle((source.tokens, source.starts), plan).encoded_batch(10)
     np.testing.assert_array_equal(rows, want)
     assert asked == [(0, 1), (5, 6)]
+
+
+def test_a_failed_early_request_falls_back_to_the_whole_order_with_a_warning(
+    dataset: str,
+    held_order: tuple[threading.Event, threading.Event],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Computing a jump's own blocks fails (say a MemoryError) while the whole order is held
+    back: the load is served by the whole order once it lands, and a warning says why it
+    waited for it."""
+    release, _ = held_order
+    compute = ShufflePlan.compute_early_order
+
+    def failing(plan: ShufflePlan, minipochs: tuple[int, ...], *args: object) -> None:
+        if minipochs[0] != 0:
+            release.set()  # the whole order lands only after this request failed
+            raise MemoryError("no room for the draws")
+        compute(plan, minipochs, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ShufflePlan, "compute_early_order", failing)
+    with ShufflingLoader("train", params(dataset), BATCH, SINGLE) as loader:
+        check(dataset, loader.load(0), 0)
+        with caplog.at_level(logging.WARNING, "asyncflat"):
+            check(dataset, loader.load(40), 40)  # minipoch 20
+    failures = [r.getMessage() for r in caplog.records if "early read blocks" in r.getMessage()]
+    assert failures == [
+        "computing early read blocks failed, waiting for the whole order: "
+        "MemoryError('no room for the draws')"
+    ]

@@ -36,6 +36,7 @@ from asyncflat.engine.lock import OwnedLock
 from asyncflat.engine.loop import background_executor, thread_adopter
 from asyncflat.engine.permutations import block_order_off_loop, on_own_thread
 from asyncflat.engine.table import FillTable
+from asyncflat.errors import LoaderClosedError
 from asyncflat.plan.permutation import Stop, whole_permutation_size
 from asyncflat.plan.shuffle import NEVER, ShufflePlan, block_deadlines
 
@@ -47,10 +48,10 @@ log = logging.getLogger("asyncflat.engine")
 ORDER_PAGES_MIN = 1 << 20
 #: bytes one job writes of the block order's array
 ORDER_PAGES_PIECE_BYTES = 32 << 20
-#: walks of the whole split's draws at once at most: early requests that loads wait for, and
-#: the whole order's computation once wanted (two first loads at once before it: two threads
-#: resuming, say; one jump beside it). A load beyond them waits for the whole order, which
-#: serves every load at once: loads jumping to many minipochs slowed each other and the order
+#: walks of the whole split's draws that a load starts at most: early requests that loads wait
+#: for, and the whole order's computation once wanted (two first loads at once before it: two
+#: threads resuming, say; one jump beside it). A load beyond them wants the whole order (a
+#: third walk beside two first loads' at most) and waits for it, which serves every load at once: loads jumping to many minipochs slowed each other and the order
 #: (8 jumps from 8 threads at 62.5M read blocks on two cores, unbounded: the order 2.5-3.6 s
 #: against 1.5-2.7 s, each load 6.5-7.8 s against 4.9-6.7 s; at 95M, median load 4.1-4.5 s
 #: with two requests beside the order, 3.6-4.0 s with one, 3.5-3.6 s waiting for the order;
@@ -150,6 +151,7 @@ class Opening:
         future, thread = on_own_thread("asyncflat-early-blocks", compute, *args)
         self._threads = [*(t for t in self._threads if t.is_alive()), thread]
         self._earlies[minipochs] = (future, stop)
+        future.add_done_callback(_log_failure)
         return future
 
     def _order_landed(self, order: asyncio.Future[np.ndarray]) -> None:
@@ -347,6 +349,14 @@ class Opening:
             await asyncio.gather(self._task, return_exceptions=True)
         for thread in self._threads:
             await asyncio.get_running_loop().run_in_executor(None, thread.join)
+
+
+def _log_failure(early: asyncio.Future[None]) -> None:
+    """An early request failed (not stopped): its loads fall back to the whole order, which
+    raises the same error if it has one; a warning says why they waited for it."""
+    error = None if early.cancelled() else early.exception()
+    if error is not None and not isinstance(error, LoaderClosedError):
+        log.warning("computing early read blocks failed, waiting for the whole order: %r", error)
 
 
 def _succeeded(future: asyncio.Future[Any]) -> bool:
