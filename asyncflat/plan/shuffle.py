@@ -51,7 +51,6 @@ import bisect
 import dataclasses
 import functools
 import math
-import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -98,9 +97,6 @@ EARLY_ENTRIES_MAX = 256
 
 #: called first on each thread that draws early blocks (see ``permutation_entries``)
 OnThread = Callable[[], object] | None
-
-# guards the merge of a plan's early blocks (ShufflePlan.compute_early_order: any thread)
-_EARLY_LOCK = threading.Lock()
 
 #: Distance between the seeds of consecutive epochs (see the module docstring).
 EPOCH_SEED_STRIDE = 1 << 64
@@ -472,11 +468,11 @@ def _early_blocks(
 
 
 def _keep_early(plan: ShufflePlan, found: dict[int, np.ndarray]) -> None:
-    """Add ``found`` to the plan's early blocks; under a lock, since two threads' calls of
-    ``compute_early_order`` would each keep what was known when it read it."""
-    with _EARLY_LOCK:
-        known = plan.__dict__.get("early_block_order", {})
-        plan.__dict__["early_block_order"] = known | found
+    """Add ``found`` to the plan's early blocks, in place: two threads' calls of
+    ``compute_early_order`` each keep theirs, since ``setdefault`` and ``update`` (int keys)
+    are each one step under the GIL. No lock: a garbage collection while one was held could
+    close another loader, whose close waits for its early thread, waiting for that lock."""
+    plan.__dict__.setdefault("early_block_order", {}).update(found)
 
 
 def _check_served(served: tuple[int, ...] | None, streams: int) -> None:
