@@ -92,6 +92,27 @@ def test_entries_stop_when_asked() -> None:
     assert time.perf_counter() - started < 5
 
 
+def test_entries_that_fail_leave_no_thread_while_the_error_is_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A walk that fails (a MemoryError, say) shuts its drawing pool down as it raises: the
+    error's traceback, which a future keeps, held the pool's threads alive with it."""
+    import heapq
+
+    heapify = heapq.heapify
+
+    def failing(items: list[int]) -> None:
+        if threading.current_thread() is threading.main_thread():
+            raise MemoryError("no room for the walk")
+        heapify(items)
+
+    monkeypatch.setattr(heapq, "heapify", failing)
+    with pytest.raises(MemoryError) as failed:
+        permutation_entries(0, 4_000_000, range(16), threads=2)
+    drawing = [t for t in threading.enumerate() if t.name.startswith("asyncflat-entries")]
+    assert drawing == [] and failed.value is not None
+
+
 def plan_of(rows: int, served: tuple[int, ...] | None = None, streams: int = 2) -> ShufflePlan:
     """A plan (nothing computed) of ``rows`` 4-token rows, one a read block, 4 a buffer."""
     params = FlatTokensParams("fake://tokens", streams, 4, 1, seed=5, sequence_packing=True)

@@ -14,6 +14,7 @@ for the rare swaps that touch a tracked position.
 from __future__ import annotations
 
 import collections
+import contextlib
 import heapq
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -80,8 +81,11 @@ def permutation_entries(
     where = {p: slot for slot, p in enumerate(wanted)}
     threads = threads or available_cpus()
     pieces = _swap_targets(philox_key(seed), n, piece, threads, stop, where, on_thread)
-    for (lo, targets, snapshot), matched in pieces:
-        _walk(targets, lo, where, matched, snapshot)
+    # closed here, not when collected: a failure's traceback holds this frame, and through it
+    # the pieces' pool and its threads, as long as the error is kept (a future holds it)
+    with contextlib.closing(pieces):
+        for (lo, targets, snapshot), matched in pieces:
+            _walk(targets, lo, where, matched, snapshot)
     out = np.empty(len(wanted), np.uint32)
     for place, slot in where.items():
         out[slot] = place
