@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import heapq
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -100,7 +100,7 @@ def _swap_targets(
     stop: Stop | None,
     where: dict[int, int],
     on_thread: Callable[[], object] | None = None,
-) -> Iterator[tuple[_Piece, np.ndarray]]:
+) -> Generator[tuple[_Piece, np.ndarray], None, None]:
     """``((lo, r[lo:hi], snapshot), matched)`` for each piece in order, ``r[i] = draw_i % (i +
     1)`` (uint64), drawn a few pieces ahead on a pool of ``threads`` (numpy releases the GIL).
     ``matched``: the indices of the piece holding one of ``snapshot``, the positions tracked
