@@ -51,11 +51,12 @@ ORDER_PAGES_PIECE_BYTES = 32 << 20
 #: walks of the whole split's draws that a load starts at most: early requests that loads wait
 #: for, and the whole order's computation once wanted (two first loads at once before it: two
 #: threads resuming, say; one jump beside it). A load beyond them wants the whole order (a
-#: third walk beside two first loads' at most) and waits for it, which serves every load at once: loads jumping to many minipochs slowed each other and the order
-#: (8 jumps from 8 threads at 62.5M read blocks on two cores, unbounded: the order 2.5-3.6 s
-#: against 1.5-2.7 s, each load 6.5-7.8 s against 4.9-6.7 s; at 95M, median load 4.1-4.5 s
-#: with two requests beside the order, 3.6-4.0 s with one, 3.5-3.6 s waiting for the order;
-#: one jump: 1.5-2.0 s against 2.4-3.0 s)
+#: third walk beside two first loads' at most) and waits for it, which serves every load at
+#: once: loads jumping to many minipochs slowed each other and the order (8 jumps from 8
+#: threads at 62.5M read blocks on two cores, unbounded: the order 2.5-3.6 s against 1.5-2.7
+#: s, each load 6.5-7.8 s against 4.9-6.7 s; at 95M, median load 4.1-4.5 s with two requests
+#: beside the order, 3.6-4.0 s with one, 3.5-3.6 s waiting for the order; one jump: 1.5-2.0 s
+#: against 2.4-3.0 s)
 EARLY_REQUESTS_MAX = 2
 
 
@@ -169,8 +170,9 @@ class Opening:
         blocks it cannot get alone, a load returned, or the fills started on opening are
         done. The trainer cannot need it sooner (minipoch 2's prefetch, at the earliest), and
         beside a first fill its kernel's import (holding the GIL), compile and draws delay
-        that fill by about their time on two cores. Until it lands, a load of a minipoch whose blocks are not known
-        (a jump to the end of the split) computes them alone (:meth:`_early_known`)."""
+        that fill by about their time on two cores. Until it lands, a load of a minipoch
+        whose blocks are not known (a jump to the end of the split) computes them alone
+        (:meth:`_early_known`)."""
         if self._whole_wanted.is_set():
             return
         self._whole_wanted.set()
@@ -216,8 +218,8 @@ class Opening:
         (where the plan computes them early) or for the whole order, whichever lands first
         (if the whole order fails, for them still). ``load``: a load waits for them (no later
         request stops them); else the opening's fills, which hold none and start none (a first
-        load elsewhere stopped theirs, perhaps before they first asked). A jump to the end of 10^14
-        tokens right after the first load took 1.5-2.0 s on two cores, against 2.4-3.0 s
+        load elsewhere stopped theirs, perhaps before they first asked). A jump to the end of
+        10^14 tokens right after the first load took 1.5-2.0 s on two cores, against 2.4-3.0 s
         waiting for the whole order."""
         known = self._plan.block_order_known
         if all(map(known, needed)):
