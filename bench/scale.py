@@ -24,8 +24,11 @@ its imports (the baseline of the memory figure):
   (construct and memory only: its buffers would need 128 GiB): what a host of 1,024 is spared
   once each host plans only its own streams.
 
-A size refused by the loader (``DatasetTooLargeError``, today at 10^14) is reported with its
-message, not as a crash. Prints one JSON line (kept in bench/out/scale.json); draws
+A size refused by the loader (a ``ConfigError``: 10^9 tokens hold too few read blocks for
+1,024 streams; before issue 38's plan, ``DatasetTooLargeError`` at 10^14) is reported with its
+message, not as a crash. ``vs_targets`` sets the run's figures against issue 38's targets where
+the sizes they name were run (ratios within this run; ``cpus``: the first batch's draws spread
+over up to 8 of them). Prints one JSON line (kept in bench/out/scale.json); draws
 bench/out/scale.png (copied to docs/scale.png with ``--docs``; ``--replot`` redraws a saved run).
 """
 
@@ -195,6 +198,47 @@ def run_child(tokens: int, mode: str, index: int, timeout: float) -> dict[str, A
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
+def vs_targets(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Issue 38's targets against this run: ``{name: {value, target, met}}`` for those whose
+    sizes were run and served."""
+
+    def at(mode: str, tokens: int, key: str) -> float | None:
+        row = next((r for r in results[mode] if r["tokens"] == tokens), {})
+        return row.get(key) if "refused" not in row and "error" not in row else None
+
+    checks = {  # name: (the figure, the figure it is divided by, the most the ratio may be)
+        "first_batch_1.5e13_vs_1e9": (
+            ("one_host", 15 * 10**12, "first_batch_s"),
+            ("one_host", 10**9, "first_batch_s"),
+            1.25,
+        ),
+        "construct_1.5e13_vs_1e9": (
+            ("one_host", 15 * 10**12, "construct_s"),
+            ("one_host", 10**9, "construct_s"),
+            1.25,
+        ),
+        "host_of_1024_construct_vs_all_streams_1.5e13": (
+            ("host_of_1024", 15 * 10**12, "construct_s"),
+            ("all_1024_streams_on_one_host", 15 * 10**12, "construct_s"),
+            0.01,
+        ),
+    }
+    out: dict[str, Any] = {}
+    for name, (numerator, denominator, target) in checks.items():
+        value, base = at(*numerator), at(*denominator)
+        if value is not None and base:
+            out[name] = {"value": round(value / base, 3), "target": target}
+    memory_10_11 = at("one_host", 10**11, "peak_mib")
+    for tokens, name, allowed in ((15 * 10**12, "1.5e13", 64), (10**14, "1e14", 512)):
+        peak = at("one_host", tokens, "peak_mib")
+        if peak is not None and memory_10_11 is not None:
+            over = {"value": round(peak - memory_10_11, 1), "target": allowed}
+            out[f"memory_{name}_minus_1e11_mib"] = over
+    for figures in out.values():
+        figures["met"] = figures["value"] <= figures["target"]
+    return out
+
+
 def rounded(figures: Any) -> Any:
     if isinstance(figures, dict):
         return {k: rounded(v) for k, v in figures.items()}
@@ -301,12 +345,16 @@ def main() -> None:
             )
             print(f"{mode} {tokens:.3g}: {figures}", file=sys.stderr)
             rows.append(figures)
+    from asyncflat.config import available_cpus
+
     figures = {
         "bench": "scale",
         "layout": LAYOUT,
         "process_index": args.process_index,
         "hosts": HOSTS,
+        "cpus": available_cpus(),
         **results,
+        "vs_targets": vs_targets(results),
         "plot": plot(results, args.docs),
     }
     (out_dir() / "scale.json").write_text(json.dumps(figures) + "\n")  # for --replot
