@@ -192,6 +192,22 @@ def held_order(
     release.set()
 
 
+@pytest.fixture
+def held_jumps(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """Computing the early blocks of any minipoch but 0 waits for the event (set it before
+    the loader closes: closing waits for those threads)."""
+    gate, compute = threading.Event(), ShufflePlan.compute_early_order
+
+    def gated(plan: ShufflePlan, minipochs: tuple[int, ...], *args: object) -> None:
+        if minipochs[0] != 0:
+            gate.wait(HELD_S)
+        compute(plan, minipochs, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ShufflePlan, "compute_early_order", gated)
+    yield gate
+    gate.set()
+
+
 def check(path: str, batch: object, step: int, seed: int = 5) -> None:
     want = oracle(path, params(path, seed), BATCH).batch(step)
     np.testing.assert_array_equal(np.asarray(batch.targets), want[0], f"step {step}")  # type: ignore[attr-defined]
@@ -416,7 +432,7 @@ def test_a_load_waiting_for_its_early_blocks_is_not_stopped_by_another(
 def test_loads_jumping_to_many_minipochs_compute_few_early_blocks_at_once(
     dataset: str,
     held_order: tuple[threading.Event, threading.Event],
-    monkeypatch: pytest.MonkeyPatch,
+    held_jumps: threading.Event,
     wanted: bool,
 ) -> None:
     """Loads of five far minipochs at once: at most EARLY_REQUESTS_MAX compute their own
@@ -424,14 +440,6 @@ def test_loads_jumping_to_many_minipochs_compute_few_early_blocks_at_once(
     wanted (a load returned); the others wait for the whole order, which serves them all as
     it lands."""
     release, asked = held_order
-    gate, compute = threading.Event(), ShufflePlan.compute_early_order
-
-    def gated(plan: ShufflePlan, minipochs: tuple[int, ...], *args: object) -> None:
-        if minipochs[0] != 0:
-            gate.wait(HELD_S)
-        compute(plan, minipochs, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(ShufflePlan, "compute_early_order", gated)
     most = EARLY_REQUESTS_MAX - wanted
     options = EngineOptions(fill_on_open="never")  # nothing but a load asks for the order
     with ShufflingLoader("train", params(dataset), BATCH, SINGLE, options=options) as loader:
@@ -455,31 +463,24 @@ def test_loads_jumping_to_many_minipochs_compute_few_early_blocks_at_once(
             for thread in threads:
                 thread.join(30)
         finally:
-            gate.set()
+            held_jumps.set()
         assert sorted(batches) == list(steps)
         for step, batch in batches.items():
             check(dataset, batch, step)
 
 
 def test_a_load_waiting_for_its_own_blocks_outlives_a_failed_whole_order(
-    dataset: str, monkeypatch: pytest.MonkeyPatch
+    dataset: str, monkeypatch: pytest.MonkeyPatch, held_jumps: threading.Event
 ) -> None:
     """The whole order fails (say a MemoryError at 10^14 tokens) while a load waits for its
     own minipochs' blocks, computed alone: those still serve it (it raised the order's error)."""
-    fail, gate = threading.Event(), threading.Event()
-    compute = ShufflePlan.compute_early_order
+    fail, gate = threading.Event(), held_jumps
 
     def failing(plan: ShufflePlan, *args: object, **kwargs: object) -> np.ndarray:
         fail.wait(HELD_S)
         raise RuntimeError("the whole order failed")
 
-    def gated(plan: ShufflePlan, minipochs: tuple[int, ...], *args: object) -> None:
-        if minipochs[0] != 0:
-            gate.wait(HELD_S)
-        compute(plan, minipochs, *args)  # type: ignore[arg-type]
-
     monkeypatch.setattr(ShufflePlan, "compute_block_order", failing)
-    monkeypatch.setattr(ShufflePlan, "compute_early_order", gated)
     with ShufflingLoader("train", params(dataset), BATCH, SINGLE) as loader:
         check(dataset, loader.load(0), 0)
         outcome: list[object] = []
@@ -556,11 +557,9 @@ def test_a_first_load_elsewhere_before_the_opening_asks_leaves_it_no_walk(
         compute(plan, minipochs, *args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(ShufflePlan, "compute_early_order", recorded)
-    source = FakeSource(*make_data(rows=NO_COMPILE_MAX + 4000), chunk=SEQ_LEN * 64)
-    params = FlatTokensParams(source.name, 2, 4, 1, seed=5, sequence_packing=True)
-    batch = TokenBatchParams(len=SEQ_LEN, batch=4)
-    counts = {"token_count": source.token_count, "sequence_count": source.sequence_count}
-    plan = ShufflePlan.create(params, batch, **counts)
+    sequences = NO_COMPILE_MAX + 4000
+    source = FakeSource(*make_data(rows=sequences), chunk=SEQ_LEN * 64)
+    plan = plan_of(sequences * SEQ_LEN // 4)  # its 4-token rows, packed
     assert plan.early_minipochs(0) == (0, 1) and plan.step_count > 10
     engine = Engine(plan, source, range(2), EngineOptions(fill_on_open="always"))
 
