@@ -28,7 +28,7 @@ A size refused by the loader (a ``ConfigError``: 10^9 tokens hold too few read b
 1,024 streams; before issue 38's plan, ``DatasetTooLargeError`` at 10^14) is reported with its
 message, not as a crash. ``vs_targets`` sets the run's figures against issue 38's targets where
 the sizes they name were run (ratios within this run; ``cpus``: the first batch's draws spread
-over up to 8 of them). Prints one JSON line (kept in bench/out/scale.json); draws
+over up to 4 of them). Prints one JSON line (kept in bench/out/scale.json); draws
 bench/out/scale.png (copied to docs/scale.png with ``--docs``; ``--replot`` redraws a saved run).
 """
 
