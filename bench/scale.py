@@ -247,8 +247,13 @@ def rounded(figures: Any) -> Any:
     return round(figures, 4) if isinstance(figures, float) else figures
 
 
-def plot(results: dict[str, list[dict[str, Any]]], docs: bool) -> str:
-    import matplotlib
+def plot(results: dict[str, list[dict[str, Any]]], docs: bool) -> str | None:
+    """The plot's path; None where matplotlib is not installed (the figures still print)."""
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        print("no plot: matplotlib is not installed", file=sys.stderr)
+        return None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
