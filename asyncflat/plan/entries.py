@@ -30,7 +30,7 @@ __all__ = ["ENTRIES_THREADS_MAX", "permutation_entries"]
 #: threads that draw the swap targets at most (each piece of ``DRAW_PIECE`` positions on one).
 #: Beyond four the thread that walks the swaps bounds the time, and each thread adds its pieces
 #: and temporaries to the peak (14.3M positions on a 13-core host: 0.13 s on 4 threads, 0.15 s
-#: on 8; +18 against +34 MiB on a 2-core VM).
+#: on 8; on a 2-core VM, asked for with ``threads``: +18 MiB on 4, +34 on 8).
 ENTRIES_THREADS_MAX = 4
 # the value filter: a table of 2**16 flags, small enough to stay in a core's cache
 _FILTER_MASK = (1 << 16) - 1
@@ -105,7 +105,8 @@ def _swap_targets(
     on_thread: Callable[[], object] | None = None,
 ) -> Generator[tuple[_Piece, np.ndarray], None, None]:
     """``((lo, r[lo:hi], snapshot), matched)`` for each piece in order, ``r[i] = draw_i % (i +
-    1)`` (uint32: ``n < 2**32``; half the memory of the draws), drawn a few pieces ahead on a pool of ``threads`` (numpy releases the GIL).
+    1)`` (uint32: ``n < 2**32``; half the memory of the draws), drawn a few pieces ahead on a
+    pool of ``threads`` (numpy releases the GIL).
     ``matched``: the indices of the piece holding one of ``snapshot``, the positions tracked
     (the keys of ``where``) when the piece was handed to the pool. A piece's array is reused
     once the caller asks for the next one."""
