@@ -664,7 +664,7 @@ def test_a_load_whose_rows_aclose_cancelled_learns_the_engine_was_closed() -> No
 
 
 def test_behind_a_network_the_fill_streams_on_while_a_load_reads_its_rows() -> None:
-    # Row reads take 1 s, whole chunks 0.1 s. On a remote store a fill that has started is not
+    # Row reads take 2 s, whole chunks 0.1 s. On a remote store a fill that has started is not
     # paused while a load's rows are read (they go first at the store's limiter instead): chunk
     # reads complete meanwhile. A fill not started yet waits for the first load's rows.
     source = FakeSource(
@@ -672,7 +672,7 @@ def test_behind_a_network_the_fill_streams_on_while_a_load_reads_its_rows() -> N
         chunk=SEQ_LEN * 16,
         latency_s=0.1,
         partial_reads=True,
-        item_latency_s=1.0,
+        item_latency_s=2.0,  # 1.8 s below for the chunks: a busy 2-core CI machine needs it
     )
     source.remote = True
     engine = make(source, streams=1, rbpsb=32, spb=16, batch=8)
@@ -688,7 +688,7 @@ def test_behind_a_network_the_fill_streams_on_while_a_load_reads_its_rows() -> N
         reads_before = len(source.reads)
         load = asyncio.ensure_future(engine.gather(later, ALL))
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + 0.8
+        deadline = loop.time() + 1.8
         # More chunks than the 16 workers had in flight: the fills went on taking units.
         while len(source.reads) - reads_before <= 16 and loop.time() < deadline:
             await asyncio.sleep(0.005)
