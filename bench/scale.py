@@ -27,7 +27,8 @@ its imports (the baseline of the memory figure):
 A size refused by the loader (a ``ConfigError``: 10^9 tokens hold too few read blocks for
 1,024 streams; before issue 38's plan, ``DatasetTooLargeError`` at 10^14) is reported with its
 message, not as a crash. ``vs_targets`` sets the run's figures against issue 38's targets where
-the sizes they name were run (ratios within this run; ``cpus``: the first batch's draws spread
+the sizes they name were run (ratios within this run, of each size's medians where
+``--repeats`` or ``--sizes`` runs it more than once; ``cpus``: the first batch's draws spread
 over up to 4 of them). Prints one JSON line (kept in bench/out/scale.json); draws
 bench/out/scale.png (copied to docs/scale.png with ``--docs``; ``--replot`` redraws a saved run).
 """
@@ -38,6 +39,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -61,6 +63,8 @@ LAYOUT: dict[str, Any] = {
 }
 MIB = 1 << 20
 MODES = ("one_host", "host_of_1024", "all_1024_streams_on_one_host")
+#: the figures a size run more than once is read by, as their median (:func:`per_size`)
+MEDIAN_KEYS = ("construct_s", "first_batch_s", "end_batch_s", "peak_mib")
 #: The synthetic store's requests and bytes in this (child) process.
 COUNTS: Any = None
 
@@ -200,12 +204,33 @@ def run_child(tokens: int, mode: str, index: int, timeout: float) -> dict[str, A
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
+def per_size(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per size, in the order first run: where a size ran more than once, each timed
+    figure and the memory are the median of its served runs (``runs``: how many), so that a
+    repeated run is read as a whole rather than by its first process."""
+    by_size: dict[int, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_size.setdefault(row["tokens"], []).append(row)
+    out = []
+    for runs in by_size.values():
+        served = [r for r in runs if "refused" not in r and "error" not in r]
+        if not served:
+            out.append(runs[0])
+            continue
+        row = dict(served[0], runs=len(served))
+        for key in MEDIAN_KEYS:
+            if key in row:
+                row[key] = statistics.median(r[key] for r in served)
+        out.append(row)
+    return out
+
+
 def vs_targets(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """Issue 38's targets against this run: ``{name: {value, target, met}}`` for those whose
-    sizes were run and served."""
+    sizes were run and served (the medians of a size run more than once)."""
 
     def at(mode: str, tokens: int, key: str) -> float | None:
-        row = next((r for r in results[mode] if r["tokens"] == tokens), {})
+        row = next((r for r in per_size(results[mode]) if r["tokens"] == tokens), {})
         return row.get(key) if "refused" not in row and "error" not in row else None
 
     checks = {  # name: (the figure, the figure it is divided by, the most the ratio may be)
@@ -264,8 +289,9 @@ def plot(results: dict[str, list[dict[str, Any]]], docs: bool) -> str | None:
         "host_of_1024": ("one host of 1,024", "--"),
         "all_1024_streams_on_one_host": ("1,024 streams on one host (construct)", ":"),
     }
-    for mode, rows in results.items():
+    for mode, all_rows in results.items():
         label, line = styles[mode]
+        rows = sorted(per_size(all_rows), key=lambda r: r["tokens"])
         served = [r for r in rows if "construct_s" in r]
         xs = [r["tokens"] for r in served]
         for key, name, colour in (
@@ -332,6 +358,13 @@ def main() -> None:
         default=list(SIZES),
         help="corpus sizes in tokens, comma-separated",
     )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run the sizes this many times over, interleaved, each in a fresh process; "
+        "the targets and the plot read each size's medians (default: %(default)s)",
+    )
     parser.add_argument("--timeout", type=float, default=300, help="seconds per child")
     parser.add_argument("--docs", action="store_true", help="copy the plot to docs/scale.png")
     parser.add_argument("--replot", metavar="JSON", help="only draw the plot of a saved run")
@@ -345,7 +378,7 @@ def main() -> None:
         child(int(args.child[0]), args.child[1], args.process_index)
         return
     results: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
-    for tokens in args.sizes:
+    for tokens in args.sizes * args.repeats:
         for mode, rows in results.items():
             figures = rounded(
                 {"tokens": tokens, **run_child(tokens, mode, args.process_index, args.timeout)}
