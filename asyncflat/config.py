@@ -88,8 +88,26 @@ def step_argument(value: object, name: str = "step") -> int:
 #: the most ``EngineOptions.max_concurrent_reads`` and ``decode_threads``
 MAX_WORKERS = 1024
 
+#: reads in flight by default on a store on this machine, and the fewest behind a network
+DEFAULT_READS = 16
+#: the most reads in flight by default behind a network
+REMOTE_READS_MAX = 64
+#: behind a network, the decoded bytes of the chunks read at once by default: a same-region
+#: bucket's bandwidth times its latency (150 MB/s x 25 ms). A read waits out the latency
+#: whatever its size, so small chunks need more of them in flight for the same bytes/s.
+REMOTE_BYTES_IN_FLIGHT = 4 << 20
+
 #: ``EngineOptions.fill_on_open``'s values
 FILL_ON_OPEN = ("local", "always", "never")
+
+
+def default_reads(*, chunk_bytes: int, remote: bool) -> int:
+    """Reads in flight where ``EngineOptions.max_concurrent_reads`` is None, for a store whose
+    chunks decode to ``chunk_bytes``: see :meth:`EngineOptions.reads_in_flight`."""
+    if not remote:
+        return DEFAULT_READS
+    wanted = -(-REMOTE_BYTES_IN_FLIGHT // max(1, chunk_bytes))
+    return min(REMOTE_READS_MAX, max(DEFAULT_READS, wanted))
 
 
 def is_real_number(value: object) -> TypeGuard[numbers.Real]:
@@ -295,7 +313,10 @@ class EngineOptions:
     * ``prefetch``: fill minipoch m+1 while m serves. ``False`` reproduces the reference's
       synchronous behaviour (a load at a boundary waits for the whole buffer), for comparisons.
     * ``max_concurrent_reads``: reads in flight over all streams and fills (a sliding window;
-      at most :data:`MAX_WORKERS`, as ``decode_threads``).
+      at most :data:`MAX_WORKERS`, as ``decode_threads``). None (default): sized from the
+      store (:meth:`reads_in_flight`): 16 on this machine; behind a network as many as keep
+      :data:`REMOTE_BYTES_IN_FLIGHT` of chunks in flight, 16 to 64 (32 for seqax's 128 KiB
+      chunks, 16 for the writer's 4 MiB ones).
     * ``decode_threads``: threads that decompress chunks and pad rows, off the event loop
       (default: :func:`default_decode_threads`, half the CPUs, 2 to 8).
     * ``load_timeout_s``: ``load()`` raises LoadTimeoutError after this long (None: no limit).
@@ -328,7 +349,7 @@ class EngineOptions:
     """
 
     prefetch: bool = True
-    max_concurrent_reads: int = 16
+    max_concurrent_reads: Optional[int] = None  # noqa: UP045
     decode_threads: int = dataclasses.field(default_factory=default_decode_threads)
     load_timeout_s: Optional[float] = None  # noqa: UP045 (a typing construct, see the module top)
     max_buffer_bytes: Optional[int] = None  # noqa: UP045
@@ -343,7 +364,8 @@ class EngineOptions:
         _bool_field(self, "prefetch")
         # One task (reads) and one thread (decodes) each: a bound far above any useful value,
         # so that a typo is an error, not a loader that starts 10**5 tasks.
-        _int_field(self, "max_concurrent_reads", minimum=1, maximum=MAX_WORKERS)
+        if self.max_concurrent_reads is not None:
+            _int_field(self, "max_concurrent_reads", minimum=1, maximum=MAX_WORKERS)
         _int_field(self, "decode_threads", minimum=1, maximum=MAX_WORKERS)
         _float_field(self, "load_timeout_s", minimum=0.0, optional=True)
         if self.max_buffer_bytes is not None:
@@ -362,6 +384,15 @@ class EngineOptions:
             raise ConfigError(
                 f"EngineOptions.retry must be a RetryPolicy, got {type(self.retry).__name__}"
             )
+
+    def reads_in_flight(self, *, chunk_bytes: int, remote: bool) -> int:
+        """``max_concurrent_reads``, or where it is None the default for a store whose chunks
+        decode to ``chunk_bytes``: behind a network (``remote``) enough reads to keep
+        :data:`REMOTE_BYTES_IN_FLIGHT` in flight, from :data:`DEFAULT_READS` to
+        :data:`REMOTE_READS_MAX`; on this machine :data:`DEFAULT_READS`."""
+        if self.max_concurrent_reads is not None:
+            return self.max_concurrent_reads
+        return default_reads(chunk_bytes=chunk_bytes, remote=remote)
 
 
 @dataclasses.dataclass(frozen=True)

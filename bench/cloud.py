@@ -78,7 +78,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--spb", type=int, default=16, help="sequences per read block (= chunk)")
     parser.add_argument("--rbpsb", type=int, default=384, help="read blocks per shuffle buffer")
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--concurrency", type=int, default=16, help="max_concurrent_reads")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="max_concurrent_reads (default: the loader's own, sized from the chunks: 32 for "
+        "this layout's 128 KiB)",
+    )
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--step-ms", type=float, default=10.0, help="simulated train step")
     parser.add_argument("--steps", type=int, default=0, help="steps to run (0: 2 minipochs)")
@@ -285,6 +291,14 @@ def batch_params(args: argparse.Namespace) -> Any:
     return asyncflat.TokenBatchParams(len=args.len, batch=args.batch)
 
 
+def reads_in_flight(args: argparse.Namespace) -> int:
+    """The reads the loader keeps in flight here (``--concurrency``, or its default)."""
+    import asyncflat
+
+    engine = asyncflat.EngineOptions(max_concurrent_reads=args.concurrency)
+    return engine.reads_in_flight(chunk_bytes=args.spb * args.len * 4, remote=True)
+
+
 def fill_run(args: argparse.Namespace, url: str, options: dict[str, Any]) -> dict[str, Any]:
     import asyncflat
 
@@ -316,7 +330,7 @@ def fill_figures(
         if wire:
             fill_wire.append(wire.ask("stats"))
             wire.ask("reset")
-        bares.append(bare_rate(url, options, fill["keys"], args.concurrency))
+        bares.append(bare_rate(url, options, fill["keys"], reads_in_flight(args)))
         if wire:
             bare_wire.append(wire.ask("stats"))
         fills.append(fill["Bps"])
@@ -491,7 +505,8 @@ def fresh_resume_figures(
     command = [sys.executable, str(Path(__file__).resolve()), "--resume-child", loader]
     command += ["--child-url", url, "--storage-options", json.dumps(options)]
     for name in ("len", "spb", "rbpsb", "batch", "concurrency", "step_ms"):
-        command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+        if getattr(args, name) is not None:  # --concurrency's default: the loader's own
+            command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     from _common import bytecode_env
 
     env = bytecode_env()
@@ -562,7 +577,7 @@ def main() -> None:
         "rbpsb": args.rbpsb,
         "buffer_mib": round(args.rbpsb * args.spb * args.len * 4 / 2**20, 1),
         "batch": args.batch,
-        "concurrency": args.concurrency,
+        "concurrency": reads_in_flight(args),
         "step_ms": args.step_ms,
     }
     with contextlib.ExitStack() as stack:

@@ -97,6 +97,23 @@ def test_a_fill_puts_the_configured_concurrency_on_the_wire(backend: Backend, cl
     assert CONCURRENCY <= peak <= CONCURRENCY + demand_headroom(CONCURRENCY)
 
 
+def test_small_chunks_get_more_reads_in_flight_by_default(backend: Backend) -> None:
+    """A read waits out the latency whatever its size: by default a store of small chunks gets
+    as many reads in flight as keep 4 MiB of chunks on the wire (at most 64), where 16 left
+    a latency-bound store's fill at a quarter of its bandwidth."""
+    default = EngineOptions().reads_in_flight(chunk_bytes=SPB * LEN * 4, remote=True)
+    assert default == 64  # 1 KiB chunks
+    with backend.proxy(latency_s=0.1) as proxy:
+        params = _params(backend.url("wire/v3.zarr"), backend.options(proxy))
+        with ShufflingLoader("train", params, BATCH, options=EngineOptions(prefetch=False)) as ld:
+            proxy.reset_counts()
+            ld.load(0)  # without prefetch: one fill of 32 chunks, nothing else
+            limit = ld.stats()["concurrency_limit"]
+            peak = proxy.peak_in_flight
+    assert limit == default
+    assert 2 * CONCURRENCY <= peak <= default + demand_headroom(default)  # the whole fill at once
+
+
 def test_the_pool_size_never_overrides_the_callers(backend: Backend) -> None:
     async def main() -> Any:
         opts = backend.options()

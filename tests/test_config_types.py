@@ -297,3 +297,28 @@ def test_available_cpus_counts_the_affinity() -> None:
     assert 1 <= cpus <= (os.cpu_count() or cpus)
     if hasattr(os, "sched_getaffinity"):
         assert cpus <= len(os.sched_getaffinity(0))
+
+
+def test_reads_in_flight_default_to_the_bytes_a_network_hides_latency_with() -> None:
+    from asyncflat.config import (
+        DEFAULT_READS,
+        REMOTE_BYTES_IN_FLIGHT,
+        REMOTE_READS_MAX,
+        EngineOptions,
+    )
+
+    options = EngineOptions()
+    assert options.max_concurrent_reads is None
+    kib = 1024
+    # behind a network: 4 MiB of chunks in flight, 16 to 64 reads
+    assert REMOTE_BYTES_IN_FLIGHT == 4096 * kib
+    assert options.reads_in_flight(chunk_bytes=128 * kib, remote=True) == 32  # seqax's chunks
+    assert options.reads_in_flight(chunk_bytes=100 * kib, remote=True) == 41  # rounded up
+    assert options.reads_in_flight(chunk_bytes=4096 * kib, remote=True) == DEFAULT_READS
+    assert options.reads_in_flight(chunk_bytes=kib, remote=True) == REMOTE_READS_MAX
+    # on this machine reads are CPU, not round trips
+    assert options.reads_in_flight(chunk_bytes=kib, remote=False) == DEFAULT_READS
+    # a number given is kept, wherever the store is
+    mine = EngineOptions(max_concurrent_reads=5)
+    assert mine.reads_in_flight(chunk_bytes=kib, remote=True) == 5
+    assert mine.reads_in_flight(chunk_bytes=kib, remote=False) == 5

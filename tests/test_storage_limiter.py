@@ -88,3 +88,29 @@ def test_demand_requests_pass_queued_ones_and_use_the_headroom() -> None:
 def test_the_pool_holds_the_limit_and_the_headroom() -> None:
     assert demand_headroom(16) == 4 and pool_size(16) == 20
     assert demand_headroom(1) == 2 and pool_size(1) == 3
+
+
+def test_a_resize_moves_the_limit_and_keeps_a_throttled_one_lower() -> None:
+    async def main() -> None:
+        io = IOCounters()
+        limiter = AdaptiveLimiter(64, io)  # before a store's chunk size is known
+        limiter.resize(32)
+        assert (limiter.maximum, limiter.limit, io.concurrency_limit) == (32, 32, 32)
+        assert limiter.headroom == demand_headroom(32)
+        held = [await limiter.acquire() for _ in range(32)]
+        blocked = asyncio.ensure_future(limiter.acquire())
+        await asyncio.sleep(0)
+        assert not blocked.done()  # the 33rd waits
+        limiter.resize(40)  # more room: a waiter is let in at once
+        await asyncio.wait_for(blocked, 1)
+        for epoch in [*held, blocked.result()]:
+            limiter.release(epoch, ok=False, throttled=True)  # one burst: halved once
+        assert limiter.limit == 20
+        limiter.resize(64)  # a store that throttled stays lowered, and recovers from there
+        assert (limiter.maximum, limiter.limit) == (64, 20)
+        limiter.resize(8)
+        assert limiter.limit == 8 and io.concurrency_limit == 8
+        with pytest.raises(ValueError, match="maximum must be >= 1"):
+            limiter.resize(0)
+
+    asyncio.run(main())

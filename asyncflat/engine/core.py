@@ -63,19 +63,17 @@ class Engine:
         self._lock = OwnedLock()
         # On a local store (reads are CPU there) a prefetch nobody waits for runs one unit at a
         # time, none while a load waits; behind a network latency, not CPU, bounds its reads.
-        unit_tokens = (
-            source.token_chunk
-            if plan.sequence_packing
-            else plan.sequences_per_read_block * plan.seq_len
-        )
+        packed = plan.sequence_packing
+        unit_tokens = source.token_chunk if packed else plan.sequences_per_read_block * plan.seq_len
+        reads = options.reads_in_flight(chunk_bytes=source.token_chunk * 4, remote=source.remote)
         self._recorder = Recorder()
         self._units = UnitReader(plan, source, self._recorder, options.decode_threads)
         self._scheduler: UnitScheduler[Unit] = UnitScheduler(
             self._units.run,
-            workers=options.max_concurrent_reads,
+            workers=reads,
             reserve=4 * unit_tokens,  # decoded bytes of the largest unit
             budget=inflight_budget(plan, source, options),
-            background_limit=options.max_concurrent_reads if source.remote else 1,
+            background_limit=reads if source.remote else 1,
             hold_background=None if source.remote else lambda: self._units.waiting_step is not None,
         )
         self._fills = FillTable(

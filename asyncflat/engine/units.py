@@ -34,11 +34,8 @@ def inflight_budget_for(
     if options.max_inflight_bytes is not None:
         return options.max_inflight_bytes
     chunk_bytes = token_chunk * 4
-    window = options.max_concurrent_reads if remote else 4
-    return max(
-        plan.buffer_bytes // 8,
-        min(options.max_concurrent_reads, window) * chunk_bytes,
-    )
+    reads = options.reads_in_flight(chunk_bytes=chunk_bytes, remote=remote)
+    return max(plan.buffer_bytes // 8, min(reads, reads if remote else 4) * chunk_bytes)
 
 
 class UnitReader:

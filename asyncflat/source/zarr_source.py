@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from asyncflat.config import RetryPolicy, redact_url
+from asyncflat.config import REMOTE_READS_MAX, RetryPolicy, default_reads, redact_url
 from asyncflat.errors import (
     AsyncflatError,
     CorruptChunkError,
@@ -139,11 +139,14 @@ class ZarrTokenSource:
         split: str,
         *,
         storage_options: Mapping[str, Any] | None = None,
-        max_concurrent_requests: int = 16,
+        max_concurrent_requests: int | None = None,
         retry: RetryPolicy | None = None,
         store_wrapper: StoreWrapper | None = None,
     ) -> ZarrTokenSource:
         """Open and validate ``split`` of the dataset at ``filespec`` (call on the engine loop).
+
+        ``max_concurrent_requests`` None: the default for the split's chunks, once its metadata
+        is read (:func:`~asyncflat.config.default_reads`; the pool holds the most it can be).
 
         Bounded in time as a whole by ``retry.deadline_s`` (each request also by
         ``retry.attempt_timeout_s``): a silent store fails construction, it does not hang it.
@@ -161,25 +164,26 @@ class ZarrTokenSource:
         retry = retry or RetryPolicy()
         secrets = option_secrets(storage_options)
         install_log_redaction(secrets)
+        io = IOCounters()
+        limiter = AdaptiveLimiter(max_concurrent_requests or REMOTE_READS_MAX, io)
         try:
             raw = make_store(
                 filespec,
                 storage_options,
                 timeout_s=retry.attempt_timeout_s,
-                max_connections=pool_size(max_concurrent_requests),
+                max_connections=pool_size(limiter.maximum),
             )
         except Exception as exc:  # noqa: BLE001 - a filesystem constructor, credential exchange
             raise construction_error(exc, filespec, secrets) from (
                 None if carries_secret(exc, secrets) else exc
             )
-        io = IOCounters()
         budget = asyncio.timeout(retry.deadline_s)
         try:  # from here on, whatever fails (the caller's store_wrapper too) closes the store
             timed = bounded(raw, retry.attempt_timeout_s)
             guard = GuardedStore(
                 timed if store_wrapper is None else store_wrapper(timed),
                 name=filespec,
-                limiter=AdaptiveLimiter(max_concurrent_requests, io),
+                limiter=limiter,
                 retry=retry,
                 io=io,
                 secrets=secrets,
@@ -188,6 +192,9 @@ class ZarrTokenSource:
                 arrays = await open_split(guard, split, name=filespec)
             local = local_root(raw) if store_wrapper is None else None
             source = cls(arrays, io, raw, guard=guard, local=local)
+            if max_concurrent_requests is None:
+                chunk_bytes = source.token_chunk * 4
+                limiter.resize(default_reads(chunk_bytes=chunk_bytes, remote=source.remote))
             guard.check_blosc_frames(blosc_frame_prefixes(arrays))
         except TimeoutError as exc:
             await close_store(raw)

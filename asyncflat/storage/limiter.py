@@ -63,6 +63,7 @@ class AdaptiveLimiter:
         if maximum < 1:
             raise ValueError(f"maximum must be >= 1, got {maximum}")
         self.maximum = maximum
+        self._headroom_given = headroom is not None
         self.headroom = demand_headroom(maximum) if headroom is None else headroom
         self.limit = float(maximum)
         self.in_flight = 0
@@ -71,6 +72,20 @@ class AdaptiveLimiter:
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._demand: collections.deque[asyncio.Future[None]] = collections.deque()
         io.concurrency_limit = maximum
+
+    def resize(self, maximum: int) -> None:
+        """Bound requests by ``maximum`` from now on (a store's default, known once its
+        chunks' size is): the limit moves to it unless a throttling store already lowered it
+        below."""
+        if maximum < 1:
+            raise ValueError(f"maximum must be >= 1, got {maximum}")
+        throttled = self.limit < self.maximum
+        self.maximum = maximum
+        self.limit = min(self.limit, float(maximum)) if throttled else float(maximum)
+        if not self._headroom_given:
+            self.headroom = demand_headroom(maximum)
+        self._io.concurrency_limit = int(self.limit)
+        self._wake()
 
     def _admits(self, demand: bool) -> bool:
         if demand:
