@@ -369,6 +369,8 @@ def main() -> None:
     parser.add_argument("--docs", action="store_true", help="copy the plot to docs/scale.png")
     parser.add_argument("--replot", metavar="JSON", help="only draw the plot of a saved run")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     if args.replot:
         with open(args.replot) as f:
             saved = json.loads(f.read().strip().splitlines()[-1])

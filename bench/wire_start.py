@@ -97,6 +97,8 @@ def main() -> None:
     parser.add_argument("--tokens-mib", type=float, default=183.0)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     settings = [None if r == "default" else int(r) for r in args.reads.split(",")]
     runs: dict[str, list[dict[str, Any]]] = {}
     for _ in range(args.repeats):  # interleaved: drifts of the shared machine hit every setting

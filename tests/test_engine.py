@@ -675,7 +675,8 @@ def test_behind_a_network_the_fill_streams_on_while_a_load_reads_its_rows() -> N
         item_latency_s=2.0,  # 1.8 s below for the chunks: a busy 2-core CI machine needs it
     )
     source.remote = True
-    engine = make(source, streams=1, rbpsb=32, spb=16, batch=8)
+    workers = 16  # given: the default for these 512-byte chunks would be 64
+    engine = make(source, streams=1, rbpsb=32, spb=16, batch=8, max_concurrent_reads=workers)
     oracle = oracle_for(engine, source)
     step = engine.plan.first_step(1) + 5
 
@@ -689,10 +690,10 @@ def test_behind_a_network_the_fill_streams_on_while_a_load_reads_its_rows() -> N
         load = asyncio.ensure_future(engine.gather(later, ALL))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 1.8
-        # More chunks than the 16 workers had in flight: the fills went on taking units.
-        while len(source.reads) - reads_before <= 16 and loop.time() < deadline:
+        # More chunks than the workers had in flight: the fills went on taking units.
+        while len(source.reads) - reads_before <= workers and loop.time() < deadline:
             await asyncio.sleep(0.005)
-        assert len(source.reads) - reads_before > 16 and not load.done()
+        assert len(source.reads) - reads_before > workers and not load.done()
         np.testing.assert_array_equal(await load, oracle.encoded_batch(later))
         await engine.aclose()
 

@@ -145,8 +145,7 @@ class ZarrTokenSource:
     ) -> ZarrTokenSource:
         """Open and validate ``split`` of the dataset at ``filespec`` (call on the engine loop).
 
-        ``max_concurrent_requests`` None: the default for the split's chunks, once its metadata
-        is read (:func:`~asyncflat.config.default_reads`; the pool holds the most it can be).
+        ``max_concurrent_requests`` None: :func:`~asyncflat.config.default_reads` of its chunks.
 
         Bounded in time as a whole by ``retry.deadline_s`` (each request also by
         ``retry.attempt_timeout_s``): a silent store fails construction, it does not hang it.
@@ -165,7 +164,8 @@ class ZarrTokenSource:
         secrets = option_secrets(storage_options)
         install_log_redaction(secrets)
         io = IOCounters()
-        limiter = AdaptiveLimiter(max_concurrent_requests or REMOTE_READS_MAX, io)
+        maximum = REMOTE_READS_MAX if max_concurrent_requests is None else max_concurrent_requests
+        limiter = AdaptiveLimiter(maximum, io)
         try:
             raw = make_store(
                 filespec,
