@@ -63,11 +63,13 @@ class SeqaxStyleLoader:
         sequences_per_read_block: int,
         seed: int = 0,
         sequence_packing: bool = True,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         import jax
         import zarr
 
-        group: Any = zarr.open_group(path, mode="r")[split]  # zarr's union types: untyped here
+        # zarr's union types: untyped here
+        group: Any = zarr.open_group(path, mode="r", storage_options=storage_options)[split]
         self.encoded_tokens: Any = group["encoded_tokens"]
         self.seq_starts: Any = group["seq_starts"]
         self.seq_len, self.batch, self.streams = seq_len, batch, streams

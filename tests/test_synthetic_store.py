@@ -119,6 +119,16 @@ def test_zarr_reads_the_sequences_back() -> None:
     assert group.attrs["max_token_id"] == SMALL["vocab_size"] - 1
 
 
+def test_zarr_opens_it_by_url() -> None:
+    # zarr.open_group of a URL constructs the filesystem on zarr's own event loop, where zarr's
+    # synchronous API (which builds the metadata documents) refuses to run.
+    group = zarr.open_group("synthetic://corpus", mode="r", storage_options=SMALL)["validation"]
+    fs = SyntheticFileSystem(**SMALL)
+    seqs = fs.sequences("validation", 0, fs.splits["validation"].sequence_count)
+    np.testing.assert_array_equal(np.asarray(group["encoded_tokens"][:]) >> 1, np.concatenate(seqs))
+    assert group.attrs["max_token_id"] == SMALL["vocab_size"] - 1
+
+
 @pytest.mark.parametrize("packing", [True, False], ids=["packed", "unpacked"])
 def test_the_loaders_batches_from_it_are_the_references(tmp_path: Path, packing: bool) -> None:
     fs = SyntheticFileSystem(**SMALL)

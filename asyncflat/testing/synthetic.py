@@ -41,8 +41,9 @@ import operator
 import re
 import threading
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import fsspec
 import numpy as np
@@ -69,6 +70,24 @@ _V3_CHUNK = re.compile(r"c/(0|[1-9]\d*)")
 _V2_CHUNK = re.compile(r"(0|[1-9]\d*)")
 #: Distinct token chunks kept encoded with ``repeat_tokens`` (chunks with random lengths differ).
 _ALIKE_CHUNKS = 8
+T = TypeVar("T")
+#: threads that generate and encode chunks, shared by every synthetic filesystem: not the
+#: calling loop's default executor, which may be zarr's own, whose codec work the encoding
+#: (zarr's synchronous API) waits for: there every worker could end up waiting for one
+_WORKERS = 8
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+async def _off_loop(call: Callable[..., T], *args: Any) -> T:
+    """``call(*args)`` on the synthetic filesystems' own threads."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(_WORKERS, thread_name_prefix="synthetic-store")
+    return await asyncio.get_running_loop().run_in_executor(_pool, call, *args)
+
+
 #: Every chunk is stored, an all-zero one too (the writer's arrays' config).
 _WRITE_EMPTY = ArrayConfig(order="C", write_empty_chunks=True)
 
@@ -258,8 +277,12 @@ class SyntheticFileSystem(AsyncFileSystem):
                 f"SyntheticFileSystem.counts must be a SyntheticCounts, got {type(counts).__name__}"
             )
         self.counts = counts if counts is not None else SyntheticCounts()
-        self._metadata = _metadata(self.splits, self.layout)
-        self._encoder = _Encoder(self.layout)
+        self._built: tuple[dict[str, bytes], _Encoder] | None = None
+        self._build_lock = threading.Lock()
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no loop here: built now, as zarr's synchronous API allows
+            self._prepare()
         self._link_free = 0.0
         self._alike_lock = threading.Lock()
         #: Encoded token chunks by (split, size, first, boundaries): with ``repeat_tokens``,
@@ -268,6 +291,24 @@ class SyntheticFileSystem(AsyncFileSystem):
             collections.OrderedDict()
         )  # when the shared link (total_bandwidth) is next free
 
+    def _prepare(self) -> tuple[dict[str, bytes], _Encoder]:
+        """The metadata documents and the chunks' encoder, built once, with zarr's synchronous
+        API. That API fails on zarr's own event loop, where ``zarr.open_group`` of a
+        ``synthetic://`` URL constructs this filesystem: constructed on a running loop, the
+        filesystem builds them on a worker thread at its first request (:meth:`_ready`)."""
+        with self._build_lock:
+            if self._built is None:
+                self._built = (_metadata(self.splits, self.layout), _Encoder(self.layout))
+            return self._built
+
+    async def _ready(self) -> None:
+        if self._built is None:
+            await _off_loop(self._prepare)
+
+    @property
+    def _documents(self) -> dict[str, bytes]:
+        return self._prepare()[0]
+
     # -- what a key is -----------------------------------------------------------------------
 
     def _key(self, path: str) -> str:
@@ -275,7 +316,7 @@ class SyntheticFileSystem(AsyncFileSystem):
         part of a dataset) dropped."""
         key = self._strip_protocol(path).strip("/")
         first, _, rest = key.partition("/")
-        if first and first not in SPLITS and first not in self._metadata:
+        if first and first not in SPLITS and first not in self._documents:
             return rest
         return key
 
@@ -301,7 +342,7 @@ class SyntheticFileSystem(AsyncFileSystem):
         """``(name, "file" | "directory")`` under directory ``key``, or None if it is none."""
         prefix = f"{key}/" if key else ""
         found: dict[str, str] = {}
-        for known in self._metadata:
+        for known in self._documents:
             if known.startswith(prefix):
                 name, below, _ = known[len(prefix) :].partition("/")
                 found[name] = "directory" if below else "file"
@@ -323,17 +364,17 @@ class SyntheticFileSystem(AsyncFileSystem):
         data = self.splits[split]
         if array == "seq_starts":
             starts = data.seq_starts(index * SEQ_STARTS_CHUNK, (index + 1) * SEQ_STARTS_CHUNK)
-            return self._encoder.encode(array, starts)
+            return self._prepare()[1].encode(array, starts)
         begin = index * self.layout["chunk_tokens"]
         end = min(begin + self.layout["chunk_tokens"], data.tokens)
         starts = (data.starts_between(begin, end) - np.uint64(begin)).astype(np.intp)
         if not data.period:
-            return self._encoder.encode(array, self._codes(data, begin, end, starts))
+            return self._prepare()[1].encode(array, self._codes(data, begin, end, starts))
         key = (split, end - begin, begin == 0, hashlib.blake2b(starts.tobytes()).digest())
         with self._alike_lock:  # one encoding of alike chunks, however many ask at once
             encoded = self._alike.get(key)
             if encoded is None:
-                encoded = self._encoder.encode(array, self._codes(data, begin, end, starts))
+                encoded = self._prepare()[1].encode(array, self._codes(data, begin, end, starts))
                 self._alike[key] = encoded
                 while len(self._alike) > _ALIKE_CHUNKS:
                     self._alike.popitem(last=False)
@@ -355,10 +396,10 @@ class SyntheticFileSystem(AsyncFileSystem):
         took (a chunk is generated in a worker thread: the loop serves others meanwhile)."""
         chunk = self._chunk(key)
         if chunk is not None:
-            return await asyncio.to_thread(self._generate, *chunk)
-        if key not in self._metadata:
+            return await _off_loop(self._generate, *chunk)
+        if key not in self._documents:
             raise FileNotFoundError(f"{PROTOCOL}://{key}: no such object")
-        return self._metadata[key], 0.0
+        return self._documents[key], 0.0
 
     async def _wait(self, size: int) -> float:
         """Sleep as the network model says a ``size``-byte response takes; the seconds."""
@@ -379,9 +420,10 @@ class SyntheticFileSystem(AsyncFileSystem):
     async def _cat_file(
         self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any
     ) -> bytes:
+        await self._ready()
         key = self._key(path)
         chunk = self._chunk(key) is not None
-        if not chunk and key not in self._metadata:
+        if not chunk and key not in self._documents:
             raise FileNotFoundError(f"{PROTOCOL}://{key}: no such object")
         self.counts.start(chunk)
         data, generate_s, waited_s = b"", 0.0, 0.0
@@ -394,8 +436,9 @@ class SyntheticFileSystem(AsyncFileSystem):
         return data
 
     async def _info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+        await self._ready()
         key = self._key(path)
-        if key in self._metadata or self._chunk(key) is not None:
+        if key in self._documents or self._chunk(key) is not None:
             size = len((await self._object(key))[0])
             return {"name": path, "size": size, "type": "file"}
         if self._children(key) is not None:
@@ -403,12 +446,16 @@ class SyntheticFileSystem(AsyncFileSystem):
         raise FileNotFoundError(f"{PROTOCOL}://{key}: no such object")
 
     async def _exists(self, path: str, **kwargs: Any) -> bool:
+        await self._ready()
         key = self._key(path)
         return (
-            key in self._metadata or self._chunk(key) is not None or self._children(key) is not None
+            key in self._documents
+            or self._chunk(key) is not None
+            or self._children(key) is not None
         )
 
     async def _ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Any]:
+        await self._ready()
         key = self._key(path)
         children = self._children(key)
         if children is None:
@@ -423,8 +470,8 @@ class SyntheticFileSystem(AsyncFileSystem):
                 "size": (
                     0
                     if kind == "directory"
-                    else len(self._metadata[prefix + name])
-                    if prefix + name in self._metadata
+                    else len(self._documents[prefix + name])
+                    if prefix + name in self._documents
                     else None
                 ),
                 "type": kind,
