@@ -129,6 +129,28 @@ def test_zarr_opens_it_by_url() -> None:
     assert group.attrs["max_token_id"] == SMALL["vocab_size"] - 1
 
 
+def test_zarr_reads_many_chunks_at_once_through_its_own_loop() -> None:
+    # Chunks generated on the calling loop's executor (zarr's own here) waited for zarr's codec
+    # work queued on that same executor: with more chunks in flight than its workers, zarr hung
+    # for good. A subprocess, so that a hang fails the test instead of the suite.
+    import subprocess
+
+    script = (
+        "import numpy as np, zarr\n"
+        "from asyncflat.testing import SyntheticFileSystem\n"
+        "o = dict(tokens=300_000, chunk_tokens=2048, sequence_length=300, seed=3)\n"
+        "a = zarr.open_group('synthetic://c', mode='r', storage_options=o)['train']\n"
+        "got = np.asarray(a['encoded_tokens'][:]) >> 1\n"
+        "fs = SyntheticFileSystem(**o)\n"
+        "want = np.concatenate(fs.sequences('train', 0, fs.splits['train'].sequence_count))\n"
+        "assert (got == want).all()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 @pytest.mark.parametrize("packing", [True, False], ids=["packed", "unpacked"])
 def test_the_loaders_batches_from_it_are_the_references(tmp_path: Path, packing: bool) -> None:
     fs = SyntheticFileSystem(**SMALL)
