@@ -179,7 +179,7 @@ def main() -> None:
     # Warm up each kind of loader once (imports, jit of the batch's decode, the loop's first
     # start): the first loader of a process pays them, and the runs are compared with each other.
     for kind in {"reference" if s == "reference" else "default" for s in settings}:
-        start_run(kind, argparse.Namespace(**{**vars(args), "tokens_mib": 16.0}))
+        start_run(kind, args)
     runs: dict[str, list[dict[str, Any]]] = {}
     for _ in range(args.repeats):  # interleaved: drifts of the shared machine hit every setting
         for setting in settings:
