@@ -129,26 +129,61 @@ def test_zarr_opens_it_by_url() -> None:
     assert group.attrs["max_token_id"] == SMALL["vocab_size"] - 1
 
 
+def _run_script(script: str) -> None:
+    """``script`` in a fresh Python with this checkout's asyncflat; a hang fails it, not the
+    suite."""
+    import os
+    import subprocess
+
+    repo = str(Path(__file__).resolve().parent.parent)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+_READ_TRAIN_BY_URL = (
+    "import numpy as np, zarr\n"
+    "from asyncflat.testing import SyntheticFileSystem\n"
+    "o = dict(tokens=300_000, chunk_tokens=2048, sequence_length=300, seed=3)\n"
+    "def check():\n"
+    "    a = zarr.open_group('synthetic://c', mode='r', storage_options=o)['train']\n"
+    "    got = np.asarray(a['encoded_tokens'][:]) >> 1\n"
+    "    fs = SyntheticFileSystem(**o)\n"
+    "    want = np.concatenate(fs.sequences('train', 0, fs.splits['train'].sequence_count))\n"
+    "    assert (got == want).all()\n"
+)
+
+
 def test_zarr_reads_many_chunks_at_once_through_its_own_loop() -> None:
     # Chunks generated on the calling loop's executor (zarr's own here) waited for zarr's codec
     # work queued on that same executor: with more chunks in flight than its workers, zarr hung
-    # for good. A subprocess, so that a hang fails the test instead of the suite.
-    import subprocess
+    # for good. Its executor made small, as on a machine of a few cores.
+    _run_script(
+        "import zarr\n"
+        "zarr.config.set({'threading.max_workers': 2, 'async.concurrency': 16})\n"
+        + _READ_TRAIN_BY_URL
+        + "check()\n"
+    )
 
-    script = (
-        "import numpy as np, zarr\n"
-        "from asyncflat.testing import SyntheticFileSystem\n"
-        "o = dict(tokens=300_000, chunk_tokens=2048, sequence_length=300, seed=3)\n"
-        "a = zarr.open_group('synthetic://c', mode='r', storage_options=o)['train']\n"
-        "got = np.asarray(a['encoded_tokens'][:]) >> 1\n"
-        "fs = SyntheticFileSystem(**o)\n"
-        "want = np.concatenate(fs.sequences('train', 0, fs.splits['train'].sequence_count))\n"
-        "assert (got == want).all()\n"
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="no fork on this platform")
+def test_a_process_forked_after_reading_reads_too() -> None:
+    # The stores' threads do not survive a fork; their pool must not think they did.
+    _run_script(
+        _READ_TRAIN_BY_URL + "import os\n"
+        "check()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    check()\n"
+        "    os._exit(0)\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "assert os.waitstatus_to_exitcode(status) == 0\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("packing", [True, False], ids=["packed", "unpacked"])

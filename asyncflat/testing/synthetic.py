@@ -38,6 +38,7 @@ import hashlib
 import logging
 import math
 import operator
+import os
 import re
 import threading
 import time
@@ -71,12 +72,24 @@ _V2_CHUNK = re.compile(r"(0|[1-9]\d*)")
 #: Distinct token chunks kept encoded with ``repeat_tokens`` (chunks with random lengths differ).
 _ALIKE_CHUNKS = 8
 T = TypeVar("T")
-#: threads that generate and encode chunks, shared by every synthetic filesystem: not the
-#: calling loop's default executor, which may be zarr's own, whose codec work the encoding
-#: (zarr's synchronous API) waits for: there every worker could end up waiting for one
-_WORKERS = 8
+#: threads that generate and encode chunks, shared by every synthetic filesystem (as many as
+#: a loop's default executor has): not the calling loop's default executor, which may be
+#: zarr's own, whose codec work the encoding (zarr's synchronous API) waits for: there every
+#: worker could end up waiting for one
+_WORKERS = min(32, (os.cpu_count() or 1) + 4)
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
+
+
+def _forget_pool() -> None:
+    """In a forked child: the pool's threads did not come along, but the pool would still
+    count them as idle and start none."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
 
 
 async def _off_loop(call: Callable[..., T], *args: Any) -> T:
@@ -292,10 +305,9 @@ class SyntheticFileSystem(AsyncFileSystem):
         )  # when the shared link (total_bandwidth) is next free
 
     def _prepare(self) -> tuple[dict[str, bytes], _Encoder]:
-        """The metadata documents and the chunks' encoder, built once, with zarr's synchronous
-        API. That API fails on zarr's own event loop, where ``zarr.open_group`` of a
-        ``synthetic://`` URL constructs this filesystem: constructed on a running loop, the
-        filesystem builds them on a worker thread at its first request (:meth:`_ready`)."""
+        """The metadata documents and the chunks' encoder, built once with zarr's synchronous
+        API, which fails on zarr's own loop (``zarr.open_group`` of a URL constructs this
+        there): constructed on a loop, this builds them off it at its first request."""
         with self._build_lock:
             if self._built is None:
                 self._built = (_metadata(self.splits, self.layout), _Encoder(self.layout))
