@@ -101,12 +101,12 @@ REMOTE_BYTES_IN_FLIGHT = 4 << 20
 FILL_ON_OPEN = ("local", "always", "never")
 
 
-def default_reads(*, chunk_bytes: int, remote: bool) -> int:
+def default_reads(*, token_chunk: int, remote: bool) -> int:
     """Reads in flight where ``EngineOptions.max_concurrent_reads`` is None, for a store whose
-    chunks decode to ``chunk_bytes``: see :meth:`EngineOptions.reads_in_flight`."""
+    chunks hold ``token_chunk`` tokens: see :meth:`EngineOptions.reads_in_flight`."""
     if not remote:
         return DEFAULT_READS
-    wanted = -(-REMOTE_BYTES_IN_FLIGHT // max(1, chunk_bytes))
+    wanted = -(-REMOTE_BYTES_IN_FLIGHT // max(1, 4 * token_chunk))  # uint32 tokens
     return min(REMOTE_READS_MAX, max(DEFAULT_READS, wanted))
 
 
@@ -385,14 +385,14 @@ class EngineOptions:
                 f"EngineOptions.retry must be a RetryPolicy, got {type(self.retry).__name__}"
             )
 
-    def reads_in_flight(self, *, chunk_bytes: int, remote: bool) -> int:
+    def reads_in_flight(self, *, token_chunk: int, remote: bool) -> int:
         """``max_concurrent_reads``, or where it is None the default for a store whose chunks
-        decode to ``chunk_bytes``: behind a network (``remote``) enough reads to keep
+        hold ``token_chunk`` tokens: behind a network (``remote``) enough reads to keep
         :data:`REMOTE_BYTES_IN_FLIGHT` in flight, from :data:`DEFAULT_READS` to
         :data:`REMOTE_READS_MAX`; on this machine :data:`DEFAULT_READS`."""
         if self.max_concurrent_reads is not None:
             return self.max_concurrent_reads
-        return default_reads(chunk_bytes=chunk_bytes, remote=remote)
+        return default_reads(token_chunk=token_chunk, remote=remote)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -296,7 +296,7 @@ def reads_in_flight(args: argparse.Namespace) -> int:
     import asyncflat
 
     engine = asyncflat.EngineOptions(max_concurrent_reads=args.concurrency)
-    return engine.reads_in_flight(chunk_bytes=args.spb * args.len * 4, remote=True)
+    return engine.reads_in_flight(token_chunk=args.spb * args.len, remote=True)
 
 
 def fill_run(args: argparse.Namespace, url: str, options: dict[str, Any]) -> dict[str, Any]:

@@ -365,7 +365,7 @@ def test_attempts_do_not_multiply(backend: Backend) -> None:
             stats = loader.stats()
         attempts = collections.Counter((r.target, r.range) for r in proxy.faults())
     assert max(attempts.values()) == 3
-    default = EngineOptions().reads_in_flight(chunk_bytes=CHUNK * 4, remote=True)
+    default = EngineOptions().reads_in_flight(token_chunk=CHUNK, remote=True)
     assert stats["throttled"] >= 3 and stats["concurrency_limit"] < default
     message = str(info.value)
     assert backend.url("data/v3.zarr/train/encoded_tokens/") in message

@@ -101,7 +101,7 @@ def test_small_chunks_get_more_reads_in_flight_by_default(backend: Backend) -> N
     """A read waits out the latency whatever its size: by default a store of small chunks gets
     as many reads in flight as keep 4 MiB of chunks on the wire (at most 64), where 16 left
     a latency-bound store's fill at a quarter of its bandwidth."""
-    default = EngineOptions().reads_in_flight(chunk_bytes=SPB * LEN * 4, remote=True)
+    default = EngineOptions().reads_in_flight(token_chunk=SPB * LEN, remote=True)
     assert default == 64  # 1 KiB chunks
     with backend.proxy(latency_s=0.1) as proxy:
         params = _params(backend.url("wire/v3.zarr"), backend.options(proxy))

@@ -312,13 +312,13 @@ def test_reads_in_flight_default_to_the_bytes_a_network_hides_latency_with() -> 
     kib = 1024
     # behind a network: 4 MiB of chunks in flight, 16 to 64 reads
     assert REMOTE_BYTES_IN_FLIGHT == 4096 * kib
-    assert options.reads_in_flight(chunk_bytes=128 * kib, remote=True) == 32  # seqax's chunks
-    assert options.reads_in_flight(chunk_bytes=100 * kib, remote=True) == 41  # rounded up
-    assert options.reads_in_flight(chunk_bytes=4096 * kib, remote=True) == DEFAULT_READS
-    assert options.reads_in_flight(chunk_bytes=kib, remote=True) == REMOTE_READS_MAX
+    assert options.reads_in_flight(token_chunk=32 * kib, remote=True) == 32  # seqax's: 128 KiB
+    assert options.reads_in_flight(token_chunk=25 * kib, remote=True) == 41  # rounded up
+    assert options.reads_in_flight(token_chunk=1024 * kib, remote=True) == DEFAULT_READS
+    assert options.reads_in_flight(token_chunk=256, remote=True) == REMOTE_READS_MAX
     # on this machine reads are CPU, not round trips
-    assert options.reads_in_flight(chunk_bytes=kib, remote=False) == DEFAULT_READS
+    assert options.reads_in_flight(token_chunk=256, remote=False) == DEFAULT_READS
     # a number given is kept, wherever the store is
     mine = EngineOptions(max_concurrent_reads=5)
-    assert mine.reads_in_flight(chunk_bytes=kib, remote=True) == 5
-    assert mine.reads_in_flight(chunk_bytes=kib, remote=False) == 5
+    assert mine.reads_in_flight(token_chunk=256, remote=True) == 5
+    assert mine.reads_in_flight(token_chunk=256, remote=False) == 5

@@ -65,7 +65,7 @@ class Engine:
         # time, none while a load waits; behind a network latency, not CPU, bounds its reads.
         packed = plan.sequence_packing
         unit_tokens = source.token_chunk if packed else plan.sequences_per_read_block * plan.seq_len
-        reads = options.reads_in_flight(chunk_bytes=source.token_chunk * 4, remote=source.remote)
+        reads = options.reads_in_flight(token_chunk=source.token_chunk, remote=source.remote)
         self._recorder = Recorder()
         self._units = UnitReader(plan, source, self._recorder, options.decode_threads)
         self._scheduler: UnitScheduler[Unit] = UnitScheduler(

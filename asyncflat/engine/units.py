@@ -33,9 +33,9 @@ def inflight_budget_for(
     # keeping the whole read window busy.
     if options.max_inflight_bytes is not None:
         return options.max_inflight_bytes
-    chunk_bytes = token_chunk * 4
-    reads = options.reads_in_flight(chunk_bytes=chunk_bytes, remote=remote)
-    return max(plan.buffer_bytes // 8, min(reads, reads if remote else 4) * chunk_bytes)
+    reads = options.reads_in_flight(token_chunk=token_chunk, remote=remote)
+    window = reads if remote else min(reads, 4)
+    return max(plan.buffer_bytes // 8, window * token_chunk * 4)
 
 
 class UnitReader:

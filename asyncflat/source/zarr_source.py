@@ -193,8 +193,7 @@ class ZarrTokenSource:
             local = local_root(raw) if store_wrapper is None else None
             source = cls(arrays, io, raw, guard=guard, local=local)
             if max_concurrent_requests is None:
-                chunk_bytes = source.token_chunk * 4
-                limiter.resize(default_reads(chunk_bytes=chunk_bytes, remote=source.remote))
+                limiter.resize(default_reads(token_chunk=source.token_chunk, remote=source.remote))
             guard.check_blosc_frames(blosc_frame_prefixes(arrays))
         except TimeoutError as exc:
             await close_store(raw)
