@@ -323,9 +323,11 @@ class SyntheticFileSystem(AsyncFileSystem):
 
     # -- what a key is -----------------------------------------------------------------------
 
-    def _key(self, path: str) -> str:
+    async def _key(self, path: str) -> str:
         """The dataset key of ``path``: the URL's label (one leading component that is not
-        part of a dataset) dropped."""
+        part of a dataset) dropped. Every request starts here, so the documents are built
+        first (:meth:`_prepare`)."""
+        await self._ready()
         key = self._strip_protocol(path).strip("/")
         first, _, rest = key.partition("/")
         if first and first not in SPLITS and first not in self._documents:
@@ -432,8 +434,7 @@ class SyntheticFileSystem(AsyncFileSystem):
     async def _cat_file(
         self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any
     ) -> bytes:
-        await self._ready()
-        key = self._key(path)
+        key = await self._key(path)
         chunk = self._chunk(key) is not None
         if not chunk and key not in self._documents:
             raise FileNotFoundError(f"{PROTOCOL}://{key}: no such object")
@@ -448,8 +449,7 @@ class SyntheticFileSystem(AsyncFileSystem):
         return data
 
     async def _info(self, path: str, **kwargs: Any) -> dict[str, Any]:
-        await self._ready()
-        key = self._key(path)
+        key = await self._key(path)
         if key in self._documents or self._chunk(key) is not None:
             size = len((await self._object(key))[0])
             return {"name": path, "size": size, "type": "file"}
@@ -458,8 +458,7 @@ class SyntheticFileSystem(AsyncFileSystem):
         raise FileNotFoundError(f"{PROTOCOL}://{key}: no such object")
 
     async def _exists(self, path: str, **kwargs: Any) -> bool:
-        await self._ready()
-        key = self._key(path)
+        key = await self._key(path)
         return (
             key in self._documents
             or self._chunk(key) is not None
@@ -467,8 +466,7 @@ class SyntheticFileSystem(AsyncFileSystem):
         )
 
     async def _ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Any]:
-        await self._ready()
-        key = self._key(path)
+        key = await self._key(path)
         children = self._children(key)
         if children is None:
             raise FileNotFoundError(f"{PROTOCOL}://{key}: no such directory")
