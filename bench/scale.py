@@ -229,8 +229,10 @@ def vs_targets(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """Issue 38's targets against this run: ``{name: {value, target, met}}`` for those whose
     sizes were run and served (the medians of a size run more than once)."""
 
+    sized = {mode: per_size(rows) for mode, rows in results.items()}
+
     def at(mode: str, tokens: int, key: str) -> float | None:
-        row = next((r for r in per_size(results[mode]) if r["tokens"] == tokens), {})
+        row = next((r for r in sized[mode] if r["tokens"] == tokens), {})
         return row.get(key) if "refused" not in row and "error" not in row else None
 
     checks = {  # name: (the figure, the figure it is divided by, the most the ratio may be)
