@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -27,6 +31,7 @@ from conftest import oracle, random_sequences, wait_until
 from helpers.fake_source import SEQ_LEN, FakeSource, make_data
 
 import asyncflat
+import asyncflat.plan.entries as entries_module
 from asyncflat import (
     EngineOptions,
     FlatTokensParams,
@@ -41,7 +46,7 @@ from asyncflat.engine import Engine
 from asyncflat.engine.opening import EARLY_REQUESTS_MAX
 from asyncflat.errors import ConfigError
 from asyncflat.plan.entries import permutation_entries
-from asyncflat.plan.permutation import NO_COMPILE_MAX, Stop, Stopped, permutation
+from asyncflat.plan.permutation import NO_COMPILE_MAX, Stop, Stopped, ensure_kernel, permutation
 from asyncflat.plan.shuffle import EARLY_ENTRIES_MAX
 
 pytestmark = pytest.mark.timeout(120)
@@ -68,6 +73,56 @@ def test_entries_equal_the_permutation_at_their_positions(n: int, seed: int) -> 
             got = permutation_entries(seed, n, positions, piece=piece, threads=threads)
             np.testing.assert_array_equal(got, full[positions], f"{positions[:4]} {piece}")
             assert got.dtype == np.uint32
+
+
+@pytest.mark.parametrize("draws", ["numpy", "kernel"])
+@pytest.mark.parametrize("n", [5000, 70_001, 300_007])
+def test_entries_are_the_same_drawn_by_numpy_or_by_the_compiled_kernel(
+    n: int, draws: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The draws of a piece come from the kernel once it is compiled (by the whole order, or
+    by the entries' own warm-up), else from numpy: the same entries either way."""
+    if draws == "kernel":
+        ensure_kernel()
+    else:
+        monkeypatch.setattr(entries_module, "compiled_draws", lambda: None)
+    rng = np.random.default_rng(n)
+    positions = rng.choice(n, size=64, replace=False).tolist()
+    for seed in (3, 2**64 + 5):
+        expected = permutation(seed, n)[positions]
+        for piece, threads in ((1 << 18, 2), (1024, 3)):
+            got = permutation_entries(seed, n, positions, piece=piece, threads=threads)
+            np.testing.assert_array_equal(got, expected, f"{draws} {piece}")
+
+
+def test_large_entries_compile_the_kernel_beside_their_draws_and_small_ones_do_not() -> None:
+    """From ``ENTRIES_COMPILE_MIN`` positions the entries start the kernel's compile on its
+    own thread (their later pieces draw with it); below it they leave LLVM unloaded (a
+    process that needs no larger permutation never loads it). In fresh processes."""
+    script = (
+        "import sys\n"
+        "import asyncflat.plan.entries as entries\n"
+        "from asyncflat.plan.permutation import kernel_status, permutation\n"
+        "entries.ENTRIES_COMPILE_MIN = 1 << 20\n"
+        "n = int(sys.argv[1])\n"
+        "got = entries.permutation_entries(7, n, range(0, n, n // 16))\n"
+        "status = kernel_status()\n"
+        "print(status, 'llvmlite' in sys.modules, flush=True)\n"
+        "assert (got == permutation(7, n)[0:n:n // 16][:len(got)]).all()\n"
+    )
+    repo = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+    for n, compiled in ((1 << 20, True), ((1 << 20) - 4, False)):
+        proc = subprocess.run(
+            [sys.executable, "-c", script, str(n)],
+            env=env, capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        status, loaded = proc.stdout.split()
+        if compiled:
+            assert status in ("compiling", "ready") and loaded == "True", proc.stdout
+        else:
+            assert (status, loaded) == ("absent", "False"), proc.stdout
 
 
 def test_entries_refuse_what_is_not_a_set_of_positions() -> None:
@@ -517,17 +572,17 @@ def test_a_loader_collected_on_a_thread_of_its_early_blocks_closes_at_once(
     from helpers.resources import library_threads
 
     armed, took = threading.Event(), []
-    philox = np.random.Philox
+    flatnonzero = np.flatnonzero  # the draws' filter calls it, numpy's draws or the kernel's
 
-    def collecting(*args: object, **kwargs: object) -> np.random.Philox:
+    def collecting(values: np.ndarray) -> np.ndarray:
         if armed.is_set() and threading.current_thread().name.startswith("asyncflat-entries"):
             armed.clear()
             started = time.perf_counter()
             gc.collect()  # a collection that happens to run there
             took.append(time.perf_counter() - started)
-        return philox(*args, **kwargs)  # type: ignore[arg-type]
+        return flatnonzero(values)
 
-    monkeypatch.setattr(np.random, "Philox", collecting)
+    monkeypatch.setattr(np, "flatnonzero", collecting)
     loader = computing_early_blocks("early-gc")
     cycle: list[object] = [loader]
     cycle.append(cycle)

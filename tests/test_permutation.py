@@ -271,6 +271,38 @@ def test_a_compiled_kernel_serves_small_sizes_identically() -> None:
     np.testing.assert_array_equal(small, slow_reference(9, 40_000))
 
 
+@pytest.mark.parametrize("lo", [0, 4, 1000, 2**20, 2**32 - 70_000])
+@pytest.mark.parametrize("size", [1, 3, 4, 4095, 4097, 65_536])
+def test_the_kernels_draws_equal_numpys(lo: int, size: int) -> None:
+    """What the entries walk: ``r[i] = raw[i] % (i + 1)``, from any multiple of 4, any length
+    (the kernel works in Philox blocks of 4 and chunks of 4,096)."""
+    draws = permutation_module.compiled_draws()
+    assert draws is not None  # compiled by the module's fixture
+    for seed in (0, 2**64 + 3):
+        key = permutation_module.philox_key(seed)
+        out = np.full(size, 0xDEADBEEF, np.uint32)
+        draws(key, lo, out, None)
+        raw = np.random.Philox(key=key, counter=lo // 4).random_raw(size)
+        expected = raw % (np.arange(size, dtype=np.uint64) + np.uint64(lo + 1))
+        np.testing.assert_array_equal(out, expected.astype(np.uint32))
+
+
+def test_the_kernels_draws_refuse_what_they_cannot_write_and_stop_when_asked() -> None:
+    draws = permutation_module.compiled_draws()
+    assert draws is not None
+    key = permutation_module.philox_key(1)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        draws(key, 2, np.empty(8, np.uint32), None)
+    with pytest.raises(ValueError, match="uint32"):
+        draws(key, 0, np.empty(8, np.uint64), None)
+    with pytest.raises(ValueError, match="uint32"):
+        draws(key, 0, np.empty(16, np.uint32)[::2], None)
+    stop = Stop()
+    stop.set()
+    with pytest.raises(Stopped):
+        draws(key, 0, np.empty(1 << 16, np.uint32), stop)
+
+
 def test_exit_waits_for_a_background_compile() -> None:
     # LLVM's static destructors run when the process exits; a compile still running on the
     # background thread then crashed short-lived processes (a restart that loaded one batch and

@@ -23,15 +23,29 @@ import numpy as np
 
 from asyncflat.config import available_cpus
 from asyncflat.errors import ConfigError
-from asyncflat.plan.permutation import DRAW_PIECE, Stop, Stopped, philox_key
+from asyncflat.plan.permutation import (
+    DRAW_PIECE,
+    Stop,
+    Stopped,
+    compiled_draws,
+    philox_key,
+    warm_up,
+)
 
-__all__ = ["ENTRIES_THREADS_MAX", "permutation_entries"]
+__all__ = ["ENTRIES_COMPILE_MIN", "ENTRIES_THREADS_MAX", "permutation_entries"]
 
 #: threads that draw the swap targets at most (each piece of ``DRAW_PIECE`` positions on one).
 #: Beyond four the thread that walks the swaps bounds the time, and each thread adds its pieces
 #: and temporaries to the peak (14.3M positions on a 13-core host: 0.13 s on 4 threads, 0.15 s
 #: on 8; on a 2-core VM, asked for with ``threads``: +18 MiB on 4, +34 on 8).
 ENTRIES_THREADS_MAX = 4
+#: positions from which the entries start compiling the permutation kernel (:func:`~asyncflat.
+#: plan.permutation.warm_up`, on a thread of its own) and draw with it once it is compiled, with
+#: numpy meanwhile. Its draws take a third of numpy's time, but importing llvmlite and compiling
+#: take ~0.1 s of a core (holding the GIL for the import): worth it beside draws of several
+#: tenths of a second. Below, the entries draw with the kernel only when something else (the
+#: whole block order) has compiled it.
+ENTRIES_COMPILE_MIN = 1 << 25
 # the value filter: a table of 2**16 flags, small enough to stay in a core's cache
 _FILTER_MASK = (1 << 16) - 1
 # values _matches compares one by one (each a pass over the piece), not through the table
@@ -80,6 +94,8 @@ def permutation_entries(
         )
     if piece < 4 or piece % 4:
         raise ConfigError(f"permutation_entries: piece must be a positive multiple of 4: {piece}")
+    if n >= ENTRIES_COMPILE_MIN:
+        warm_up(n)
     # each tracked position's current place, walking the swaps backward -> its slot in wanted
     where = {p: slot for slot, p in enumerate(wanted)}
     threads = threads or available_cpus()
@@ -124,7 +140,7 @@ def _swap_targets(
                     snapshot = frozenset(where)
                     values = np.fromiter(snapshot, np.uint64, len(snapshot))
                     buffer = free.pop()
-                    future = pool.submit(_draw, key, lo, buffer[: hi - lo], values)
+                    future = pool.submit(_draw, key, lo, buffer[: hi - lo], values, stop)
                     ahead.append(((lo, buffer[: hi - lo], snapshot), buffer, future))
                 if not ahead:
                     return
@@ -148,12 +164,18 @@ def _pieces(n: int, piece: int) -> Iterator[tuple[int, int]]:
         size = min(piece, size + size // 8 * 4)
 
 
-def _draw(key: np.ndarray, lo: int, targets: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """Fill ``targets`` with ``r[lo:lo + len(targets)]``; the indices where it holds one of
-    ``values``."""
+def _draw(
+    key: np.ndarray, lo: int, targets: np.ndarray, values: np.ndarray, stop: Stop | None
+) -> np.ndarray:
+    """Fill ``targets`` with ``r[lo:lo + len(targets)]`` (with the compiled kernel's draws
+    once it is compiled, else numpy's); the indices where it holds one of ``values``."""
+    table = _filter_table(values)
+    draws = compiled_draws()
+    if draws is not None:
+        draws(key, lo, targets, stop)
+        return _exact(targets, _filtered(targets, table), values)
     generator = np.random.Philox(key=key, counter=lo // 4)
     bounds, low = np.empty(_SUB, np.uint64), np.empty(_SUB, np.uint64)
-    table = _filter_table(values)
     found = []
     for start in range(0, len(targets), _SUB):
         size = min(_SUB, len(targets) - start)
@@ -166,6 +188,20 @@ def _draw(key: np.ndarray, lo: int, targets: np.ndarray, values: np.ndarray) -> 
         if hits.size:
             found.append(hits + start)
     return _exact(targets, np.concatenate(found) if found else np.empty(0, np.intp), values)
+
+
+def _filtered(targets: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """The indices of ``targets`` whose low 16 bits the ``table`` flags, a slice at a time
+    (the index array in intp, which the table's lookup takes without a copy)."""
+    low = np.empty(min(_SUB, len(targets)), np.intp)
+    found = []
+    for start in range(0, len(targets), _SUB):
+        size = min(_SUB, len(targets) - start)
+        np.bitwise_and(targets[start : start + size], np.uint32(_FILTER_MASK), out=low[:size])
+        hits = np.flatnonzero(table[low[:size]])
+        if hits.size:
+            found.append(hits + start)
+    return np.concatenate(found) if found else np.empty(0, np.intp)
 
 
 def _filter_table(values: np.ndarray) -> np.ndarray:
