@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import heapq
+import logging
 from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -28,23 +29,25 @@ from asyncflat.plan.permutation import (
     Stop,
     Stopped,
     compiled_draws,
+    ensure_kernel,
     philox_key,
-    warm_up,
 )
 
 __all__ = ["ENTRIES_COMPILE_MIN", "ENTRIES_THREADS_MAX", "permutation_entries"]
+
+log = logging.getLogger(__name__)
 
 #: threads that draw the swap targets at most (each piece of ``DRAW_PIECE`` positions on one).
 #: Beyond four the thread that walks the swaps bounds the time, and each thread adds its pieces
 #: and temporaries to the peak (14.3M positions on a 13-core host: 0.13 s on 4 threads, 0.15 s
 #: on 8; on a 2-core VM, asked for with ``threads``: +18 MiB on 4, +34 on 8).
 ENTRIES_THREADS_MAX = 4
-#: positions from which the entries start compiling the permutation kernel (:func:`~asyncflat.
-#: plan.permutation.warm_up`, on a thread of its own) and draw with it once it is compiled, with
-#: numpy meanwhile. Its draws take a third of numpy's time, but importing llvmlite and compiling
-#: take ~0.1 s of a core (holding the GIL for the import): worth it beside draws of several
-#: tenths of a second. Below, the entries draw with the kernel only when something else (the
-#: whole block order) has compiled it.
+#: positions from which the entries compile the permutation kernel (one more thread of their
+#: pool, first) and draw with it once it is compiled, with numpy meanwhile. Its draws take about
+#: half numpy's time, but importing llvmlite and compiling take ~0.1 s of a core (holding the GIL
+#: for the import): at 14.3M positions that made the entries slower (264 against 184 ms on a
+#: 13-core host), at 95M faster (575 against 752 ms). Below, the entries draw with the kernel
+#: only when something else (the whole block order) has compiled it.
 ENTRIES_COMPILE_MIN = 1 << 25
 # the value filter: a table of 2**16 flags, small enough to stay in a core's cache
 _FILTER_MASK = (1 << 16) - 1
@@ -94,8 +97,6 @@ def permutation_entries(
         )
     if piece < 4 or piece % 4:
         raise ConfigError(f"permutation_entries: piece must be a positive multiple of 4: {piece}")
-    if n >= ENTRIES_COMPILE_MIN:
-        warm_up(n)
     # each tracked position's current place, walking the swaps backward -> its slot in wanted
     where = {p: slot for slot, p in enumerate(wanted)}
     threads = threads or available_cpus()
@@ -132,7 +133,13 @@ def _swap_targets(
     ahead: collections.deque[tuple[_Piece, np.ndarray, Future[np.ndarray]]]
     ahead = collections.deque()
     bounds = _pieces(n, piece)
-    with ThreadPoolExecutor(workers, "asyncflat-entries", on_thread) as pool:
+    # compiled here rather than on a thread of the process's own (``warm_up``): the pool's
+    # threads are the loop's, so a close() that a garbage collection runs on one never waits
+    # for the loop, and none outlives the entries
+    compiling = n >= ENTRIES_COMPILE_MIN and compiled_draws() is None
+    with ThreadPoolExecutor(workers + compiling, "asyncflat-entries", on_thread) as pool:
+        if compiling:
+            pool.submit(_compile)
         try:
             while True:
                 while len(ahead) <= workers and (lo_hi := next(bounds, None)) is not None:
@@ -152,6 +159,15 @@ def _swap_targets(
         finally:
             for *_, future in ahead:
                 future.cancel()
+
+
+def _compile() -> None:
+    """Compile the kernel, for the pieces drawn after it (a failure leaves them to numpy, and
+    the whole order, which needs it, raises it)."""
+    try:
+        ensure_kernel()
+    except Exception as exc:  # noqa: BLE001
+        log.debug("compiling the permutation kernel for the entries' draws failed: %r", exc)
 
 
 def _pieces(n: int, piece: int) -> Iterator[tuple[int, int]]:

@@ -84,7 +84,7 @@ class Kernel(NamedTuple):
     draw_all: Callable[[int, int, int, int, int, int, int, int, int], None]
     #: ``draws(k0, k1, targets, start, end, stop)``: the swap targets of positions ``[start,
     #: end)`` (``start`` a multiple of 4) into the uint32 array at ``targets``, returning early
-    #: once ``stop`` is set: what :mod:`~asyncflat.plan.entries` walks, at a third of numpy's cost
+    #: once ``stop`` is set: what :mod:`~asyncflat.plan.entries` walks, at about half numpy's cost
     draws: Callable[[int, int, int, int, int, int], None]
 
 

@@ -340,8 +340,8 @@ def ensure_kernel() -> None:
 
 def compiled_draws() -> _Draws | None:
     """The kernel's swap-target draws once the kernel is compiled, else None (nothing is
-    started: see :func:`warm_up`). ``draws(key, lo, out, stop)`` fills ``out`` (C-contiguous
-    uint32) with ``r[lo:lo + out.size]`` of the stream of :func:`philox_key`'s ``key``, ``r[i]
+    started: see :func:`ensure_kernel`). ``draws(key, lo, out, stop)`` fills ``out`` (writeable,
+    C-contiguous uint32) with ``r[lo:lo + out.size]`` of the stream of :func:`philox_key`'s ``key``, ``r[i]
     = raw[i] % (i + 1)`` (``lo`` a multiple of 4), with the GIL released: ~4-6 ns a position,
     where numpy's ``random_raw`` and a modulo take 8-11. Raises :class:`Stopped` once ``stop``
     is set."""
@@ -446,10 +446,16 @@ def _load_kernel() -> _Kernel:
         _run_kernel(compiled, int(k0), int(k1), result, stop)
 
     def draws(key: np.ndarray, lo: int, out: np.ndarray, stop: Stop | None) -> None:
-        if lo % 4 or out.dtype != np.uint32 or not out.flags.c_contiguous:
+        if (
+            lo % 4
+            or out.dtype != np.uint32
+            or not out.flags.c_contiguous
+            or not out.flags.writeable
+        ):
             raise ValueError(
                 f"draws: lo must be a multiple of 4 and out a C-contiguous uint32 array, got "
-                f"lo={lo}, {out.dtype} (C-contiguous: {out.flags.c_contiguous})"
+                f"lo={lo}, {out.dtype} (C-contiguous: {out.flags.c_contiguous}, writeable: "
+                f"{out.flags.writeable})"
             )
         stop = stop or _NEVER
         compiled.draws(int(key[0]), int(key[1]), out.ctypes.data, lo, lo + out.size, stop.address)
