@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -45,7 +46,7 @@ from asyncflat import (
 from asyncflat.engine import Engine
 from asyncflat.engine.opening import EARLY_REQUESTS_MAX
 from asyncflat.errors import ConfigError
-from asyncflat.plan.entries import permutation_entries
+from asyncflat.plan.entries import ENTRIES_COMPILE_MIN, permutation_entries
 from asyncflat.plan.permutation import NO_COMPILE_MAX, Stop, Stopped, ensure_kernel, permutation
 from asyncflat.plan.shuffle import EARLY_ENTRIES_MAX
 
@@ -95,34 +96,48 @@ def test_entries_are_the_same_drawn_by_numpy_or_by_the_compiled_kernel(
             np.testing.assert_array_equal(got, expected, f"{draws} {piece}")
 
 
-def test_large_entries_compile_the_kernel_beside_their_draws_and_small_ones_do_not() -> None:
-    """From ``ENTRIES_COMPILE_MIN`` positions the entries compile the kernel on a thread of
-    their pool (their later pieces draw with it); below it they leave LLVM unloaded (a
-    process that needs no larger permutation never loads it). In fresh processes."""
+def test_a_large_split_compiles_the_kernel_on_opening_for_its_early_draws() -> None:
+    """From ``ENTRIES_COMPILE_MIN`` read blocks a loader's opening compiles the permutation
+    kernel on a thread of its own, beside the early blocks' first draws (their later pieces
+    draw with it); below, and in the entries themselves, nothing loads LLVM before the whole
+    order is wanted. Closing leaves no thread. In fresh processes (the kernel is per process)."""
     script = (
-        "import sys\n"
-        "import asyncflat.plan.entries as entries\n"
-        "from asyncflat.plan.permutation import kernel_status, permutation\n"
-        "entries.ENTRIES_COMPILE_MIN = 1 << 20\n"
-        "n = int(sys.argv[1])\n"
-        "got = entries.permutation_entries(7, n, range(0, n, n // 16))\n"
-        "status = kernel_status()\n"
-        "print(status, 'llvmlite' in sys.modules, flush=True)\n"
-        "assert (got == permutation(7, n)[0:n:n // 16][:len(got)]).all()\n"
+        "import sys, threading, time\n"
+        "import jax\n"
+        "from asyncflat import FlatTokensParams, ShufflingLoader, TokenBatchParams\n"
+        "from asyncflat.plan.entries import permutation_entries\n"
+        "from asyncflat.plan.permutation import kernel_status\n"
+        "from asyncflat.testing import SyntheticCounts\n"
+        "tokens = int(sys.argv[1])\n"
+        "permutation_entries(7, 1 << 20, range(8))\n"
+        "assert 'llvmlite' not in sys.modules\n"
+        "storage = {'tokens': tokens, 'chunk_tokens': 1 << 22, 'counts': SyntheticCounts()}\n"
+        "params = FlatTokensParams('synthetic://c', 1, 16, 8, 0, True, storage_options=storage)\n"
+        "single = jax.sharding.SingleDeviceSharding(jax.devices()[0])\n"
+        "loader = ShufflingLoader('train', params, TokenBatchParams(len=2048, batch=8), single)\n"
+        "names = [t.name for t in threading.enumerate()]\n"
+        "deadline = time.monotonic() + 60\n"
+        "while kernel_status() != 'ready' and 'asyncflat-kernel' in names and time.monotonic() < deadline:\n"
+        "    time.sleep(0.01)\n"
+        "print('asyncflat-kernel' in names, kernel_status(), 'llvmlite' in sys.modules)\n"
+        "loader.close()\n"
+        "print([t.name for t in threading.enumerate() if t.name.startswith('asyncflat')])\n"
     )
     repo = str(Path(__file__).resolve().parent.parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
-    for n, compiled in ((1 << 20, True), ((1 << 20) - 4, False)):
+    blocks = 2048 * 8  # tokens per read block of these parameters
+    for count, compiles in ((ENTRIES_COMPILE_MIN + 64, True), (1 << 20, False)):
         proc = subprocess.run(
-            [sys.executable, "-c", script, str(n)],
+            [sys.executable, "-c", script, str(count * blocks)],
             env=env, capture_output=True, text=True, timeout=240,
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr
-        status, loaded = proc.stdout.split()
-        if compiled:
-            assert (status, loaded) == ("ready", "True"), proc.stdout  # joined with the pool
+        opened, closed = proc.stdout.splitlines()
+        if compiles:
+            assert opened == "True ready True", proc.stdout
         else:
-            assert (status, loaded) == ("absent", "False"), proc.stdout
+            assert opened == "False absent False", proc.stdout
+        assert closed == "[]", proc.stdout
 
 
 def test_entries_refuse_what_is_not_a_set_of_positions() -> None:
@@ -572,17 +587,17 @@ def test_a_loader_collected_on_a_thread_of_its_early_blocks_closes_at_once(
     from helpers.resources import library_threads
 
     armed, took = threading.Event(), []
-    flatnonzero = np.flatnonzero  # the draws' filter calls it, numpy's draws or the kernel's
+    zeros = np.zeros  # each piece's filter table is made with it, numpy's draws or the kernel's
 
-    def collecting(values: np.ndarray) -> np.ndarray:
+    def collecting(*args: Any, **kwargs: Any) -> np.ndarray:
         if armed.is_set() and threading.current_thread().name.startswith("asyncflat-entries"):
             armed.clear()
             started = time.perf_counter()
             gc.collect()  # a collection that happens to run there
             took.append(time.perf_counter() - started)
-        return flatnonzero(values)
+        return zeros(*args, **kwargs)
 
-    monkeypatch.setattr(np, "flatnonzero", collecting)
+    monkeypatch.setattr(np, "zeros", collecting)
     loader = computing_early_blocks("early-gc")
     cycle: list[object] = [loader]
     cycle.append(cycle)

@@ -273,34 +273,52 @@ def test_a_compiled_kernel_serves_small_sizes_identically() -> None:
 
 @pytest.mark.parametrize("lo", [0, 4, 1000, 2**20, 2**32 - 70_000])
 @pytest.mark.parametrize("size", [1, 3, 4, 4095, 4097, 65_536])
-def test_the_kernels_draws_equal_numpys(lo: int, size: int) -> None:
+def test_the_kernels_draws_equal_numpys_and_find_what_the_table_flags(lo: int, size: int) -> None:
     """What the entries walk: ``r[i] = raw[i] % (i + 1)``, from any multiple of 4, any length
-    (the kernel works in Philox blocks of 4 and chunks of 4,096)."""
+    (the kernel works in Philox blocks of 4 and chunks of 4,096), and the indices whose low
+    bits a table flags: few, or more than the first call keeps."""
     draws = permutation_module.compiled_draws()
     assert draws is not None  # compiled by the module's fixture
     for seed in (0, 2**64 + 3):
         key = permutation_module.philox_key(seed)
-        out = np.full(size, 0xDEADBEEF, np.uint32)
-        draws(key, lo, out, None)
         raw = np.random.Philox(key=key, counter=lo // 4).random_raw(size)
-        expected = raw % (np.arange(size, dtype=np.uint64) + np.uint64(lo + 1))
-        np.testing.assert_array_equal(out, expected.astype(np.uint32))
+        expected = (raw % (np.arange(size, dtype=np.uint64) + np.uint64(lo + 1))).astype(np.uint32)
+        for bits, flagged in ((16, [0, 7, 65535]), (4, [1, 2, 3]), (1, [0, 1])):
+            table = np.zeros(1 << bits, bool)
+            table[flagged] = True
+            out = np.full(size, 0xDEADBEEF, np.uint32)
+            got = draws(key, lo, out, table, None)
+            np.testing.assert_array_equal(out, expected)
+            np.testing.assert_array_equal(got, np.flatnonzero(table[expected & ((1 << bits) - 1)]))
+            assert got.dtype == np.intp
 
 
-def test_the_kernels_draws_refuse_what_they_cannot_write_and_stop_when_asked() -> None:
+def test_the_kernels_draws_refuse_what_they_cannot_use_and_stop_when_asked() -> None:
     draws = permutation_module.compiled_draws()
     assert draws is not None
-    key = permutation_module.philox_key(1)
+    key, table = permutation_module.philox_key(1), np.zeros(1 << 16, bool)
     with pytest.raises(ValueError, match="multiple of 4"):
-        draws(key, 2, np.empty(8, np.uint32), None)
+        draws(key, 2, np.empty(8, np.uint32), table, None)
+    with pytest.raises(ValueError, match=r"must lie in \[0, 2\*\*32\)"):
+        draws(key, -4, np.empty(8, np.uint32), table, None)  # a modulo by 0 killed the process
+    with pytest.raises(ValueError, match=r"must lie in \[0, 2\*\*32\)"):
+        draws(key, 2**32 - 4, np.empty(8, np.uint32), table, None)
     with pytest.raises(ValueError, match="uint32"):
-        draws(key, 0, np.empty(8, np.uint64), None)
-    with pytest.raises(ValueError, match="uint32"):
-        draws(key, 0, np.empty(16, np.uint32)[::2], None)
+        draws(key, 0, np.empty(8, np.uint64), table, None)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        draws(key, 0, np.empty(16, np.uint32)[::2], table, None)
+    read_only = np.empty(8, np.uint32)
+    read_only.flags.writeable = False
+    with pytest.raises(ValueError, match="writeable"):
+        draws(key, 0, read_only, table, None)
+    with pytest.raises(ValueError, match="power of two"):
+        draws(key, 0, np.empty(8, np.uint32), np.zeros(1000, bool), None)
+    with pytest.raises(ValueError, match="bool"):
+        draws(key, 0, np.empty(8, np.uint32), np.zeros(1 << 16, np.uint8), None)
     stop = Stop()
     stop.set()
     with pytest.raises(Stopped):
-        draws(key, 0, np.empty(1 << 16, np.uint32), stop)
+        draws(key, 0, np.empty(1 << 16, np.uint32), table, stop)
 
 
 def test_exit_waits_for_a_background_compile() -> None:

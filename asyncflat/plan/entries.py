@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import heapq
-import logging
 from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -29,25 +28,23 @@ from asyncflat.plan.permutation import (
     Stop,
     Stopped,
     compiled_draws,
-    ensure_kernel,
     philox_key,
 )
 
 __all__ = ["ENTRIES_COMPILE_MIN", "ENTRIES_THREADS_MAX", "permutation_entries"]
-
-log = logging.getLogger(__name__)
 
 #: threads that draw the swap targets at most (each piece of ``DRAW_PIECE`` positions on one).
 #: Beyond four the thread that walks the swaps bounds the time, and each thread adds its pieces
 #: and temporaries to the peak (14.3M positions on a 13-core host: 0.13 s on 4 threads, 0.15 s
 #: on 8; on a 2-core VM, asked for with ``threads``: +18 MiB on 4, +34 on 8).
 ENTRIES_THREADS_MAX = 4
-#: positions from which the entries compile the permutation kernel (one more thread of their
-#: pool, first) and draw with it once it is compiled, with numpy meanwhile. Its draws take about
-#: half numpy's time, but importing llvmlite and compiling take ~0.1 s of a core (holding the GIL
-#: for the import): at 14.3M positions that made the entries slower (264 against 184 ms on a
-#: 13-core host), at 95M faster (575 against 752 ms). Below, the entries draw with the kernel
-#: only when something else (the whole block order) has compiled it.
+#: positions from which compiling the permutation kernel beside the entries pays: they draw with
+#: it once it is compiled (:func:`~asyncflat.plan.permutation.compiled_draws`: draws and filter in
+#: one pass, about half numpy's time), with numpy meanwhile, but importing llvmlite and compiling
+#: take ~0.1 s of a core (holding the GIL for the import): at 14.3M positions that made the
+#: entries slower (264 against 184 ms on a 13-core host), at 95M faster (575 against 752 ms).
+#: The entries never compile it themselves (a stopped walk would wait for the compile): a
+#: loader's opening does, on a thread of its own (``engine.opening``).
 ENTRIES_COMPILE_MIN = 1 << 25
 # the value filter: a table of 2**16 flags, small enough to stay in a core's cache
 _FILTER_MASK = (1 << 16) - 1
@@ -133,13 +130,7 @@ def _swap_targets(
     ahead: collections.deque[tuple[_Piece, np.ndarray, Future[np.ndarray]]]
     ahead = collections.deque()
     bounds = _pieces(n, piece)
-    # compiled here rather than on a thread of the process's own (``warm_up``): the pool's
-    # threads are the loop's, so a close() that a garbage collection runs on one never waits
-    # for the loop, and none outlives the entries
-    compiling = n >= ENTRIES_COMPILE_MIN and compiled_draws() is None
-    with ThreadPoolExecutor(workers + compiling, "asyncflat-entries", on_thread) as pool:
-        if compiling:
-            pool.submit(_compile)
+    with ThreadPoolExecutor(workers, "asyncflat-entries", on_thread) as pool:
         try:
             while True:
                 while len(ahead) <= workers and (lo_hi := next(bounds, None)) is not None:
@@ -161,15 +152,6 @@ def _swap_targets(
                 future.cancel()
 
 
-def _compile() -> None:
-    """Compile the kernel, for the pieces drawn after it (a failure leaves them to numpy, and
-    the whole order, which needs it, raises it)."""
-    try:
-        ensure_kernel()
-    except Exception as exc:  # noqa: BLE001
-        log.debug("compiling the permutation kernel for the entries' draws failed: %r", exc)
-
-
 def _pieces(n: int, piece: int) -> Iterator[tuple[int, int]]:
     """``(lo, hi)`` of the pieces: from :data:`_FIRST_PIECE` positions growing by half each
     (multiples of 4) up to ``piece``."""
@@ -188,8 +170,7 @@ def _draw(
     table = _filter_table(values)
     draws = compiled_draws()
     if draws is not None:
-        draws(key, lo, targets, stop)
-        return _exact(targets, _filtered(targets, table), values)
+        return _exact(targets, draws(key, lo, targets, table, stop), values)
     generator = np.random.Philox(key=key, counter=lo // 4)
     bounds, low = np.empty(_SUB, np.uint64), np.empty(_SUB, np.uint64)
     found = []
@@ -204,20 +185,6 @@ def _draw(
         if hits.size:
             found.append(hits + start)
     return _exact(targets, np.concatenate(found) if found else np.empty(0, np.intp), values)
-
-
-def _filtered(targets: np.ndarray, table: np.ndarray) -> np.ndarray:
-    """The indices of ``targets`` whose low 16 bits the ``table`` flags, a slice at a time
-    (the index array in intp, which the table's lookup takes without a copy)."""
-    low = np.empty(min(_SUB, len(targets)), np.intp)
-    found = []
-    for start in range(0, len(targets), _SUB):
-        size = min(_SUB, len(targets) - start)
-        np.bitwise_and(targets[start : start + size], np.uint32(_FILTER_MASK), out=low[:size])
-        hits = np.flatnonzero(table[low[:size]])
-        if hits.size:
-            found.append(hits + start)
-    return np.concatenate(found) if found else np.empty(0, np.intp)
 
 
 def _filter_table(values: np.ndarray) -> np.ndarray:

@@ -47,6 +47,7 @@ from asyncflat.config import available_cpus
 from asyncflat.errors import AsyncflatError, ConfigError
 
 __all__ = [
+    "DRAWS_HITS",
     "DRAW_HELPER_MIN_CPUS",
     "DRAW_PIECE",
     "DRAW_THREAD",
@@ -122,8 +123,8 @@ _Kernel = Callable[[np.uint64, np.uint64, np.ndarray, "Stop"], None]
 #: (k0, k1, n, streams, rank, out, stop): see :func:`permutation_columns`
 _ColumnsKernel = Callable[[np.uint64, np.uint64, int, int, np.ndarray, np.ndarray, "Stop"], None]
 _kernel: _Kernel | None = None
-#: (key, lo, out, stop): see :func:`compiled_draws`; set with ``_kernel``
-_Draws = Callable[[np.ndarray, int, np.ndarray, "Stop | None"], None]
+#: (key, lo, out, table, stop) -> indices: see :func:`compiled_draws`; set with ``_kernel``
+_Draws = Callable[[np.ndarray, int, np.ndarray, np.ndarray, "Stop | None"], np.ndarray]
 _draws: _Draws | None = None
 _columns_kernel: _ColumnsKernel | None = None
 _kernel_lock = threading.Lock()
@@ -340,12 +341,34 @@ def ensure_kernel() -> None:
 
 def compiled_draws() -> _Draws | None:
     """The kernel's swap-target draws once the kernel is compiled, else None (nothing is
-    started: see :func:`ensure_kernel`). ``draws(key, lo, out, stop)`` fills ``out`` (writeable,
-    C-contiguous uint32) with ``r[lo:lo + out.size]`` of the stream of :func:`philox_key`'s ``key``, ``r[i]
-    = raw[i] % (i + 1)`` (``lo`` a multiple of 4), with the GIL released: ~4-6 ns a position,
-    where numpy's ``random_raw`` and a modulo take 8-11. Raises :class:`Stopped` once ``stop``
-    is set."""
+    started: see :func:`ensure_kernel`). ``draws(key, lo, out, table, stop)`` fills ``out``
+    (writeable, C-contiguous uint32) with ``r[lo:lo + out.size]`` of the stream of
+    :func:`philox_key`'s ``key``, ``r[i] = raw[i] % (i + 1)`` (``lo`` a multiple of 4), and
+    returns the indices ``k`` (intp, ascending) where ``table[out[k] % table.size]`` is set
+    (``table``: bool, a power of two long): one pass with the GIL released, ~5 ns a position
+    where numpy's draws, modulo and filter take ~10. Raises :class:`Stopped` once ``stop`` is
+    set."""
     return _draws
+
+
+#: indices a call of the compiled draws keeps at first (a call that finds more draws again)
+DRAWS_HITS = 1 << 13
+
+
+def _check_draws(lo: int, out: np.ndarray, table: np.ndarray) -> None:
+    if not (0 <= lo and lo + out.size <= 1 << 32):  # positions as permutation() takes them
+        raise ValueError(f"draws: positions [{lo}, {lo + out.size}) must lie in [0, 2**32)")
+    if lo % 4 or out.dtype != np.uint32 or not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(
+            f"draws: lo must be a multiple of 4 and out a writeable C-contiguous uint32 array, "
+            f"got lo={lo}, {out.dtype} (C-contiguous: {out.flags.c_contiguous}, writeable: "
+            f"{out.flags.writeable})"
+        )
+    if table.dtype != np.bool_ or not table.flags.c_contiguous or table.size & (table.size - 1):
+        raise ValueError(
+            f"draws: table must be a C-contiguous bool array a power of two long, got "
+            f"{table.dtype} of {table.size}"
+        )
 
 
 def kernel_status() -> str:
@@ -445,21 +468,22 @@ def _load_kernel() -> _Kernel:
         # (``result`` is permutation()'s own array, or its ``out``, which it checked)
         _run_kernel(compiled, int(k0), int(k1), result, stop)
 
-    def draws(key: np.ndarray, lo: int, out: np.ndarray, stop: Stop | None) -> None:
-        if (
-            lo % 4
-            or out.dtype != np.uint32
-            or not out.flags.c_contiguous
-            or not out.flags.writeable
-        ):
-            raise ValueError(
-                f"draws: lo must be a multiple of 4 and out a C-contiguous uint32 array, got "
-                f"lo={lo}, {out.dtype} (C-contiguous: {out.flags.c_contiguous}, writeable: "
-                f"{out.flags.writeable})"
-            )
+    def draws(
+        key: np.ndarray, lo: int, out: np.ndarray, table: np.ndarray, stop: Stop | None
+    ) -> np.ndarray:
+        _check_draws(lo, out, table)
         stop = stop or _NEVER
-        compiled.draws(int(key[0]), int(key[1]), out.ctypes.data, lo, lo + out.size, stop.address)
-        _raise_if_stopped(stop)  # else ``out`` may be short of its last draws
+        capacity = DRAWS_HITS
+        while True:
+            hits = np.empty(capacity, np.int32)
+            found = compiled.draws_matching(
+                int(key[0]), int(key[1]), out.ctypes.data, lo, lo + out.size, table.ctypes.data,
+                table.size - 1, hits.ctypes.data, capacity, stop.address,
+            )  # fmt: skip
+            _raise_if_stopped(stop)  # else ``out`` may be short of its last draws
+            if found <= capacity:
+                return hits[:found].astype(np.intp)
+            capacity = found  # drawn again: the same draws, every index kept this time
 
     global _draws
     _draws = draws
