@@ -82,7 +82,7 @@ def test_entries_are_the_same_drawn_by_numpy_or_by_the_compiled_kernel(
     n: int, draws: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The draws of a piece come from the kernel once it is compiled (by the whole order, or
-    by the entries' own warm-up), else from numpy: the same entries either way."""
+    by a large split's opening), else from numpy: the same entries either way."""
     if draws == "kernel":
         ensure_kernel()
     else:
@@ -97,10 +97,11 @@ def test_entries_are_the_same_drawn_by_numpy_or_by_the_compiled_kernel(
 
 
 def test_a_large_split_compiles_the_kernel_on_opening_for_its_early_draws() -> None:
-    """From ``ENTRIES_COMPILE_MIN`` read blocks a loader's opening compiles the permutation
-    kernel on a thread of its own, beside the early blocks' first draws (their later pieces
-    draw with it); below, and in the entries themselves, nothing loads LLVM before the whole
-    order is wanted. Closing leaves no thread. In fresh processes (the kernel is per process)."""
+    """From ``ENTRIES_COMPILE_MIN`` read blocks a loader's opening starts compiling the
+    permutation kernel (the process's warm-up thread), beside the early blocks' first draws
+    (their later pieces draw with it); below, and in the entries themselves, nothing loads
+    LLVM before the whole order is wanted. Closing waits for no compile and leaves no thread
+    of the loader. In fresh processes (the kernel is per process)."""
     script = (
         "import sys, threading, time\n"
         "import jax\n"
@@ -108,20 +109,22 @@ def test_a_large_split_compiles_the_kernel_on_opening_for_its_early_draws() -> N
         "from asyncflat.plan.entries import permutation_entries\n"
         "from asyncflat.plan.permutation import kernel_status\n"
         "from asyncflat.testing import SyntheticCounts\n"
+        "import asyncflat.plan.kernel as kernel\n"
+        "compile_kernel = kernel.compile_kernel\n"  # a compile of 3 s: closing must not wait
+        "kernel.compile_kernel = lambda: (time.sleep(3), compile_kernel())[1]\n"
         "tokens = int(sys.argv[1])\n"
         "permutation_entries(7, 1 << 20, range(8))\n"
-        "assert 'llvmlite' not in sys.modules\n"
+        "assert kernel_status() == 'absent'\n"
         "storage = {'tokens': tokens, 'chunk_tokens': 1 << 22, 'counts': SyntheticCounts()}\n"
         "params = FlatTokensParams('synthetic://c', 1, 16, 8, 0, True, storage_options=storage)\n"
         "single = jax.sharding.SingleDeviceSharding(jax.devices()[0])\n"
         "loader = ShufflingLoader('train', params, TokenBatchParams(len=2048, batch=8), single)\n"
-        "names = [t.name for t in threading.enumerate()]\n"
-        "deadline = time.monotonic() + 60\n"
-        "while kernel_status() != 'ready' and 'asyncflat-kernel' in names and time.monotonic() < deadline:\n"
-        "    time.sleep(0.01)\n"
-        "print('asyncflat-kernel' in names, kernel_status(), 'llvmlite' in sys.modules)\n"
+        "opened = kernel_status()\n"
+        "started = time.perf_counter()\n"
         "loader.close()\n"
-        "print([t.name for t in threading.enumerate() if t.name.startswith('asyncflat')])\n"
+        "closed_s = time.perf_counter() - started\n"
+        "left = [t.name for t in threading.enumerate() if t.name.startswith('asyncflat')]\n"
+        "print(opened, kernel_status() != 'absent', closed_s < 2 or closed_s, left)\n"
     )
     repo = str(Path(__file__).resolve().parent.parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
@@ -132,12 +135,10 @@ def test_a_large_split_compiles_the_kernel_on_opening_for_its_early_draws() -> N
             env=env, capture_output=True, text=True, timeout=240,
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr
-        opened, closed = proc.stdout.splitlines()
-        if compiles:
-            assert opened == "True ready True", proc.stdout
-        else:
-            assert opened == "False absent False", proc.stdout
-        assert closed == "[]", proc.stdout
+        # right after construction the compile is under way, and closing does not wait for
+        # it (it took 0.17 s, seconds on a loaded machine, when it did)
+        expected = "compiling True True []" if compiles else "absent False True []"
+        assert proc.stdout.strip() == expected, proc.stdout
 
 
 def test_entries_refuse_what_is_not_a_set_of_positions() -> None:

@@ -313,6 +313,11 @@ def test_the_kernels_draws_refuse_what_they_cannot_use_and_stop_when_asked() -> 
         draws(key, 0, read_only, table, None)
     with pytest.raises(ValueError, match="power of two"):
         draws(key, 0, np.empty(8, np.uint32), np.zeros(1000, bool), None)
+    with pytest.raises(ValueError, match="power of two"):  # a mask of -1 read out of bounds
+        draws(key, 0, np.empty(8, np.uint32), np.zeros(0, bool), None)
+    too_long = np.lib.stride_tricks.as_strided(np.empty(1, np.uint32), ((1 << 31) + 4,), (0,))
+    with pytest.raises(ValueError, match=r"at most 2\*\*31"):  # it keeps int32 indices
+        draws(key, 0, too_long, table, None)
     with pytest.raises(ValueError, match="bool"):
         draws(key, 0, np.empty(8, np.uint32), np.zeros(1 << 16, np.uint8), None)
     stop = Stop()

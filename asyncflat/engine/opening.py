@@ -38,12 +38,7 @@ from asyncflat.engine.permutations import block_order_off_loop, on_own_thread
 from asyncflat.engine.table import FillTable
 from asyncflat.errors import LoaderClosedError
 from asyncflat.plan.entries import ENTRIES_COMPILE_MIN
-from asyncflat.plan.permutation import (
-    Stop,
-    compiled_draws,
-    ensure_kernel,
-    whole_permutation_size,
-)
+from asyncflat.plan.permutation import Stop, warm_up, whole_permutation_size
 from asyncflat.plan.shuffle import NEVER, ShufflePlan, block_deadlines
 
 __all__ = ["EARLY_REQUESTS_MAX", "ORDER_PAGES_MIN", "ORDER_PAGES_PIECE_BYTES", "Opening"]
@@ -124,7 +119,7 @@ class Opening:
         self._order.add_done_callback(self._order_landed)
         early = self._plan.early_minipochs(0)
         if early:
-            self._threads += _compile_for_early_draws(self._plan)
+            _compile_for_early_draws(self._plan)
             self._early_order(early)
         else:
             self.want_whole_order()
@@ -360,16 +355,17 @@ class Opening:
             await asyncio.get_running_loop().run_in_executor(None, thread.join)
 
 
-def _compile_for_early_draws(plan: ShufflePlan) -> list[threading.Thread]:
-    """From :data:`~asyncflat.plan.entries.ENTRIES_COMPILE_MIN` read blocks, compile the
-    permutation kernel at once on a thread of its own (on the loop), beside the early blocks'
-    first numpy draws, whose later pieces draw with it (a 10^14-token split's first batch 0.95
-    -> 0.78 s on a 13-core host); that thread, or none. Here, not in the entries: a stopped
-    walk would wait for a compile, and each load's own walk would start one. The whole order
-    needs the kernel later anyway (or the columns kernel, beside which this one costs ~0.05 s)."""
-    if plan.read_block_count < ENTRIES_COMPILE_MIN or compiled_draws() is not None:
-        return []
-    return [on_own_thread("asyncflat-kernel", ensure_kernel)[1]]
+def _compile_for_early_draws(plan: ShufflePlan) -> None:
+    """From :data:`~asyncflat.plan.entries.ENTRIES_COMPILE_MIN` read blocks, start compiling
+    the permutation kernel at once, beside the early blocks' first numpy draws, whose later
+    pieces draw with it (a 10^14-token split's first batch 0.93-0.95 -> 0.60 s on a 13-core
+    host). On the process's warm-up thread (:func:`~asyncflat.plan.permutation.warm_up`): the
+    compile cannot be stopped, and a loader closed meanwhile must not wait for it (0.17 s, and
+    seconds on a loaded machine); it serves the process's later loaders too. Not in the
+    entries: a stopped walk would wait for it. The whole order needs the kernel later anyway
+    (or the columns kernel, beside which this one costs ~0.05 s)."""
+    if plan.read_block_count >= ENTRIES_COMPILE_MIN:
+        warm_up(plan.read_block_count)
 
 
 def _log_failure(early: asyncio.Future[None]) -> None:

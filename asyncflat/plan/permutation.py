@@ -345,7 +345,7 @@ def compiled_draws() -> _Draws | None:
     (writeable, C-contiguous uint32) with ``r[lo:lo + out.size]`` of the stream of
     :func:`philox_key`'s ``key``, ``r[i] = raw[i] % (i + 1)`` (``lo`` a multiple of 4), and
     returns the indices ``k`` (intp, ascending) where ``table[out[k] % table.size]`` is set
-    (``table``: bool, a power of two long): one pass with the GIL released, ~5 ns a position
+    (``table``: bool, a power of two long; ``out``: at most 2**31 entries): one pass with the GIL released, ~5 ns a position
     where numpy's draws, modulo and filter take ~10. Raises :class:`Stopped` once ``stop`` is
     set."""
     return _draws
@@ -358,13 +358,20 @@ DRAWS_HITS = 1 << 13
 def _check_draws(lo: int, out: np.ndarray, table: np.ndarray) -> None:
     if not (0 <= lo and lo + out.size <= 1 << 32):  # positions as permutation() takes them
         raise ValueError(f"draws: positions [{lo}, {lo + out.size}) must lie in [0, 2**32)")
+    if out.size > 1 << 31:  # the kernel keeps the indices it finds as int32
+        raise ValueError(f"draws: out holds at most 2**31 entries, got {out.size}")
     if lo % 4 or out.dtype != np.uint32 or not out.flags.c_contiguous or not out.flags.writeable:
         raise ValueError(
             f"draws: lo must be a multiple of 4 and out a writeable C-contiguous uint32 array, "
             f"got lo={lo}, {out.dtype} (C-contiguous: {out.flags.c_contiguous}, writeable: "
             f"{out.flags.writeable})"
         )
-    if table.dtype != np.bool_ or not table.flags.c_contiguous or table.size & (table.size - 1):
+    if (
+        table.dtype != np.bool_
+        or not table.flags.c_contiguous
+        or not table.size
+        or table.size & (table.size - 1)
+    ):
         raise ValueError(
             f"draws: table must be a C-contiguous bool array a power of two long, got "
             f"{table.dtype} of {table.size}"
