@@ -44,7 +44,7 @@ ENTRIES_THREADS_MAX = 4
 #: take ~0.1 s of a core (holding the GIL for the import): at 14.3M positions that made the
 #: entries slower (264 against 184 ms on a 13-core host), at 95M faster (575 against 752 ms).
 #: The entries never compile it themselves (a stopped walk would wait for the compile): a
-#: loader's opening does, on a thread of its own (``engine.opening``).
+#: loader's opening starts it (``permutation.warm_up``, in ``engine.opening``).
 ENTRIES_COMPILE_MIN = 1 << 25
 # the value filter: a table of 2**16 flags, small enough to stay in a core's cache
 _FILTER_MASK = (1 << 16) - 1

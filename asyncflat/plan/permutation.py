@@ -345,9 +345,9 @@ def compiled_draws() -> _Draws | None:
     (writeable, C-contiguous uint32) with ``r[lo:lo + out.size]`` of the stream of
     :func:`philox_key`'s ``key``, ``r[i] = raw[i] % (i + 1)`` (``lo`` a multiple of 4), and
     returns the indices ``k`` (intp, ascending) where ``table[out[k] % table.size]`` is set
-    (``table``: bool, a power of two long; ``out``: at most 2**31 entries): one pass with the GIL released, ~5 ns a position
-    where numpy's draws, modulo and filter take ~10. Raises :class:`Stopped` once ``stop`` is
-    set."""
+    (``table``: bool, a power of two long; ``out``: at most 2**31 entries): one pass with the
+    GIL released, ~5 ns a position where numpy's draws, modulo and filter take ~10. Raises
+    :class:`Stopped` once ``stop`` is set."""
     return _draws
 
 
