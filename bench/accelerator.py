@@ -36,8 +36,6 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-# This checkout's asyncflat, even when another one is installed.
-sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _common import emit, ensure_dataset
 
 LOADERS = ("asyncflat", "asyncflat-iter", "seqax")

@@ -55,9 +55,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # run from a checkout
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))  # helpers.servers: the stores and the proxy
+from _common import synthetic_sequences  # noqa: E402  (it puts this checkout first, too)
 
 log = logging.getLogger("bench.cloud")
 BUCKET = "bench"
@@ -194,7 +194,6 @@ async def _with_fs(url: str, options: dict[str, Any], fn: Any, connections: int 
 
 def ensure_uploaded(url: str, options: dict[str, Any], args: argparse.Namespace) -> float:
     """Upload a fresh dataset to ``url`` unless one is there; returns the seconds spent."""
-    from _common import synthetic_sequences
 
     import asyncflat
 

@@ -49,8 +49,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-# This checkout's asyncflat (the parts' checksum and decode), even when another one is installed.
-sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _common import emit, ensure_dataset
 
 CASES = ("numpy", "mmap", "mmap_hugepage", "mmap_populate", "populate_write", "memfd")

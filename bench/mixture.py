@@ -25,8 +25,6 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-# This checkout's asyncflat, even when another one is installed.
-sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _common import bench_dir, emit, synthetic_sequences
 
 SIZES = (1.0, 0.25, 0.0625)

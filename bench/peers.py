@@ -71,7 +71,7 @@ from typing import Any
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent), str(HERE)]  # this checkout's asyncflat, and bench/
+sys.path.insert(0, str(HERE))
 from _common import bench_dir, emit, ensure_dataset, out_dir, plot_cold_start  # noqa: E402
 
 SIZES: dict[str, dict[str, int]] = {

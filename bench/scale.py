@@ -46,8 +46,6 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-# This checkout's asyncflat, even when another one (or none) is installed.
-sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _common import emit, out_dir, peak_rss_bytes, reset_peak_rss, rss_bytes
 
 SIZES = (10**9, 10**11, 10**12, 15 * 10**12, 10**14)

@@ -31,8 +31,6 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-# This checkout's asyncflat, even when another one (or none) is installed.
-sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from _common import emit
 
