@@ -36,6 +36,7 @@ bench/out/scale.png (copied to docs/scale.png with ``--docs``; ``--replot`` redr
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -164,6 +165,9 @@ def child(tokens: int, mode: str, index: int) -> None:
     from asyncflat.testing import SyntheticCounts  # registers synthetic://
 
     jax.devices()  # the backend's start-up belongs to the baseline, as in a trainer
+    # The imports leave a full collection due: run it now, not inside one mode's timing (it
+    # took ~30 ms of the all-streams host's construction, allocating 1,024 streams' objects).
+    gc.collect()
     COUNTS = SyntheticCounts()
     baseline = rss_bytes()
     reset_peak_rss()
