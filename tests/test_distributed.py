@@ -214,6 +214,8 @@ def test_convert_options_name_the_bad_field() -> None:
         ({"zarr_format": 4}, r"ConvertOptions.zarr_format must be 2 or 3, got 4"),
         ({"chunk_tokens": 0}, r"ConvertOptions.chunk_tokens must be >= 1, got 0"),
         ({"chunk_tokens": "1M"}, r"ConvertOptions.chunk_tokens must be an integer, got '1M'"),
+        # a Blosc chunk holds under 2 GiB: refused now, not after the corpus is tokenized
+        ({"chunk_tokens": 1 << 29}, r"ConvertOptions.chunk_tokens must be at most 536870907"),
         ({"shard_tokens": 1000, "chunk_tokens": 300}, r"shard_tokens \(1000\) needs .* multiple"),
         ({"shard_tokens": 1024, "chunk_tokens": 512, "zarr_format": 2}, r"needs zarr_format=3"),
         ({"overwrite": "yes"}, r"ConvertOptions.overwrite must be a bool, got 'yes'"),

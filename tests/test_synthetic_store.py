@@ -4,7 +4,12 @@ model and counts."""
 
 from __future__ import annotations
 
+import asyncio
+import copy
+import dataclasses
+import pickle
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,11 +20,13 @@ import numpy as np
 import pytest
 import zarr
 from conftest import oracle
+from zarr.core.buffer import default_buffer_prototype
 from zarr.storage import FsspecStore
 
 import asyncflat
 from asyncflat import ConfigError, FlatTokensParams, ShufflingLoader, TokenBatchParams
 from asyncflat.testing import SyntheticCounts, SyntheticFileSystem
+from asyncflat.testing.corpus import SyntheticSplit
 
 ARRAYS = ("encoded_tokens", "seq_starts")
 SMALL: dict[str, Any] = dict(
@@ -290,6 +297,7 @@ def test_bandwidth_per_connection_and_shared() -> None:
         ("vocab_size", 1 << 31 + 1),
         ("zarr_format", 4),
         ("chunk_tokens", 1.5),
+        ("chunk_tokens", 1 << 29),  # more than a Blosc chunk holds: refused before a read fails
         ("latency_s", -0.1),
         ("latency_s", float("nan")),  # a read would wait nan (and break the loop's timers)
         ("latency_s", float("inf")),  # every read would wait forever
@@ -358,3 +366,126 @@ def test_serving_from_threads_leaves_zarrs_config_alone() -> None:
         sys.setswitchinterval(switch)
     assert zarr.config.get("array.write_empty_chunks") == before
     assert len(set(served)) == 1 and served[0]
+
+
+def test_a_misspelt_option_is_refused_naming_it() -> None:
+    # fsspec takes any keyword: a typo used to give the default dataset, silently
+    for option in ("sequence_lenght", "shard_tokens"):
+        with pytest.raises(ConfigError, match=f"unknown option.*'{option}'.*sequence_length"):
+            SyntheticFileSystem(**SMALL, **{option: 1})
+    SyntheticFileSystem(**SMALL, skip_instance_cache=True, use_listings_cache=False)  # fsspec's
+    params = FlatTokensParams(
+        "synthetic://corpus",
+        streams=1,
+        read_blocks_per_shuffle_buffer=2,
+        sequences_per_read_block=8,
+        seed=0,
+        sequence_packing=True,
+        storage_options={**SMALL, "tokenz": 5},
+    )
+    with pytest.raises(ConfigError, match="'tokenz'"):
+        ShufflingLoader("train", params, TokenBatchParams(len=300, batch=8))
+
+
+def test_counts_copy_pickle_and_asdict_with_their_figures() -> None:
+    counts = SyntheticCounts()
+    SyntheticFileSystem(**SMALL, counts=counts).cat_file("corpus/zarr.json")
+    for copied in (copy.copy(counts), copy.deepcopy(counts), pickle.loads(pickle.dumps(counts))):
+        assert copied == counts and copied.requests == 1
+        copied.start(chunk=False)  # with a lock of its own
+        assert (copied.in_flight, counts.in_flight) == (1, 0)
+    assert dataclasses.asdict(counts)["requests"] == 1
+    params = FlatTokensParams(
+        "synthetic://corpus",
+        streams=1,
+        read_blocks_per_shuffle_buffer=2,
+        sequences_per_read_block=8,
+        seed=0,
+        sequence_packing=True,
+        storage_options={"counts": counts},
+    )
+    assert dataclasses.asdict(params)["storage_options"]["counts"]["requests"] == 1  # logged
+
+
+def test_a_cancelled_read_gives_back_the_shared_link() -> None:
+    async def main() -> float:
+        fs = SyntheticFileSystem(**SMALL, total_bandwidth=5e4, asynchronous=True)
+        store = FsspecStore(fs, read_only=True, path="corpus")
+        keys = [f"train/encoded_tokens/c/{i}" for i in range(3)]
+        sizes = [await store.getsize(key) for key in keys]
+        assert sum(sizes) / 5e4 > 2  # what the three would hold the link for, unsent
+        for key in keys:  # a client's timeout, say
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(store.get(key, default_buffer_prototype()), 0.05)
+        began = time.monotonic()
+        assert await store.get("train/zarr.json", default_buffer_prototype()) is not None
+        return time.monotonic() - began
+
+    assert asyncio.run(main()) < 0.5
+
+
+def test_an_absent_object_is_a_request_that_takes_a_round_trip() -> None:
+    counts = SyntheticCounts()
+    fs = SyntheticFileSystem(**SMALL, latency_s=0.2, counts=counts)
+    began = time.monotonic()
+    with pytest.raises(FileNotFoundError, match="no such object"):
+        fs.cat_file("corpus/train/.zarray")  # format 2's metadata, which a zarr open probes for
+    assert time.monotonic() - began >= 0.2
+    assert (counts.requests, counts.missing, counts.chunk_requests, counts.in_flight) == (
+        1,
+        1,
+        0,
+        0,
+    )
+
+
+def test_alike_chunks_encode_once_and_different_ones_side_by_side(monkeypatch: Any) -> None:
+    generated: list[int] = []
+    both_inside = threading.Barrier(2, timeout=10)
+    token_ids = SyntheticSplit.token_ids
+
+    def counted(split: SyntheticSplit, begin: int, end: int) -> np.ndarray:
+        generated.append(begin)
+        if random_lengths:
+            both_inside.wait()  # broken (an error) if one encoding waits for the other's end
+        return token_ids(split, begin, end)
+
+    monkeypatch.setattr(SyntheticSplit, "token_ids", counted)
+    # Random lengths: every chunk differs, and two are encoded at once.
+    random_lengths = True
+    fs = SyntheticFileSystem(**SMALL, repeat_tokens=True)
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda i: fs.chunk_bytes("train", "encoded_tokens", i), (1, 2)))
+    assert sorted(generated) == [SMALL["chunk_tokens"], 2 * SMALL["chunk_tokens"]]
+    # Fixed lengths dividing the chunk: chunks 1 to 3 are alike, encoded once however many ask.
+    random_lengths = False
+    generated.clear()
+    fixed = {**SMALL, "min_sequence_length": None, "sequence_length": 256}
+    fs = SyntheticFileSystem(**fixed, repeat_tokens=True)
+    with ThreadPoolExecutor(8) as pool:
+        served = list(
+            pool.map(lambda i: fs.chunk_bytes("train", "encoded_tokens", 1 + i % 3), range(24))
+        )
+    assert len(set(served)) == 1 and len(generated) == 1
+
+
+def test_chunk_bytes_and_sequences_name_a_bad_argument() -> None:
+    fs = SyntheticFileSystem(**SMALL)
+    chunks = -(-SMALL["tokens"] // SMALL["chunk_tokens"])
+    calls: list[tuple[Any, str]] = [
+        (lambda: fs.chunk_bytes("train", "encoded_tokens", chunks), f"0 to {chunks - 1}, got"),
+        (lambda: fs.chunk_bytes("train", "encoded_tokens", -1), "got -1"),
+        (lambda: fs.chunk_bytes("train", "tokens", 0), "array must be one of"),
+        (lambda: fs.chunk_bytes("test", "seq_starts", 0), "split must be one of"),
+        (lambda: fs.sequences("train", -2, 1), r"got \[-2, 1\)"),
+        (lambda: fs.sequences("train", 0, 10**9), "has sequences 0 to"),
+    ]
+    for call, match in calls:
+        with pytest.raises(ConfigError, match=match):
+            call()
+
+
+def test_get_downloads_an_object(tmp_path: Path) -> None:
+    fs = SyntheticFileSystem(**SMALL)
+    fs.get("corpus/train/encoded_tokens/c/1", str(tmp_path / "chunk"))
+    assert (tmp_path / "chunk").read_bytes() == fs.cat_file("corpus/train/encoded_tokens/c/1")

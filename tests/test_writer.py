@@ -546,6 +546,8 @@ def test_killed_writer_leaves_previous_state_or_nothing(tmp_path: Path, previous
         ({"chunk_tokens": -4}, r"chunk_tokens must be >= 1, got -4"),
         ({"chunk_tokens": 4.0}, r"chunk_tokens must be an integer, got 4.0"),
         ({"chunk_tokens": True}, r"chunk_tokens must be an integer, got True"),
+        # more than Blosc encodes: refused here, not at the first chunk's encoding
+        ({"chunk_tokens": 1 << 29}, r"chunk_tokens must be at most 536870907 .*got 536870912"),
         ({"zarr_format": 1}, r"zarr_format must be 2 or 3, got 1"),
         ({"zarr_format": True}, r"zarr_format must be 2 or 3, got True"),
         (

@@ -28,6 +28,7 @@ import numpy as np
 from asyncflat.errors import ConfigError
 
 __all__ = [
+    "CHUNK_TOKENS_MAX",
     "MANY_CHUNKS",
     "METADATA_FILES",
     "MIN_CHUNK_ELEMENTS",
@@ -41,6 +42,10 @@ SPLITS: tuple[str, str] = ("train", "validation")
 
 #: Token ids must be strictly below this, so that ``2*id + 1`` fits in a uint32.
 TOKEN_ID_LIMIT: int = 1 << 31
+
+#: The most tokens a chunk that is written may hold: Blosc encodes at most ``2**31 - 1`` bytes
+#: less its 16-byte header (numcodecs refuses a larger buffer, after the chunk was gathered).
+CHUNK_TOKENS_MAX: int = (2**31 - 1 - 16) // 4
 
 #: An array of more chunks than this must have chunks of at least ``MIN_CHUNK_ELEMENTS``: a read
 #: costs zarr (and the engine) one Python object per chunk, so a huge array of tiny chunks would

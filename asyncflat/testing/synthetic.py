@@ -25,7 +25,8 @@ The network model (each off by default), applied with ``asyncio.sleep`` per requ
 waits ``latency_s`` (time to first byte), then its bytes flow at ``connection_bandwidth``
 (bytes/s per request) and share ``total_bandwidth`` (bytes/s over all requests of the
 filesystem, first come first served); it ends when both its own transfer and its turn on the
-shared link are done. A chunk's generation (tens of ms for 4M tokens, in a worker thread) comes
+shared link are done. A read of an absent object waits ``latency_s`` too (a bucket's 404 is a
+round trip). A chunk's generation (tens of ms for 4M tokens, in a worker thread) comes
 on top: the model describes the network, not the generator.
 """
 
@@ -35,6 +36,7 @@ import asyncio
 import collections
 import dataclasses
 import hashlib
+import inspect
 import logging
 import math
 import operator
@@ -43,7 +45,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import fsspec
@@ -57,6 +59,7 @@ from asyncflat.errors import ConfigError
 from asyncflat.format.codec import SPLITS, TOKEN_ID_LIMIT
 from asyncflat.testing.corpus import SyntheticSplit, key_of
 from asyncflat.writer.flat_tokens import SEQ_STARTS_CHUNK, create_split_arrays
+from asyncflat.writer.options import chunk_tokens_arg
 
 __all__ = ["PROTOCOL", "SyntheticCounts", "SyntheticFileSystem"]
 
@@ -107,28 +110,39 @@ _WRITE_EMPTY = ArrayConfig(order="C", write_empty_chunks=True)
 
 @dataclasses.dataclass
 class SyntheticCounts:
-    """What the filesystems sharing it served so far (safe to share across threads)."""
+    """What the filesystems sharing it served so far (safe to share across threads; a copy or
+    a pickle carries the figures, with a lock of its own)."""
 
-    requests: int = 0  #: object reads (whole or ranged)
+    requests: int = 0  #: object reads (whole or ranged), of absent objects too
     bytes: int = 0  #: bytes returned
     chunk_requests: int = 0  #: reads of chunk objects (the rest are metadata)
+    missing: int = 0  #: reads of objects that do not exist (a zarr open probes for some)
     in_flight: int = 0  #: reads started and not finished
     max_in_flight: int = 0  #: the most reads ever in flight at once
     modelled_wait_s: float = 0.0  #: seconds of latency and bandwidth the model made reads wait
-    generate_s: float = 0.0  #: seconds spent generating and encoding chunks (worker threads)
-    lock: threading.Lock = dataclasses.field(
-        default_factory=threading.Lock, repr=False, compare=False
-    )
+    #: CPU seconds the worker threads spent generating and encoding chunks (not their waits)
+    generate_s: float = 0.0
 
-    def start(self, chunk: bool) -> None:
-        with self.lock:
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def start(self, chunk: bool, *, missing: bool = False) -> None:
+        with self._lock:
             self.requests += 1
             self.chunk_requests += chunk
+            self.missing += missing
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
 
     def finish(self, size: int, waited_s: float, generate_s: float) -> None:
-        with self.lock:
+        with self._lock:
             self.in_flight -= 1
             self.bytes += size
             self.modelled_wait_s += waited_s
@@ -157,6 +171,105 @@ def _rate(name: str, value: Any) -> float | None:
             f"SyntheticFileSystem.{name} must be a number of bytes/s > 0 or None, got {value!r}"
         )
     return float(value)
+
+
+#: fsspec's own keywords, which a filesystem hands on to it; any other unknown one is a mistake
+_FSSPEC_KEYWORDS = frozenset(
+    {
+        "asynchronous",
+        "loop",
+        "batch_size",
+        "skip_instance_cache",
+        "use_listings_cache",
+        "listings_expiry_time",
+        "max_paths",
+    }
+)
+
+
+def _check_keywords(given: Mapping[str, Any], known: list[str]) -> None:
+    """A misspelt option would silently give the default dataset: refuse it, naming it."""
+    unknown = sorted(set(given) - _FSSPEC_KEYWORDS)
+    if unknown:
+        takes = ", ".join(name for name in known if name not in ("self", "kwargs"))
+        raise ConfigError(
+            f"SyntheticFileSystem: unknown option(s) {', '.join(map(repr, unknown))}; it takes "
+            f"{takes} (and fsspec's {', '.join(sorted(_FSSPEC_KEYWORDS))})"
+        )
+
+
+class _Link:
+    """The network model of one filesystem (module docstring): ``latency_s`` to first byte,
+    ``connection`` bytes/s per request, ``total`` bytes/s shared first come, first served."""
+
+    def __init__(self, latency_s: Any, connection: Any, total: Any) -> None:
+        if (
+            not isinstance(latency_s, (int, float))
+            or isinstance(latency_s, bool)
+            or not 0 <= latency_s < math.inf
+        ):
+            raise ConfigError(
+                f"SyntheticFileSystem.latency_s must be a finite number >= 0, got {latency_s!r}"
+            )
+        self.latency_s = float(latency_s)
+        self.connection = _rate("connection_bandwidth", connection)
+        self.total = _rate("total_bandwidth", total)
+        self._free = 0.0  # when the shared link is next free
+
+    async def wait(self, size: int) -> float:
+        """Sleep as long as a ``size``-byte response takes; the seconds. A request cancelled
+        meanwhile (a client's timeout, a closed reader) gives back the shared link's time it
+        did not use, unless a later request was already queued behind it."""
+        if not (self.latency_s or self.connection or self.total):
+            return 0.0
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        first_byte = now + self.latency_s
+        done = first_byte + (size / self.connection if self.connection else 0)
+        before = reserved = self._free
+        if self.total:
+            self._free = reserved = max(first_byte, before) + size / self.total
+            done = max(done, reserved)
+        try:
+            await asyncio.sleep(done - now)
+        except asyncio.CancelledError:
+            if self.total and self._free == reserved:
+                self._free = max(before, min(reserved, loop.time()))
+            raise
+        return done - now
+
+
+class _AlikeChunks:
+    """Encoded token chunks by what makes them alike (``repeat_tokens``), the last ``kept``:
+    each encoded once however many ask for it at once, different ones side by side."""
+
+    def __init__(self, kept: int) -> None:
+        self._kept = kept
+        self._lock = threading.Lock()
+        self._chunks: collections.OrderedDict[tuple[Any, ...], Future[bytes]] = (
+            collections.OrderedDict()
+        )
+
+    def get(self, key: tuple[Any, ...], encode: Callable[[], bytes]) -> bytes:
+        with self._lock:
+            future = self._chunks.get(key)
+            mine = future is None
+            if future is None:
+                future = self._chunks[key] = Future()
+                while len(self._chunks) > self._kept:
+                    self._chunks.popitem(last=False)
+            else:
+                self._chunks.move_to_end(key)
+        if mine:
+            try:
+                future.set_result(encode())
+            except BaseException as exc:
+                with self._lock:  # not kept: the next request tries again
+                    if self._chunks.get(key) is future:
+                        del self._chunks[key]
+                future.set_exception(exc)
+                raise
+        return future.result()
 
 
 class _Encoder:
@@ -249,6 +362,7 @@ class SyntheticFileSystem(AsyncFileSystem):
         counts: SyntheticCounts | None = None,
         **kwargs: Any,
     ) -> None:
+        _check_keywords(kwargs, [*inspect.signature(SyntheticFileSystem.__init__).parameters])
         super().__init__(**kwargs)
         # 64 mean lengths (a group of sequences) must fit the uint64 positions with room to spare.
         length = _integer("sequence_length", sequence_length, 1, 1 << 56)
@@ -274,17 +388,7 @@ class SyntheticFileSystem(AsyncFileSystem):
                 zip(SPLITS, ("tokens", "validation_tokens"), (tokens, validation_tokens))
             )
         }
-        if (
-            not isinstance(latency_s, (int, float))
-            or isinstance(latency_s, bool)
-            or not 0 <= latency_s < math.inf
-        ):
-            raise ConfigError(
-                f"SyntheticFileSystem.latency_s must be a finite number >= 0, got {latency_s!r}"
-            )
-        self.latency_s = float(latency_s)
-        self.connection_bandwidth = _rate("connection_bandwidth", connection_bandwidth)
-        self.total_bandwidth = _rate("total_bandwidth", total_bandwidth)
+        self._link = _Link(latency_s, connection_bandwidth, total_bandwidth)
         if counts is not None and not isinstance(counts, SyntheticCounts):
             raise ConfigError(
                 f"SyntheticFileSystem.counts must be a SyntheticCounts, got {type(counts).__name__}"
@@ -296,13 +400,8 @@ class SyntheticFileSystem(AsyncFileSystem):
             asyncio.get_running_loop()
         except RuntimeError:  # no loop here: built now, as zarr's synchronous API allows
             self._prepare()
-        self._link_free = 0.0
-        self._alike_lock = threading.Lock()
-        #: Encoded token chunks by (split, size, first, boundaries): with ``repeat_tokens``,
-        #: chunks whose boundaries fall alike are one object.
-        self._alike: collections.OrderedDict[tuple[Any, ...], bytes] = (
-            collections.OrderedDict()
-        )  # when the shared link (total_bandwidth) is next free
+        #: with ``repeat_tokens``, chunks whose boundaries fall alike are one object
+        self._alike = _AlikeChunks(_ALIKE_CHUNKS)
 
     def _prepare(self) -> tuple[dict[str, bytes], _Encoder]:
         """The metadata documents and the chunks' encoder, built once with zarr's synchronous
@@ -375,7 +474,14 @@ class SyntheticFileSystem(AsyncFileSystem):
     def chunk_bytes(self, split: str, array: str, index: int) -> bytes:
         """Chunk ``index`` of ``split``'s ``array`` as stored (generated and encoded now, or
         taken from the chunks already encoded when ``repeat_tokens`` makes them alike)."""
-        data = self.splits[split]
+        data = self._split(split)
+        if array not in _ARRAYS:
+            raise ConfigError(f"SyntheticFileSystem: array must be one of {_ARRAYS}, got {array!r}")
+        count = self._chunk_count(split, array)
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < count:
+            raise ConfigError(
+                f"SyntheticFileSystem: {split}/{array} has chunks 0 to {count - 1}, got {index!r}"
+            )
         if array == "seq_starts":
             starts = data.seq_starts(index * SEQ_STARTS_CHUNK, (index + 1) * SEQ_STARTS_CHUNK)
             return self._prepare()[1].encode(array, starts)
@@ -385,14 +491,10 @@ class SyntheticFileSystem(AsyncFileSystem):
         if not data.period:
             return self._prepare()[1].encode(array, self._codes(data, begin, end, starts))
         key = (split, end - begin, begin == 0, hashlib.blake2b(starts.tobytes()).digest())
-        with self._alike_lock:  # one encoding of alike chunks, however many ask at once
-            encoded = self._alike.get(key)
-            if encoded is None:
-                encoded = self._prepare()[1].encode(array, self._codes(data, begin, end, starts))
-                self._alike[key] = encoded
-                while len(self._alike) > _ALIKE_CHUNKS:
-                    self._alike.popitem(last=False)
-            return encoded
+        encoder = self._prepare()[1]
+        return self._alike.get(
+            key, lambda: encoder.encode(array, self._codes(data, begin, end, starts))
+        )
 
     @staticmethod
     def _codes(data: SyntheticSplit, begin: int, end: int, starts: np.ndarray) -> np.ndarray:
@@ -402,8 +504,8 @@ class SyntheticFileSystem(AsyncFileSystem):
         return codes
 
     def _generate(self, split: str, array: str, index: int) -> tuple[bytes, float]:
-        began = time.perf_counter()
-        return self.chunk_bytes(split, array, index), time.perf_counter() - began
+        began = time.thread_time()  # this thread's CPU: not its waits for another's encoding
+        return self.chunk_bytes(split, array, index), time.thread_time() - began
 
     async def _object(self, key: str) -> tuple[bytes, float]:
         """The bytes of ``key`` (FileNotFoundError if none) and the seconds generating them
@@ -415,20 +517,6 @@ class SyntheticFileSystem(AsyncFileSystem):
             raise FileNotFoundError(f"{PROTOCOL}://{key}: no such object")
         return self._documents[key], 0.0
 
-    async def _wait(self, size: int) -> float:
-        """Sleep as the network model says a ``size``-byte response takes; the seconds."""
-        if not (self.latency_s or self.connection_bandwidth or self.total_bandwidth):
-            return 0.0
-        now = asyncio.get_running_loop().time()
-        first_byte = now + self.latency_s
-        done = first_byte + (size / self.connection_bandwidth if self.connection_bandwidth else 0)
-        if self.total_bandwidth:
-            start = max(first_byte, self._link_free)
-            self._link_free = start + size / self.total_bandwidth
-            done = max(done, self._link_free)
-        await asyncio.sleep(done - now)
-        return done - now
-
     # -- fsspec's asynchronous interface ------------------------------------------------------
 
     async def _cat_file(
@@ -436,17 +524,24 @@ class SyntheticFileSystem(AsyncFileSystem):
     ) -> bytes:
         key = await self._key(path)
         chunk = self._chunk(key) is not None
-        if not chunk and key not in self._documents:
-            raise FileNotFoundError(f"{PROTOCOL}://{key}: no such object")
-        self.counts.start(chunk)
+        missing = not chunk and key not in self._documents
+        self.counts.start(chunk, missing=missing)
         data, generate_s, waited_s = b"", 0.0, 0.0
         try:
+            if missing:  # a round trip on a real store too, then the error
+                waited_s = await self._link.wait(0)
+                raise FileNotFoundError(f"{PROTOCOL}://{key}: no such object")
             whole, generate_s = await self._object(key)
             data = whole[start:end]
-            waited_s = await self._wait(len(data))
+            waited_s = await self._link.wait(len(data))
         finally:
             self.counts.finish(len(data), waited_s, generate_s)
         return data
+
+    async def _get_file(self, rpath: str, lpath: str, **kwargs: Any) -> None:
+        data = await self._cat_file(rpath)
+        with open(lpath, "wb") as file:
+            file.write(data)
 
     async def _info(self, path: str, **kwargs: Any) -> dict[str, Any]:
         key = await self._key(path)
@@ -495,7 +590,18 @@ class SyntheticFileSystem(AsyncFileSystem):
     def sequences(self, split: str, first: int, stop: int) -> list[np.ndarray]:
         """Token ids of sequences ``[first, stop)`` of ``split`` (to write the same data with
         the writer, or to check what a loader served)."""
-        return self.splits[split].sequences(first, stop)
+        data = self._split(split)
+        if not 0 <= first <= stop <= data.sequence_count:
+            raise ConfigError(
+                f"SyntheticFileSystem: {split} has sequences 0 to {data.sequence_count}, "
+                f"got [{first}, {stop})"
+            )
+        return data.sequences(first, stop)
+
+    def _split(self, split: str) -> SyntheticSplit:
+        if split not in self.splits:
+            raise ConfigError(f"SyntheticFileSystem: split must be one of {SPLITS}, got {split!r}")
+        return self.splits[split]
 
 
 def _layout(
@@ -518,7 +624,7 @@ def _layout(
             )
     return {
         "zarr_format": int(zarr_format),
-        "chunk_tokens": _integer("chunk_tokens", chunk_tokens, 1, 1 << 31),
+        "chunk_tokens": chunk_tokens_arg("SyntheticFileSystem.chunk_tokens", chunk_tokens),
         "shard_tokens": None,
         "checksum": checksum,
         "blosc_block_bytes": blosc_block_bytes,

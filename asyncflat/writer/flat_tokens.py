@@ -39,7 +39,7 @@ from zarr.core.array_spec import ArrayConfig
 
 from asyncflat.errors import ConfigError, LoaderClosedError
 from asyncflat.format.codec import SPLITS, encode_sequences
-from asyncflat.writer.options import positive_int
+from asyncflat.writer.options import chunk_tokens_arg, positive_int
 from asyncflat.writer.output import OutputExistsError, open_output
 
 __all__ = ["FlatTokensWriter", "OutputExistsError", "write_flat_tokens"]
@@ -495,7 +495,7 @@ def _check_arguments(
 ) -> tuple[int, int | None, int | None, bool]:
     """The writer's arguments checked (ConfigError naming the bad one), integers normalised:
     (chunk_tokens, shard_tokens, blosc_block_bytes, checksum)."""
-    chunk_tokens = positive_int("FlatTokensWriter.chunk_tokens", chunk_tokens)
+    chunk_tokens = chunk_tokens_arg("FlatTokensWriter.chunk_tokens", chunk_tokens)
     if blosc_block_bytes is not None:  # None: the format's default (create_split_arrays)
         given = blosc_block_bytes
         try:

@@ -10,10 +10,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from asyncflat.errors import ConfigError
+from asyncflat.format.codec import CHUNK_TOKENS_MAX
 from asyncflat.text.corpus import DEFAULT_MAX_DOCUMENT_BYTES, MAX_DOCUMENT_BYTES_LIMIT
 from asyncflat.text.tokenizer import Tokenizer
 
-__all__ = ["ConvertOptions", "positive_int"]
+__all__ = ["ConvertOptions", "chunk_tokens_arg", "positive_int"]
 
 
 def positive_int(name: str, value: Any) -> int:
@@ -23,6 +24,18 @@ def positive_int(name: str, value: Any) -> int:
     if value < 1:
         raise ConfigError(f"{name} must be >= 1, got {value}")
     return int(value)
+
+
+def chunk_tokens_arg(name: str, value: Any) -> int:
+    """``value`` as the tokens of a chunk that is written: :func:`positive_int`, and at most
+    :data:`~asyncflat.format.codec.CHUNK_TOKENS_MAX` (refused here, not after hours of work)."""
+    tokens = positive_int(name, value)
+    if tokens > CHUNK_TOKENS_MAX:
+        raise ConfigError(
+            f"{name} must be at most {CHUNK_TOKENS_MAX} (a Blosc chunk holds under 2 GiB), "
+            f"got {tokens}"
+        )
+    return tokens
 
 
 def _is_int(value: Any) -> bool:
@@ -78,7 +91,7 @@ class ConvertOptions:
             self._fail("workers must be an integer >= 0", self.workers)
         if isinstance(self.zarr_format, bool) or self.zarr_format not in (2, 3):
             self._fail("zarr_format must be 2 or 3", self.zarr_format)
-        positive_int("ConvertOptions.chunk_tokens", self.chunk_tokens)
+        chunk_tokens_arg("ConvertOptions.chunk_tokens", self.chunk_tokens)
         self._check_shards()
         for name in ("overwrite", "progress"):
             if not isinstance(getattr(self, name), bool):
