@@ -124,6 +124,26 @@ async def until(predicate: Callable[[], bool], what: str, timeout: float = 10.0)
         await asyncio.sleep(0.002)
 
 
+#: streams, blocks per buffer, sequences per block, seed, packing of ``unserved_tail``'s layout
+UNSERVED_TAIL_PARAMS = (2, 16, 1, 5, True)
+
+
+@pytest.fixture(scope="session")
+def unserved_tail(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """20,000 tokens: with ``UNSERVED_TAIL_PARAMS`` and batches of 8 rows of 16 tokens, the last
+    minipoch's rows all lie in the tail no step serves (its first step would be ``step_count``,
+    which no step reaches), and the one before it is served from 4 steps before the end."""
+    import asyncflat
+
+    rng = np.random.default_rng(4)
+    lengths = rng.integers(1, 41, 1000)
+    lengths = lengths[: np.searchsorted(np.cumsum(lengths), 20_000)]
+    lengths = np.append(lengths, 20_000 - lengths.sum())
+    path = str(tmp_path_factory.mktemp("unserved-tail") / "data.zarr")
+    asyncflat.write_flat_tokens(path, {"train": [rng.integers(1, 1000, n) for n in lengths]})
+    return path
+
+
 @pytest.fixture(scope="session")
 def small_sequences() -> list[np.ndarray]:
     return random_sequences(0, 3000)

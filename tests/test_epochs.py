@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import UNSERVED_TAIL_PARAMS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference_impl import ReferenceLoader, load_split_arrays, slow_permutation
@@ -213,12 +214,26 @@ def test_iter_epochs_runs_epochs_back_to_back_and_resumes_anywhere(dataset: str)
     assert not [t for t in threading.enumerate() if t.name.startswith("asyncflat-next-epoch")]
 
 
+@pytest.mark.parametrize("layout", ["last-minipoch-served", "last-minipoch-in-the-unserved-tail"])
 def test_iter_epochs_builds_the_next_epoch_before_the_boundary(
-    dataset: str, monkeypatch: pytest.MonkeyPatch
+    dataset: str, unserved_tail: str, layout: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The loader of epoch 1 is built, and its first step loaded, while epoch 0's last minipoch
-    is still being served: the consumer never waits for a construction at the boundary."""
+    """The loader of epoch 1 is built, and its first step loaded, while epoch 0's last served
+    minipoch is still being served: the consumer never waits for a construction at the
+    boundary."""
     import asyncflat.loader.epochs as epochs_mod
+
+    if layout == "last-minipoch-served":
+        params, batch_params = _params(dataset), TokenBatchParams(len=SEQ_LEN, batch=BATCH)
+    else:
+        params = FlatTokensParams(unserved_tail, *UNSERVED_TAIL_PARAMS)
+        batch_params = TokenBatchParams(len=SEQ_LEN, batch=8)
+    with asyncflat.ShufflingLoader("train", params, batch_params) as loader:
+        plan = loader.plan
+    unserved = plan.served_rows(plan.minipoch_count - 1) == 0
+    assert unserved == (layout != "last-minipoch-served")
+    last_minipoch_from = plan.last_minipoch_step
+    assert plan.step_count - last_minipoch_from >= 2
 
     progress: list[tuple[int, int]] = [(-1, -1)]
     events: dict[str, tuple[int, int]] = {}
@@ -235,24 +250,11 @@ def test_iter_epochs_builds_the_next_epoch_before_the_boundary(
 
     monkeypatch.setattr(epochs_mod, "ShufflingLoader", Recording)
     _record_builds(monkeypatch, first_loaded)
-    batch_params = TokenBatchParams(len=SEQ_LEN, batch=BATCH)
-    with contextlib.closing(
-        asyncflat.iter_epochs("train", _params(dataset), batch_params, epochs=2)
-    ) as it:
-        plan = None
+    with contextlib.closing(asyncflat.iter_epochs("train", params, batch_params, epochs=2)) as it:
         for epoch, step, _ in it:
             progress[0] = (epoch, step)
-            if plan is None:
-                plan = ShufflePlan.create(
-                    _params(dataset),
-                    batch_params,
-                    token_count=load_split_arrays(dataset, "train")[0].size,
-                    sequence_count=0,
-                )
-            last_minipoch_from = plan.first_step(plan.minipoch_count - 1)
             if epoch == 0 and step >= last_minipoch_from:
                 time.sleep(0.3)  # the trainer's step: the builder runs meanwhile
-    assert plan is not None and plan.step_count - last_minipoch_from >= 2
     built, first_loaded = events["built"], events["first_loaded"]
     # Submitted as the first step of the last minipoch was handed over (progress is recorded after
     # each yield, so it still shows the step before), started long before the epoch ended.

@@ -339,14 +339,24 @@ def test_inspect_prints_each_sources_memory_and_passes(
     assert "mixture of 2 sources" in text and "source1.zarr: weight 0.5" in text
 
 
-def test_the_next_pass_is_filled_before_the_mixture_reaches_it(stores: list[str]) -> None:
-    from conftest import wait_until
+@pytest.mark.parametrize("layout", ["last-minipoch-served", "last-minipoch-in-the-unserved-tail"])
+def test_the_next_pass_is_filled_before_the_mixture_reaches_it(
+    stores: list[str], unserved_tail: str, layout: str
+) -> None:
+    from conftest import UNSERVED_TAIL_PARAMS, wait_until
 
-    small = flat(stores[1], seed=8)
+    if layout == "last-minipoch-served":
+        small, steps = flat(stores[1], seed=8), 40
+    else:  # its next pass opens at its last served minipoch, not at one no step reaches
+        small, steps = FlatTokensParams(unserved_tail, *UNSERVED_TAIL_PARAMS), 330
     mixture = MixtureParams(
-        (MixtureSource(flat(stores[0]), 1), MixtureSource(small, 1)), block_rows=8, steps=40
+        (MixtureSource(flat(stores[0]), 1), MixtureSource(small, 1)), block_rows=8, steps=steps
     )
     with asyncflat.ShufflingLoader("train", mixture, BATCH, options=OPTIONS) as loader:
+        plan = loader.plans[1]
+        assert (plan.served_rows(plan.minipoch_count - 1) == 0) == (
+            layout != "last-minipoch-served"
+        )
         boundary = next(
             step
             for step in range(loader.step_count)

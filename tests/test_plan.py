@@ -69,12 +69,17 @@ def test_each_row_of_a_buffer_is_served_at_most_once_and_all_when_used(plan: Shu
     """No buffer row is served twice, and every minipoch that ends before the last served row
     is served completely (only the tail after the last full batch is dropped)."""
     served = collections.Counter()
+    first_serving: dict[int, int] = {}  # minipoch -> the first step that serves a row of it
     for step in range(plan.step_count):
         loc = plan.locate(step)
         for s, m, p in zip(loc.stream.tolist(), loc.minipoch.tolist(), loc.position.tolist()):
             row = int(plan.row_permutation(s, m)[p])
             served[(s, m, row)] += 1
+            first_serving.setdefault(m, step)
     assert max(served.values()) == 1
+    # The split's last minipoch may lie wholly in the unserved tail: the last one served begins
+    # at last_minipoch_step, which a step reaches.
+    assert plan.last_minipoch_step == first_serving[max(first_serving)]
     for m in range(plan.minipoch_count):
         rows = {(s, r) for (s, mm, r) in served if mm == m}
         assert len(rows) == plan.served_rows(m) * plan.streams

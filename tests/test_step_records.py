@@ -44,7 +44,7 @@ def test_a_mixture_step_records_each_source_engines_step_once(tmp_path: Path) ->
     with asyncflat.MixtureLoader("train", mixture, BATCH, options=OPTIONS) as loader:
         # Steps before each source's last minipoch: reaching it opens the source's next pass,
         # whose engine the figures would then describe.
-        last = [plan.first_step(plan.minipoch_count - 1) for plan in loader.plans]
+        last = [plan.last_minipoch_step for plan in loader.plans]
         assert loader.plans[0].minipoch_count == 2, loader.plans[0].minipoch_count
         loaded = 0
         for step in rng.permutation(loader.step_count).tolist():

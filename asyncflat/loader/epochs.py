@@ -51,12 +51,11 @@ _T = TypeVar("_T")
 
 
 def build_ahead_from(loader: Loader) -> int:
-    """The step of ``loader`` from which the next epoch's loader is built: its last minipoch's
-    first step (a mixture: the last sixteenth of its steps)."""
+    """The step of ``loader`` from which the next epoch's loader is built: its last served
+    minipoch's first step (a mixture: the last sixteenth of its steps)."""
     if isinstance(loader, MixtureLoader):
         return loader.step_count - max(1, loader.step_count // 16)
-    plan = loader.plan
-    return plan.first_step(plan.minipoch_count - 1)
+    return loader.plan.last_minipoch_step
 
 
 @checked

@@ -185,43 +185,7 @@ class ShufflePlan:
                 f"TokenBatchParams.batch={self.batch} must be a multiple of "
                 f"FlatTokensParams.streams={self.streams}: each stream serves batch/streams rows"
             )
-        if self.read_block_count == 0:
-            # With packing the "sequences" are len-token rows of the packed tokens: name them so.
-            rows = (
-                f"{self.seq_count} rows of len={self.seq_len} tokens "
-                f"({self.token_count} tokens packed)"
-                if self.sequence_packing
-                else f"{self.seq_count} sequences"
-            )
-            raise ConfigError(
-                f"the split has {rows}, fewer than one read block per stream "
-                f"(sequences_per_read_block={self.sequences_per_read_block} x "
-                f"streams={self.streams}); shrink streams or sequences_per_read_block"
-                + (" or TokenBatchParams.len" if self.sequence_packing else "")
-            )
-        if self.read_block_count >= 1 << 32:
-            raise ConfigError(
-                f"{self.read_block_count} read blocks exceed the permutation's limit of 2**32; "
-                "grow sequences_per_read_block"
-            )
-        _check_served(self.served_streams, self.streams)
-        need = PLAN_BYTES_PER_BLOCK * self.served_block_count
-        budget = self.plan_memory_budget
-        if need > budget:
-            raise DatasetTooLargeError(
-                f"the split's {self.seq_count} rows make {self.read_block_count} read blocks, "
-                f"{self.served_block_count} of them in the {len(self.served)} streams served "
-                f"here, whose shuffle plan needs {need} bytes, more than its budget of {budget} "
-                "bytes "
-                f"(the larger of {PLAN_MEMORY_FLOOR} and the shuffle buffers' buffers_per_stream "
-                "* streams * buffer_bytes); grow sequences_per_read_block or "
-                "read_blocks_per_shuffle_buffer, or check the dataset's shapes"
-            )
-        if self.step_count == 0:
-            raise ConfigError(
-                f"the split yields {self.read_block_count * self.sequences_per_read_block} rows, "
-                f"fewer than one batch of {self.batch}"
-            )
+        _check_sizes(self)
 
     # -- counts -------------------------------------------------------------------------------
 
@@ -316,6 +280,13 @@ class ShufflePlan:
         """The first step that serves a row of ``minipoch`` (the same for every stream)."""
         self._check_minipoch(minipoch)
         return minipoch * self.seqs_per_buffer // self.rows_per_stream_step
+
+    @property
+    def last_minipoch_step(self) -> int:
+        """The first step of the last minipoch a step serves (the last minipoch's rows may all
+        lie in the tail no step serves): from it on, the epoch's last buffer is in use, the
+        moment to make ready what comes after the epoch."""
+        return self.first_step(self.minipochs_of_step(self.step_count - 1)[-1])
 
     def served_rows(self, minipoch: int) -> int:
         """Rows of the buffer that some step serves; the tail of the last one may be unused."""
@@ -473,6 +444,47 @@ def _keep_early(plan: ShufflePlan, found: dict[int, np.ndarray]) -> None:
     are each one step under the GIL. No lock: a garbage collection while one was held could
     close another loader, whose close waits for its early thread, waiting for that lock."""
     plan.__dict__.setdefault("early_block_order", {}).update(found)
+
+
+def _check_sizes(plan: ShufflePlan) -> None:
+    """The split's sizes against the plan's: at least a read block per stream and a batch, at
+    most 2**32 blocks, the plan within its memory budget."""
+    if plan.read_block_count == 0:
+        # With packing the "sequences" are len-token rows of the packed tokens: name them so.
+        rows = (
+            f"{plan.seq_count} rows of len={plan.seq_len} tokens ({plan.token_count} tokens packed)"
+            if plan.sequence_packing
+            else f"{plan.seq_count} sequences"
+        )
+        raise ConfigError(
+            f"the split has {rows}, fewer than one read block per stream "
+            f"(sequences_per_read_block={plan.sequences_per_read_block} x "
+            f"streams={plan.streams}); shrink streams or sequences_per_read_block"
+            + (" or TokenBatchParams.len" if plan.sequence_packing else "")
+        )
+    if plan.read_block_count >= 1 << 32:
+        raise ConfigError(
+            f"{plan.read_block_count} read blocks exceed the permutation's limit of 2**32; "
+            "grow sequences_per_read_block"
+        )
+    _check_served(plan.served_streams, plan.streams)
+    need = PLAN_BYTES_PER_BLOCK * plan.served_block_count
+    budget = plan.plan_memory_budget
+    if need > budget:
+        raise DatasetTooLargeError(
+            f"the split's {plan.seq_count} rows make {plan.read_block_count} read blocks, "
+            f"{plan.served_block_count} of them in the {len(plan.served)} streams served "
+            f"here, whose shuffle plan needs {need} bytes, more than its budget of {budget} "
+            "bytes "
+            f"(the larger of {PLAN_MEMORY_FLOOR} and the shuffle buffers' buffers_per_stream "
+            "* streams * buffer_bytes); grow sequences_per_read_block or "
+            "read_blocks_per_shuffle_buffer, or check the dataset's shapes"
+        )
+    if plan.step_count == 0:
+        raise ConfigError(
+            f"the split yields {plan.read_block_count * plan.sequences_per_read_block} rows, "
+            f"fewer than one batch of {plan.batch}"
+        )
 
 
 def _check_served(served: tuple[int, ...] | None, streams: int) -> None:

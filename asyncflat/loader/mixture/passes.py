@@ -133,7 +133,7 @@ class Passes:
             plan = engine.plan
             plans.append(plan)
             source.step_count = plan.step_count
-            source.last_minipoch_step = plan.first_step(plan.minipoch_count - 1)
+            source.last_minipoch_step = plan.last_minipoch_step
             source.buffer_bytes = plan.buffers_per_stream * streams * plan.buffer_bytes
         return plans
 
