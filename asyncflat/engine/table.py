@@ -208,8 +208,8 @@ class FillTable:
             return None
         elif pair.count < pair.limit or not idle:
             # Every buffer is read by a load or holds an iterator's minipoch: one more buffer.
-            # (Loads are served one at a time, so "every buffer read by a load" cannot happen
-            # beyond the limit; growing then is still better than failing a load.)
+            # (Beyond the limit that takes loads of several minipochs at once, from several
+            # threads; growing then is still better than failing a load.)
             log.debug("stream %d: extra shuffle buffer %d", stream, pair.count)
             return pair.grow()
         else:
