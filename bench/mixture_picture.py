@@ -10,6 +10,7 @@ Usage: ``python bench/mixture_picture.py [OUT.png]``.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import tempfile
@@ -31,6 +32,9 @@ def example_setup() -> str:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", nargs="?", default=str(DOC.parent / "mixture.png"))
+    out = Path(parser.parse_args().out)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import matplotlib
 
@@ -39,7 +43,6 @@ def main() -> None:
 
     import asyncflat
 
-    out = Path(sys.argv[1]) if len(sys.argv) > 1 else DOC.parent / "mixture.png"
     namespace: dict[str, object] = {"__name__": "example"}
     with tempfile.TemporaryDirectory() as work:
         os.chdir(work)

@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import shutil
 import statistics
@@ -253,26 +254,39 @@ def per_size(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def vs_targets(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """Issue 38's targets against this run: ``{name: {value, target, met}}`` for those whose
-    sizes were run and served (the medians of a size run more than once)."""
+    sizes were run (the medians of a size run more than once); where such a size failed or was
+    refused, ``value`` None, ``met`` False and the ``error``."""
 
     sized = {mode: per_size(rows) for mode, rows in results.items()}
 
-    def at(mode: str, tokens: int, key: str) -> float | None:
-        row = next((r for r in sized[mode] if r["tokens"] == tokens), {})
-        return row.get(key) if "refused" not in row and "error" not in row else None
+    def at(mode: str, tokens: int, key: str) -> float | str | None:
+        """The figure, the size's error (a str), or None where the size was not run."""
+        row = next((r for r in sized[mode] if r["tokens"] == tokens), None)
+        if row is None:
+            return None
+        failed = row.get("error") or row.get("refused")
+        return str(failed) if failed else row.get(key)
+
+    def judged(name: str, figures: tuple[Any, ...], target: float, value: Any) -> None:
+        if any(f is None for f in figures):
+            return  # a size it names was not run: targets_not_run says so
+        errors = [f for f in figures if isinstance(f, str)]
+        out[name] = (
+            {"value": None, "target": target, "met": False, "error": errors[0]}
+            if errors
+            else {"value": value(*figures), "target": target}
+        )
 
     out: dict[str, Any] = {}
     for name, (numerator, denominator, target) in RATIOS.items():
-        value, base = at(*numerator), at(*denominator)
-        if value is not None and base:
-            out[name] = {"value": round(value / base, 3), "target": target}
-    memory_10_11 = at("one_host", 10**11, "peak_mib")
+        figures = (at(*numerator), at(*denominator))
+        judged(name, figures, target, lambda a, b: round(a / b, 3) if b else math.inf)
     for name, (tokens, allowed) in MEMORY.items():
-        peak = at("one_host", tokens, "peak_mib")
-        if peak is not None and memory_10_11 is not None:
-            out[name] = {"value": round(peak - memory_10_11, 1), "target": allowed}
+        figures = (at("one_host", tokens, "peak_mib"), at("one_host", 10**11, "peak_mib"))
+        judged(name, figures, allowed, lambda peak, base: round(peak - base, 1))
     for figures in out.values():
-        figures["met"] = figures["value"] <= figures["target"]
+        if "met" not in figures:
+            figures["met"] = figures["value"] <= figures["target"]
     return out
 
 

@@ -472,20 +472,31 @@ def test_alike_chunks_encode_once_and_different_ones_side_by_side(monkeypatch: A
 def test_chunk_bytes_and_sequences_name_a_bad_argument() -> None:
     fs = SyntheticFileSystem(**SMALL)
     chunks = -(-SMALL["tokens"] // SMALL["chunk_tokens"])
+    index = f"chunk_bytes index of train/encoded_tokens must be an integer >= 0 and <= {chunks - 1}"
     calls: list[tuple[Any, str]] = [
-        (lambda: fs.chunk_bytes("train", "encoded_tokens", chunks), f"0 to {chunks - 1}, got"),
-        (lambda: fs.chunk_bytes("train", "encoded_tokens", -1), "got -1"),
+        (lambda: fs.chunk_bytes("train", "encoded_tokens", chunks), f"{index}, got {chunks}"),
+        (lambda: fs.chunk_bytes("train", "encoded_tokens", -1), f"{index}, got -1"),
+        (lambda: fs.chunk_bytes("train", "encoded_tokens", 1.0), f"{index}, got 1.0"),
         (lambda: fs.chunk_bytes("train", "tokens", 0), "array must be one of"),
         (lambda: fs.chunk_bytes("test", "seq_starts", 0), "split must be one of"),
-        (lambda: fs.sequences("train", -2, 1), r"got \[-2, 1\)"),
-        (lambda: fs.sequences("train", 0, 10**9), "has sequences 0 to"),
+        (lambda: fs.sequences("train", -2, 1), "sequences first of train .* got -2"),
+        (lambda: fs.sequences("train", 5, 4), "sequences stop of train .* >= 5 .* got 4"),
+        (lambda: fs.sequences("train", 0, 10**9), "sequences stop of train .* got 1000000000"),
     ]
     for call, match in calls:
         with pytest.raises(ConfigError, match=match):
             call()
+    # numpy integers are indices like any other
+    assert fs.chunk_bytes("train", "encoded_tokens", np.int64(1)) == fs.chunk_bytes(
+        "train", "encoded_tokens", 1
+    )
 
 
-def test_get_downloads_an_object(tmp_path: Path) -> None:
+def test_get_downloads_an_object_and_a_tree(tmp_path: Path) -> None:
     fs = SyntheticFileSystem(**SMALL)
     fs.get("corpus/train/encoded_tokens/c/1", str(tmp_path / "chunk"))
     assert (tmp_path / "chunk").read_bytes() == fs.cat_file("corpus/train/encoded_tokens/c/1")
+    fs.get("corpus/train", str(tmp_path / "tree"), recursive=True)  # directories made, not read
+    files = {p.relative_to(tmp_path / "tree").as_posix() for p in (tmp_path / "tree").rglob("*")}
+    assert {"zarr.json", "encoded_tokens/c/0", "seq_starts/c/0"} <= files
+    assert fs.counts.missing == 0

@@ -52,6 +52,7 @@ import fsspec
 import numpy as np
 import zarr
 from fsspec.asyn import AsyncFileSystem
+from fsspec.callbacks import DEFAULT_CALLBACK
 from zarr.core.array_spec import ArrayConfig
 from zarr.storage import MemoryStore, StorePath
 
@@ -120,7 +121,8 @@ class SyntheticCounts:
     in_flight: int = 0  #: reads started and not finished
     max_in_flight: int = 0  #: the most reads ever in flight at once
     modelled_wait_s: float = 0.0  #: seconds of latency and bandwidth the model made reads wait
-    #: CPU seconds the worker threads spent generating and encoding chunks (not their waits)
+    #: seconds spent generating and encoding the chunks served (each chunk's own; none for one
+    #: another request encoded: a busy machine's wait for a core is in it)
     generate_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -250,7 +252,8 @@ class _AlikeChunks:
             collections.OrderedDict()
         )
 
-    def get(self, key: tuple[Any, ...], encode: Callable[[], bytes]) -> bytes:
+    def get(self, key: tuple[Any, ...], encode: Callable[[], bytes]) -> tuple[bytes, bool]:
+        """The chunk's bytes, and whether this call encoded them (others waited, or found them)."""
         with self._lock:
             future = self._chunks.get(key)
             mine = future is None
@@ -269,7 +272,7 @@ class _AlikeChunks:
                         del self._chunks[key]
                 future.set_exception(exc)
                 raise
-        return future.result()
+        return future.result(), mine
 
 
 class _Encoder:
@@ -474,27 +477,32 @@ class SyntheticFileSystem(AsyncFileSystem):
     def chunk_bytes(self, split: str, array: str, index: int) -> bytes:
         """Chunk ``index`` of ``split``'s ``array`` as stored (generated and encoded now, or
         taken from the chunks already encoded when ``repeat_tokens`` makes them alike)."""
+        return self._produce(split, array, index)[0]
+
+    def _produce(self, split: str, array: str, index: int) -> tuple[bytes, float]:
+        """:meth:`chunk_bytes`, and the seconds this call spent generating and encoding (wall
+        time: zarr encodes on its own threads; none when another call encoded it)."""
         data = self._split(split)
         if array not in _ARRAYS:
             raise ConfigError(f"SyntheticFileSystem: array must be one of {_ARRAYS}, got {array!r}")
-        count = self._chunk_count(split, array)
-        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < count:
-            raise ConfigError(
-                f"SyntheticFileSystem: {split}/{array} has chunks 0 to {count - 1}, got {index!r}"
-            )
+        last = self._chunk_count(split, array) - 1
+        index = _integer(f"chunk_bytes index of {split}/{array}", index, 0, last)
+        began = time.perf_counter()
+        encoder = self._prepare()[1]
         if array == "seq_starts":
             starts = data.seq_starts(index * SEQ_STARTS_CHUNK, (index + 1) * SEQ_STARTS_CHUNK)
-            return self._prepare()[1].encode(array, starts)
+            return encoder.encode(array, starts), time.perf_counter() - began
         begin = index * self.layout["chunk_tokens"]
         end = min(begin + self.layout["chunk_tokens"], data.tokens)
         starts = (data.starts_between(begin, end) - np.uint64(begin)).astype(np.intp)
         if not data.period:
-            return self._prepare()[1].encode(array, self._codes(data, begin, end, starts))
+            encoded = encoder.encode(array, self._codes(data, begin, end, starts))
+            return encoded, time.perf_counter() - began
         key = (split, end - begin, begin == 0, hashlib.blake2b(starts.tobytes()).digest())
-        encoder = self._prepare()[1]
-        return self._alike.get(
+        encoded, here = self._alike.get(
             key, lambda: encoder.encode(array, self._codes(data, begin, end, starts))
         )
+        return encoded, time.perf_counter() - began if here else 0.0
 
     @staticmethod
     def _codes(data: SyntheticSplit, begin: int, end: int, starts: np.ndarray) -> np.ndarray:
@@ -503,16 +511,12 @@ class SyntheticFileSystem(AsyncFileSystem):
         codes[starts] |= np.uint32(1)
         return codes
 
-    def _generate(self, split: str, array: str, index: int) -> tuple[bytes, float]:
-        began = time.thread_time()  # this thread's CPU: not its waits for another's encoding
-        return self.chunk_bytes(split, array, index), time.thread_time() - began
-
     async def _object(self, key: str) -> tuple[bytes, float]:
         """The bytes of ``key`` (FileNotFoundError if none) and the seconds generating them
         took (a chunk is generated in a worker thread: the loop serves others meanwhile)."""
         chunk = self._chunk(key)
         if chunk is not None:
-            return await _off_loop(self._generate, *chunk)
+            return await _off_loop(self._produce, *chunk)
         if key not in self._documents:
             raise FileNotFoundError(f"{PROTOCOL}://{key}: no such object")
         return self._documents[key], 0.0
@@ -538,10 +542,17 @@ class SyntheticFileSystem(AsyncFileSystem):
             self.counts.finish(len(data), waited_s, generate_s)
         return data
 
-    async def _get_file(self, rpath: str, lpath: str, **kwargs: Any) -> None:
+    async def _get_file(
+        self, rpath: str, lpath: str, callback: Any = DEFAULT_CALLBACK, **kwargs: Any
+    ) -> None:
+        if os.path.isdir(lpath) or await self._isdir(rpath):  # a recursive get's directories
+            os.makedirs(lpath, exist_ok=True)
+            return
         data = await self._cat_file(rpath)
+        callback.set_size(len(data))
         with open(lpath, "wb") as file:
             file.write(data)
+        callback.relative_update(len(data))
 
     async def _info(self, path: str, **kwargs: Any) -> dict[str, Any]:
         key = await self._key(path)
@@ -591,11 +602,8 @@ class SyntheticFileSystem(AsyncFileSystem):
         """Token ids of sequences ``[first, stop)`` of ``split`` (to write the same data with
         the writer, or to check what a loader served)."""
         data = self._split(split)
-        if not 0 <= first <= stop <= data.sequence_count:
-            raise ConfigError(
-                f"SyntheticFileSystem: {split} has sequences 0 to {data.sequence_count}, "
-                f"got [{first}, {stop})"
-            )
+        first = _integer(f"sequences first of {split}", first, 0, data.sequence_count)
+        stop = _integer(f"sequences stop of {split}", stop, first, data.sequence_count)
         return data.sequences(first, stop)
 
     def _split(self, split: str) -> SyntheticSplit:
