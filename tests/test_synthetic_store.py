@@ -368,21 +368,17 @@ def test_serving_from_threads_leaves_zarrs_config_alone() -> None:
     assert len(set(served)) == 1 and served[0]
 
 
+def _synthetic_params(storage_options: dict[str, Any]) -> FlatTokensParams:
+    return FlatTokensParams("synthetic://corpus", 1, 2, 8, 0, True, storage_options=storage_options)
+
+
 def test_a_misspelt_option_is_refused_naming_it() -> None:
     # fsspec takes any keyword: a typo used to give the default dataset, silently
     for option in ("sequence_lenght", "shard_tokens"):
         with pytest.raises(ConfigError, match=f"unknown option.*'{option}'.*sequence_length"):
             SyntheticFileSystem(**SMALL, **{option: 1})
     SyntheticFileSystem(**SMALL, skip_instance_cache=True, use_listings_cache=False)  # fsspec's
-    params = FlatTokensParams(
-        "synthetic://corpus",
-        streams=1,
-        read_blocks_per_shuffle_buffer=2,
-        sequences_per_read_block=8,
-        seed=0,
-        sequence_packing=True,
-        storage_options={**SMALL, "tokenz": 5},
-    )
+    params = _synthetic_params({**SMALL, "tokenz": 5})
     with pytest.raises(ConfigError, match="'tokenz'"):
         ShufflingLoader("train", params, TokenBatchParams(len=300, batch=8))
 
@@ -395,15 +391,7 @@ def test_counts_copy_pickle_and_asdict_with_their_figures() -> None:
         copied.start(chunk=False)  # with a lock of its own
         assert (copied.in_flight, counts.in_flight) == (1, 0)
     assert dataclasses.asdict(counts)["requests"] == 1
-    params = FlatTokensParams(
-        "synthetic://corpus",
-        streams=1,
-        read_blocks_per_shuffle_buffer=2,
-        sequences_per_read_block=8,
-        seed=0,
-        sequence_packing=True,
-        storage_options={"counts": counts},
-    )
+    params = _synthetic_params({"counts": counts})
     assert dataclasses.asdict(params)["storage_options"]["counts"]["requests"] == 1  # logged
 
 
