@@ -23,10 +23,12 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
+import zarr
 from conftest import oracle as make_oracle
 from reference_impl import ReferenceLoader, load_split_arrays
-from zarr.core.buffer import default_buffer_prototype
-from zarr.storage import LocalStore
+from zarr.abc.store import ByteRequest, Store
+from zarr.core.buffer import Buffer, BufferPrototype, default_buffer_prototype
+from zarr.storage import LocalStore, WrapperStore
 
 import asyncflat
 from asyncflat import (
@@ -536,3 +538,43 @@ def test_a_store_wrapper_that_raises_closes_the_store_it_was_given(
     with pytest.raises(RuntimeError, match="the wrapper is broken"):
         ShufflingLoader("train", params(stores["v3"], True), BATCH, SINGLE, store_wrapper=broken)
     assert len(closed) == 1
+
+
+class _IgnoresRanges(WrapperStore[Store]):
+    """An HTTP server that ignores the Range header: every ranged read gets the whole object."""
+
+    async def get(
+        self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None
+    ) -> Buffer | None:
+        return await self._store.get(key, prototype, None)
+
+
+@pytest.mark.parametrize("layout", ["v3_sharded", "v3_uncompressed"])
+def test_a_store_that_ignores_byte_ranges_is_refused_not_read(
+    stores: dict[str, str], layout: str, tmp_path: Path
+) -> None:
+    # Sharded arrays are read by ranges (the shard index, each inner chunk), and so are the
+    # rows of uncompressed chunks without checksums: whole objects in their place were taken
+    # for the range (an index parsed from the shard's first bytes, rows of the wrong tokens:
+    # wrong batches and no error) wherever they were not shorter than asked.
+    path = stores["v3_sharded"]
+    if layout == "v3_uncompressed":
+        tokens, starts = load_split_arrays(stores["v3"], "train")
+        path = str(tmp_path / "uncompressed.zarr")
+        group = zarr.open_group(path, mode="w", zarr_format=3).create_group("train")
+        group.create_array("encoded_tokens", data=tokens, chunks=(1024,), compressors=None)
+        group.create_array("seq_starts", data=starts, chunks=(1024,))
+        group.attrs["max_token_id"] = int(tokens.max() >> 1)
+    expected = oracle(path, True)
+    options = EngineOptions(retry=FAST_RETRY, load_timeout_s=30)
+    with pytest.raises(StorageError, match=r"answered a range of \d+ bytes with \d+"):
+        with ShufflingLoader(
+            "train",
+            params(path, True),
+            BATCH,
+            SINGLE,
+            options=options,
+            store_wrapper=_IgnoresRanges,
+        ) as loader:
+            for step in range(loader.step_count):
+                assert_step(loader.load(step), expected, step)  # never a wrong batch

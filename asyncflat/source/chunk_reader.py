@@ -213,10 +213,10 @@ class BlockReader:
             self._io.requests += 1
             self._io.bytes_read += hi - lo
         else:
-            data = (await self._objects.fetch(key, (lo, hi)))[: hi - lo]
-            if len(data) < hi - lo:  # the frame's buffer is not zeroed: never decode past it
+            data = await self._objects.fetch(key, (lo, hi))
+            if len(data) != hi - lo:  # the frame's buffer is not zeroed: never decode past it
                 raise _blosc.BloscError(
-                    f"the object ends at byte {lo + len(data)}, its blocks need bytes up to {hi}"
+                    f"asked for the object's bytes [{lo}, {hi}) (its blocks), got {len(data)}"
                 )
             chunk.data[at : at + hi - lo] = data
         return chunk

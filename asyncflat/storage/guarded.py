@@ -426,6 +426,13 @@ class GuardedStore(PerKeyWrapperStore):
         # the shard index itself) lies inside the object: fewer bytes mean a truncated
         # object. zarr would decode an empty shard as fill values, i.e. wrong data.
         wanted = _range_length(byte_range)
+        if wanted is not None and len(buffer) > wanted:
+            # An HTTP server that ignores the Range header answers with the whole object: its
+            # first bytes are not the range asked for, whatever reads them next.
+            raise StorageError(
+                f"{where}: the store answered a range of {wanted} bytes with {len(buffer)} (it "
+                "ignores byte ranges?): refused, never read as the range"
+            )
         if len(buffer) == 0 or (wanted is not None and len(buffer) < wanted):
             if byte_range is not None:
                 self.forget_indexes()  # the range may come from the index of a replaced shard

@@ -2,7 +2,7 @@
 
 A dataset in a bucket can be replaced while a job reads it (a re-upload, a sync, a
 ``gsutil cp`` over the same names). Replaced by objects of the same size, nothing else would
-notice: a buffer would be filled half from one version of the dataset and half from the other.
+notice: an object read again would serve its new bytes beside the old ones already read.
 So the first read of each object records its version from that same response (S3's ETag and
 version id, GCS's generation, obstore's ``e_tag``), and every later read of the object, whole
 or ranged, is *conditional* on it (``If-Match: <etag>``, ``ifGenerationMatch=<generation>``):
@@ -14,6 +14,9 @@ the store no longer holds what the loader opened; each version's bytes may be fi
 a :class:`~asyncflat.errors.CorruptChunkError`, and it is never retried). The refusal is kept:
 every later read of that object raises it again, without a request, until the loader is
 reopened (a new loader pins afresh and reads the new version).
+
+The pin is per object, from its first read: an object not read before a replacement is read
+at its new version (docs/cloud.md says what pinning the whole dataset would take).
 
 The table is per loader (per raw store): :class:`VersionPins`. The conditional reads of each
 client live beside the client: :mod:`.filesystems` (s3fs, gcsfs), :mod:`.obstore_client`.
