@@ -203,16 +203,3 @@ def test_a_precondition_failure_is_never_retried() -> None:
         assert calls == [1], exc
     assert not is_precondition_failure(HttpError(503))
     assert not is_precondition_failure(FileNotFoundError("gone"))
-
-
-def test_an_expired_gcs_token_is_retried_and_other_401s_are_not() -> None:
-    # gcsfs's own retry loop (which asyncflat turns off, retrying instead) retries this one: the
-    # next request refreshes the token. A 401 for anything else stays permanent.
-    gcsfs_retry = pytest.importorskip("gcsfs.retry")  # GCS's client, installed with asyncflat[gcs]
-    expired = gcsfs_retry.HttpError({"code": 401, "message": "Invalid Credentials"})
-    assert is_transient(expired) and not is_throttle(expired)
-    wrapped = OSError("reading gs://b/x failed")
-    wrapped.__cause__ = expired
-    assert is_transient(wrapped)
-    assert not is_transient(gcsfs_retry.HttpError({"code": 401, "message": "Unauthorized"}))
-    assert not is_transient(HttpError(401))

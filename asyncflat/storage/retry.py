@@ -178,8 +178,7 @@ def is_transient(exc: BaseException) -> bool:
     """Whether a failed read is worth retrying: throttling, 5xx, timeouts, resets.
 
     Missing objects (404 -> FileNotFoundError), refusals (403 -> PermissionError or gcsfs's
-    ``OSError("Forbidden: ...")``) and other 4xx are permanent, but GCS's 401 "Invalid
-    Credentials" (an access token that expired in flight).
+    ``OSError("Forbidden: ...")``) and other 4xx are permanent.
     """
     if isinstance(exc, TransientStorageError):
         return True
@@ -188,10 +187,6 @@ def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, (FileNotFoundError, PermissionError, StorageError)):
         return False
     status = _http_status(exc)
-    if status == 401 and any("Invalid Credentials" in str(link) for link in _causes(exc)):
-        # GCS's answer to an access token that expired in flight (gcsfs's own retry loop,
-        # which asyncflat's replaces, retries it too): the next request carries a fresh one.
-        return True
     if status is not None:
         return status in _TRANSIENT_HTTP
     if _error_code(exc) in _THROTTLE_CODES:
