@@ -194,7 +194,6 @@ async def _with_fs(url: str, options: dict[str, Any], fn: Any, connections: int 
 
 def ensure_uploaded(url: str, options: dict[str, Any], args: argparse.Namespace) -> float:
     """Upload a fresh dataset to ``url`` unless one is there; returns the seconds spent."""
-
     import asyncflat
 
     marker = "zarr.json" if args.zarr_format == 3 else ".zgroup"
